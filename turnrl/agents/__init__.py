@@ -1,0 +1,65 @@
+"""Agent loops by name. An agent is `async (ctx: RolloutContext, sample: dict) -> Trajectory | list[Trajectory]`.
+
+Each dataset row may name its agent in `agent_name`; rows without one use the configured default. User
+agents are loaded by path (`my_agents.py:fn` or `pkg.module:fn`) and registered under their function name
+or an explicit `name=spec`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from turnrl.envs.base import call, load_module
+from turnrl.envs.single_turn import SingleTurnEnv
+from turnrl.rollout import Agent, RolloutContext, drive
+from turnrl.types import Trajectory
+
+
+async def single_turn(ctx: RolloutContext, sample: dict[str, Any]) -> Trajectory:
+    """One reply to the prompt; the episode ends there (COMPLETED / env_done)."""
+    return await drive(ctx, SingleTurnEnv())
+
+
+async def env_agent(ctx: RolloutContext, sample: dict[str, Any]) -> Trajectory:
+    """The slime-style loop: `build_env(sample, config)` from `--env`, then the turn loop."""
+    if ctx.env_factory is None:
+        raise ValueError("agent 'env_agent' needs an environment: pass --env NAME|module|file.py")
+    env = await call(ctx.env_factory, sample, ctx.env_config)
+    return await drive(ctx, env)
+
+
+def _tool_agent(ctx: RolloutContext, sample: dict[str, Any]):
+    from turnrl.agents.tool_agent import tool_agent
+
+    return tool_agent(ctx, sample)
+
+
+AGENTS: dict[str, Agent] = {
+    "single_turn": single_turn,
+    "env_agent": env_agent,
+    "tool_agent": _tool_agent,
+}
+"""The built-in agents. Copy this dict (see `agent_registry`) rather than mutating it."""
+
+
+def load_agent(spec: str) -> tuple[str, Agent]:
+    """`[name=]path.py:function` or `[name=]pkg.module:function` → (name, agent)."""
+    name, _, target = spec.rpartition("=") if "=" in spec else ("", "", spec)
+    module_spec, sep, attr = target.rpartition(":")
+    if not sep or not module_spec or not attr:
+        raise ValueError(f"agent spec {spec!r}: expected [name=]path.py:function or [name=]pkg.module:function")
+    fn = getattr(load_module(module_spec, what="agent"), attr, None)
+    if not callable(fn):
+        raise AttributeError(f"agent spec {spec!r}: {module_spec} has no callable {attr!r}")
+    return name or attr, fn
+
+
+def agent_registry(extra_specs: list[str] = ()) -> dict[str, Agent]:
+    """The built-ins plus user agents loaded by path; a clash with a built-in name is an error."""
+    registry = dict(AGENTS)
+    for spec in extra_specs:
+        name, fn = load_agent(spec)
+        if name in registry:
+            raise ValueError(f"agent {name!r} from {spec!r} clashes with a registered agent; pick another name=")
+        registry[name] = fn
+    return registry

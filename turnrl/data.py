@@ -1,0 +1,96 @@
+"""Dataset rows: loading JSONL/parquet files and turning a row's `prompt` into chat messages.
+
+A row is a JSON object with a `prompt` (a string, or a list of chat messages) and any other columns; the
+other columns travel with the trajectory (`Trajectory.sample`) to environments, tools and reward functions.
+Optional columns with a meaning: `id`, `system` (a system prompt prepended to a string prompt),
+`agent_name`, `tools_kwargs`, `images`, `env_config`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from turnrl.types import Message
+
+_ROLES = {"system", "user", "assistant", "tool"}
+
+
+class DataError(ValueError):
+    """A malformed data file or row; the message names the file, the row and the field."""
+
+
+def load_rows(path: str | Path) -> list[dict[str, Any]]:
+    """Read rows from `.jsonl` (one JSON object per line) or `.parquet`, validating each row's prompt."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"data file {path} does not exist")
+    if path.suffix == ".parquet":
+        rows = _read_parquet(path)
+    elif path.suffix in (".jsonl", ".json"):
+        rows = _read_jsonl(path)
+    else:
+        raise DataError(f"data file {path}: expected a .jsonl or .parquet file")
+    if not rows:
+        raise DataError(f"data file {path} has no rows")
+    for i, row in enumerate(rows):
+        prompt_messages(row, where=f"{path} row {i + 1}")
+    return rows
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path} line {lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path} line {lineno}: expected a JSON object, got {type(row).__name__}")
+            rows.append(row)
+    return rows
+
+
+def _read_parquet(path: Path) -> list[dict[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:  # pragma: no cover - pyarrow is in the test extra
+        raise DataError(f"reading {path} needs pyarrow: pip install pyarrow") from None
+    return pq.read_table(path).to_pylist()
+
+
+def prompt_messages(row: dict[str, Any], where: str = "row") -> list[Message]:
+    """The chat messages of a row's `prompt` (a string becomes one user message)."""
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    if "prompt" not in row:
+        raise DataError(f"{where}: missing field 'prompt' (a string or a list of chat messages)")
+    prompt = row["prompt"]
+    if isinstance(prompt, str):
+        messages: list[Message] = [{"role": "user", "content": prompt}]
+        system = row.get("system")
+        if system is not None:
+            if not isinstance(system, str):
+                raise DataError(f"{where}: field 'system' must be a string, got {type(system).__name__}")
+            messages.insert(0, {"role": "system", "content": system})
+        return messages
+    if not isinstance(prompt, list) or not prompt:
+        raise DataError(f"{where}: field 'prompt' must be a non-empty string or list of messages, got {prompt!r:.80}")
+    for j, m in enumerate(prompt):
+        if not isinstance(m, dict) or m.get("role") not in _ROLES or "content" not in m:
+            raise DataError(
+                f"{where}: prompt[{j}] must be a message with 'role' in {sorted(_ROLES)} and 'content', got {m!r:.80}"
+            )
+    return [dict(m) for m in prompt]
+
+
+def write_jsonl(path: str | Path, rows: list[dict[str, Any]]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")

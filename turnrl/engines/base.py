@@ -1,0 +1,56 @@
+"""The engine contract: token ids in, token ids and sampling logprobs out.
+
+Never chat text: a decode/encode round trip changes tokens, and RL must train on exactly the tokens the
+policy sampled. Every backend (embedded, vLLM, SGLang, remote HTTP) and the router implement `Engine`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from turnrl.types import GenerateOutput, SamplingParams
+
+NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+class EngineError(RuntimeError):
+    """An engine failed to serve a request (the driver ends that trajectory as FAILED/engine_error)."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the turn loop and the trainer need from an inference backend.
+
+    `request_id` is the trajectory id: every turn of a trajectory uses the same id, so a router can keep
+    the trajectory on one replica (prefix-cache reuse) and an engine can reuse that request's KV cache.
+    """
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str,
+        images: list[Any] | None = None,
+    ) -> GenerateOutput:
+        """Sample a continuation of `prompt_ids` (with `images`, in order, for a VLM)."""
+        ...
+
+    async def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> int:
+        """Load new weights (name -> tensor, HF parameter names). Returns the new policy version."""
+        ...
+
+    async def sleep(self) -> None:
+        """Free what the backend can (KV cache, weights) between rollout phases; no-op where unsupported."""
+        ...
+
+    async def wake_up(self) -> None:
+        """Undo `sleep`."""
+        ...
+
+    async def release(self, request_id: str) -> None:
+        """The trajectory `request_id` is finished: drop anything cached for it (sticky entries, KV)."""
+        ...

@@ -1,0 +1,479 @@
+"""The embedded engine: continuous batching over a transformers model, for CPUs and small models.
+
+Why not `model.generate`: it serves one static batch at a time (rows that finish keep decoding until the
+longest one ends, and a trajectory that comes back from its tool waits for the whole batch), and its
+dynamic KV cache grows by `torch.cat` every step, which on a 2-core CPU costs as much as the matmuls.
+transformers' own continuous-batching manager (`generate_batch`) uses paged attention kernels that fall
+back to slow paths on CPU and has no VLM support; `bench/engine.py` measures both against this engine.
+
+How it works:
+- One background thread owns the model. `generate()` (async) enqueues a request and awaits a future;
+  the event loop stays free for environments and tools while the thread computes.
+- KV lives in a preallocated slab per layer, `[max_batch, kv_heads, capacity, head_dim]`, left-aligned
+  (row i holds its tokens in columns [0, len_i)). Capacity doubles when needed (rare copy).
+  Active rows are always slots [0, n): a finished row is replaced by the last active row (one row copy).
+- Every step: admit waiting requests (prefill each into a free slot; its first token comes from the
+  prefill logits), then one decode step for all active rows with a 4-D boolean mask `col <= len_i`.
+- Per-trajectory prefix reuse: when a request finishes, its KV is parked under its request id; the next
+  turn of the same trajectory (same id, a prompt that extends the parked tokens) only prefills the new
+  tokens (the observation). Parked KV is bounded by `prefix_cache_tokens` (LRU) and dropped on
+  `release(request_id)` or a weight update.
+- Logprobs are those of the distribution actually sampled from (temperature, top-k, top-p applied).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from turnrl.engines.base import EngineError, NamedTensors
+from turnrl.types import FinishReason, GenerateOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------------
+# KV slab: what the model's attention layers call `cache.update(...)` on.
+# ---------------------------------------------------------------------------------------------------
+class SlotKVCache:
+    """A preallocated, left-aligned KV cache with one row (slot) per active request.
+
+    Duck-types the transformers `Cache` API the attention layers use (`update`, `get_seq_length`). Before
+    each forward the engine sets a *plan*: either a prefill of `q` tokens into one slot starting at a
+    column, or a decode step of one token for slots [0, n) at columns `lens`.
+    """
+
+    def __init__(self, n_layers: int, max_slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
+        self.n_layers, self.max_slots, self.kv_heads, self.head_dim, self.dtype = (
+            n_layers, max_slots, kv_heads, head_dim, dtype,
+        )
+        self.capacity = 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self._plan: tuple = ()
+        self.ensure_capacity(256)
+
+    # -- memory -----------------------------------------------------------------------------------
+    def ensure_capacity(self, tokens: int) -> None:
+        if tokens <= self.capacity:
+            return
+        new_cap = max(256, self.capacity)
+        while new_cap < tokens:
+            new_cap *= 2
+        shape = (self.max_slots, self.kv_heads, new_cap, self.head_dim)
+        k = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.n_layers)]
+        v = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.n_layers)]
+        for old, new in zip(self.k + self.v, k + v, strict=False):  # empty on first allocation
+            new[:, :, : self.capacity].copy_(old)
+        self.k, self.v, self.capacity = k, v, new_cap
+
+    def free(self) -> None:
+        self.k, self.v, self.capacity = [], [], 0
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        for t in itertools.chain(self.k, self.v):
+            t[dst, :, :length].copy_(t[src, :, :length])
+
+    def export_row(self, slot: int, length: int) -> list[torch.Tensor]:
+        return [t[slot, :, :length].clone() for t in itertools.chain(self.k, self.v)]
+
+    def import_row(self, slot: int, parked: list[torch.Tensor]) -> None:
+        for t, p in zip(itertools.chain(self.k, self.v), parked, strict=True):
+            t[slot, :, : p.shape[1]].copy_(p)
+
+    # -- plans ------------------------------------------------------------------------------------
+    def plan_prefill(self, slot: int, start: int, q: int) -> torch.Tensor:
+        """Returns the 4-D causal mask [1, 1, q, start + q] for this prefill."""
+        self._plan = ("prefill", slot, start, q)
+        cols = torch.arange(start + q)
+        rows = torch.arange(start, start + q)
+        return (cols[None, :] <= rows[:, None])[None, None]
+
+    def plan_decode(self, lens: torch.Tensor) -> torch.Tensor:
+        """Returns the 4-D mask [n, 1, 1, max(lens) + 1]: row i sees columns 0..lens[i]."""
+        n = lens.shape[0]
+        width = int(lens.max()) + 1
+        self._plan = ("decode", torch.arange(n), lens, width)
+        return (torch.arange(width)[None, :] <= lens[:, None])[:, None, None, :]
+
+    # -- the Cache API used by attention layers ---------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        k, v = self.k[layer_idx], self.v[layer_idx]
+        if self._plan[0] == "prefill":
+            _, slot, start, q = self._plan
+            k[slot, :, start : start + q] = key_states[0]
+            v[slot, :, start : start + q] = value_states[0]
+            return k[slot : slot + 1, :, : start + q], v[slot : slot + 1, :, : start + q]
+        _, rows, cols, width = self._plan
+        k[rows, :, cols] = key_states[:, :, 0]
+        v[rows, :, cols] = value_states[:, :, 0]
+        n = rows.shape[0]
+        return k[:n, :, :width], v[:n, :, :width]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions are always passed explicitly
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+
+# ---------------------------------------------------------------------------------------------------
+# Requests and sampling
+# ---------------------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class _Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    stop_ids: frozenset[int]
+    max_new: int
+    generator: torch.Generator | None = None
+    out_ids: list[int] = field(default_factory=list)
+    out_logprobs: list[float] = field(default_factory=list)
+    length: int = 0  # tokens whose KV is in the slot
+    cached_prompt_tokens: int = 0
+    aborted: bool = False
+
+
+def sample_tokens(
+    logits_N_V: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+    default_generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row with per-row temperature/top-k/top-p; return (tokens_N, logprobs_N).
+
+    The logprob is taken from the distribution the token was drawn from (after the filters, renormalised),
+    which is what importance-sampling correction needs. Greedy rows return the unscaled logprob.
+    """
+    logits_N_V = logits_N_V.float()
+    n = logits_N_V.shape[0]
+    temps_N = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
+    scaled_N_V = logits_N_V / temps_N[:, None]
+    if any(p.top_k > 0 for p in params):
+        for i, p in enumerate(params):
+            if 0 < p.top_k < scaled_N_V.shape[1]:
+                kth = torch.topk(scaled_N_V[i], p.top_k).values[-1]
+                scaled_N_V[i].masked_fill_(scaled_N_V[i] < kth, float("-inf"))
+    if any(p.top_p < 1.0 for p in params):
+        top_p_N = torch.tensor([p.top_p for p in params])
+        sorted_N_V, order_N_V = scaled_N_V.sort(dim=-1, descending=True)
+        cum_N_V = sorted_N_V.softmax(-1).cumsum(-1)
+        # drop a token when the mass before it already reaches top_p (the first token always stays)
+        drop_N_V = (cum_N_V - sorted_N_V.softmax(-1)) >= top_p_N[:, None]
+        sorted_N_V = sorted_N_V.masked_fill(drop_N_V, float("-inf"))
+        scaled_N_V = torch.empty_like(scaled_N_V).scatter_(1, order_N_V, sorted_N_V)
+    logp_N_V = scaled_N_V.log_softmax(-1)
+    tokens_N = torch.empty(n, dtype=torch.long)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    if greedy:
+        tokens_N[greedy] = logp_N_V[greedy].argmax(-1)
+    shared = [i for i, p in enumerate(params) if not p.greedy and generators[i] is None]
+    if shared:
+        tokens_N[shared] = torch.multinomial(logp_N_V[shared].exp(), 1, generator=default_generator)[:, 0]
+    for i, p in enumerate(params):
+        if not p.greedy and generators[i] is not None:
+            tokens_N[i] = torch.multinomial(logp_N_V[i].exp(), 1, generator=generators[i])[0]
+    return tokens_N, logp_N_V.gather(1, tokens_N[:, None])[:, 0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The engine
+# ---------------------------------------------------------------------------------------------------
+class EmbeddedEngine:
+    """Token-level continuous-batching engine over a transformers causal LM (see module docstring)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        eos_token_ids: Iterable[int] = (),
+        max_batch_size: int = 16,
+        prefix_cache_tokens: int = 32_768,
+        max_context: int | None = None,
+        seed: int = 0,
+    ):
+        self.model = model.eval()
+        cfg = getattr(model.config, "text_config", model.config)
+        self.max_batch_size = max_batch_size
+        self.max_context = max_context or getattr(cfg, "max_position_embeddings", 32_768)
+        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        cfg_eos = cfg.eos_token_id if getattr(cfg, "eos_token_id", None) is not None else gen_eos
+        default_eos = [cfg_eos] if isinstance(cfg_eos, int) else list(cfg_eos or [])
+        self.eos_token_ids = frozenset(eos_token_ids) | frozenset(default_eos)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        dtype = next(model.parameters()).dtype
+        self.cache = SlotKVCache(cfg.num_hidden_layers, max_batch_size, cfg.num_key_value_heads, head_dim, dtype)
+        self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.policy_version = 0
+        self.prefix_cache_tokens = prefix_cache_tokens
+        self._parked: OrderedDict[str, tuple[list[int], list[torch.Tensor]]] = OrderedDict()
+        self._parked_tokens = 0
+        self._generator = torch.Generator().manual_seed(seed)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: list[_Request] = []
+        self._active: list[_Request] = []
+        self._wake = threading.Event()
+        self._stopped = False
+        self.stats = {"decode_steps": 0, "prefill_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0,
+                      "requests": 0, "busy_s": 0.0}
+        self._thread = threading.Thread(target=self._run, name="turnrl-engine", daemon=True)
+        self._thread.start()
+
+    # ---- public API (async, called from any event loop) -----------------------------------------
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, *, request_id: str, images: list | None = None
+    ) -> GenerateOutput:
+        if images:
+            raise EngineError("EmbeddedEngine over a text-only model got images; load a VLM policy for images")
+        if not prompt_ids:
+            raise EngineError(f"request {request_id!r}: empty prompt")
+        if len(prompt_ids) >= self.max_context:
+            raise EngineError(
+                f"request {request_id!r}: prompt of {len(prompt_ids)} tokens does not fit the context of "
+                f"{self.max_context} tokens"
+            )
+        loop = asyncio.get_running_loop()
+        req = _Request(
+            prompt_ids=list(prompt_ids), params=params, request_id=request_id, loop=loop,
+            future=loop.create_future(), stop_ids=self.eos_token_ids | frozenset(params.stop_token_ids),
+            max_new=min(params.max_new_tokens, self.max_context - len(prompt_ids)),
+            generator=None if params.seed is None else torch.Generator().manual_seed(params.seed),
+        )
+        self._submit(("generate", req))
+        try:
+            return await asyncio.shield(req.future)
+        except asyncio.CancelledError:
+            req.aborted = True  # the engine thread drops it at the next step
+            self._wake.set()
+            raise
+
+    async def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> int:
+        items = dict(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
+        return await self._call(("update_weights", items, version))
+
+    async def release(self, request_id: str) -> None:
+        await self._call(("release", request_id))
+
+    async def sleep(self) -> None:
+        await self._call(("sleep",))
+
+    async def wake_up(self) -> None:
+        await self._call(("wake_up",))
+
+    def close(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # ---- thread plumbing -------------------------------------------------------------------------
+    def _submit(self, item: tuple) -> None:
+        if self._stopped:
+            raise EngineError("engine is closed")
+        self._inbox.put(item)
+        self._wake.set()
+
+    async def _call(self, command: tuple):
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._submit(("command", command, loop, fut))
+        return await fut
+
+    @staticmethod
+    def _resolve(loop, fut, result=None, error: BaseException | None = None) -> None:
+        def _set():
+            if fut.done():
+                return
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
+
+        try:
+            loop.call_soon_threadsafe(_set)
+        except RuntimeError:  # the caller's loop is closed
+            pass
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while not self._stopped:
+                self._drain_inbox()
+                if not self._active and not self._waiting:
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                t0 = time.perf_counter()
+                try:
+                    self._admit()
+                    if self._active:
+                        self._decode_step()
+                except Exception as e:  # a broken step fails the requests in it, never the thread
+                    log.exception("engine step failed")
+                    for r in self._active + self._waiting:
+                        self._resolve(r.loop, r.future, error=EngineError(f"engine step failed: {e!r}"))
+                    self._active, self._waiting = [], []
+                self.stats["busy_s"] += time.perf_counter() - t0
+        for r in self._active + self._waiting:
+            self._resolve(r.loop, r.future, error=EngineError("engine closed"))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item[0] == "generate":
+                self._waiting.append(item[1])
+                continue
+            _, command, loop, fut = item
+            try:
+                self._resolve(loop, fut, result=self._command(command))
+            except Exception as e:
+                self._resolve(loop, fut, error=e)
+
+    def _command(self, command: tuple):
+        name = command[0]
+        if name == "update_weights":
+            return self._load_weights(command[1], command[2])
+        if name == "release":
+            self._unpark(command[1])
+        elif name == "sleep":
+            self._drop_parked()
+            if not self._active:
+                self.cache.free()
+        elif name == "wake_up":
+            self.cache.ensure_capacity(256)
+        return None
+
+    # ---- weights ---------------------------------------------------------------------------------
+    def _load_weights(self, tensors: dict[str, torch.Tensor], version: int | None) -> int:
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        unknown = [n for n in tensors if n not in params]
+        if unknown:
+            raise EngineError(f"update_weights: {len(unknown)} unknown parameter names, e.g. {unknown[:3]}")
+        for name, t in tensors.items():
+            if params[name].shape != t.shape:
+                raise EngineError(f"update_weights: {name} has shape {tuple(t.shape)}, expected {tuple(params[name].shape)}")
+            params[name].copy_(t)
+        self._drop_parked()  # parked KV was computed with the old weights
+        self.policy_version = self.policy_version + 1 if version is None else version
+        return self.policy_version
+
+    # ---- prefix reuse ----------------------------------------------------------------------------
+    def _park(self, req: _Request, slot: int) -> None:
+        tokens = req.prompt_ids + req.out_ids[:-1]  # KV exists for everything but the last sampled token
+        if not self.prefix_cache_tokens or len(tokens) > self.prefix_cache_tokens:
+            return
+        self._unpark(req.request_id)
+        self._parked[req.request_id] = (tokens, self.cache.export_row(slot, len(tokens)))
+        self._parked_tokens += len(tokens)
+        while self._parked_tokens > self.prefix_cache_tokens:
+            self._unpark(next(iter(self._parked)))
+
+    def _unpark(self, request_id: str):
+        entry = self._parked.pop(request_id, None)
+        if entry is not None:
+            self._parked_tokens -= len(entry[0])
+        return entry
+
+    def _drop_parked(self) -> None:
+        self._parked.clear()
+        self._parked_tokens = 0
+
+    # ---- scheduling ------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        self._waiting = [r for r in self._waiting if not r.aborted]
+        while self._waiting and len(self._active) < self.max_batch_size:
+            req = self._waiting.pop(0)
+            slot = len(self._active)
+            self._active.append(req)
+            self._prefill(req, slot)
+
+    def _prefill(self, req: _Request, slot: int) -> None:
+        start = 0
+        parked = self._unpark(req.request_id)
+        if parked is not None:
+            tokens, kv = parked
+            n = len(tokens)
+            if 0 < n < len(req.prompt_ids) and req.prompt_ids[:n] == tokens:
+                self.cache.ensure_capacity(len(req.prompt_ids) + req.max_new)
+                self.cache.import_row(slot, kv)
+                start = n
+        self.cache.ensure_capacity(len(req.prompt_ids) + req.max_new)
+        new_ids = req.prompt_ids[start:]
+        mask = self.cache.plan_prefill(slot, start, len(new_ids))
+        logits = self._forward(
+            torch.tensor([new_ids]), torch.arange(start, len(req.prompt_ids))[None], mask
+        )
+        req.length = len(req.prompt_ids)
+        req.cached_prompt_tokens = start
+        self.stats["prefill_tokens"] += len(new_ids)
+        self.stats["cached_prompt_tokens"] += start
+        self.stats["requests"] += 1
+        tokens, logps = sample_tokens(logits[:, -1], [req.params], [req.generator], self._generator)
+        self._append(req, int(tokens[0]), float(logps[0]))
+        if self._finished(req):
+            self._retire([req])
+
+    def _decode_step(self) -> None:
+        rows = self._active
+        lens = torch.tensor([r.length for r in rows])
+        self.cache.ensure_capacity(int(lens.max()) + 1)
+        mask = self.cache.plan_decode(lens)
+        ids = torch.tensor([[r.out_ids[-1]] for r in rows])
+        logits = self._forward(ids, lens[:, None], mask)
+        tokens, logps = sample_tokens(
+            logits[:, -1], [r.params for r in rows], [r.generator for r in rows], self._generator
+        )
+        self.stats["decode_steps"] += 1
+        for r, t, lp in zip(rows, tokens.tolist(), logps.tolist(), strict=True):
+            r.length += 1
+            self._append(r, t, lp)
+        self._retire([r for r in rows if self._finished(r) or r.aborted])
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        out = self.model(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
+            logits_to_keep=1, **{self._cache_kwarg: self.cache},
+        )
+        return out.logits
+
+    def _append(self, req: _Request, token: int, logprob: float) -> None:
+        req.out_ids.append(token)
+        req.out_logprobs.append(logprob)
+        self.stats["generated_tokens"] += 1
+
+    @staticmethod
+    def _finished(req: _Request) -> bool:
+        return req.out_ids[-1] in req.stop_ids or len(req.out_ids) >= req.max_new
+
+    def _retire(self, done: list[_Request]) -> None:
+        """Resolve finished requests and keep the active rows packed in slots [0, n)."""
+        for req in done:
+            slot = self._active.index(req)
+            if not req.aborted:
+                self._park(req, slot)
+                reason = FinishReason.STOP if req.out_ids[-1] in req.stop_ids else FinishReason.LENGTH
+                out = GenerateOutput(
+                    token_ids=req.out_ids, logprobs=req.out_logprobs, finish_reason=reason,
+                    policy_version=self.policy_version, cached_prompt_tokens=req.cached_prompt_tokens,
+                )
+                self._resolve(req.loop, req.future, result=out)
+            last = len(self._active) - 1
+            if slot != last:
+                moved = self._active[last]
+                self.cache.move_row(last, slot, moved.length)
+                self._active[slot] = moved
+            self._active.pop()

