@@ -1,0 +1,289 @@
+"""Built-in tools: the ast calculator and the sandboxed Python interpreter (real subprocesses)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from turnrl.tools import (
+    SandboxLimits,
+    ToolResult,
+    calculator,
+    evaluate_expression,
+    make_python_tool,
+    python_exec,
+    run_python_sandboxed,
+)
+
+# ---- calculator ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("expression", "expected"),
+    [
+        ("1 + 2 * 3", "7"),
+        ("(1 + 2) * 3", "9"),
+        ("2 ** 3 ** 2", "512"),  # right-associative
+        ("-2 ** 2", "-4"),  # unary minus binds looser than **
+        ("7 // 2 + 7 % 2", "4"),
+        ("6 / 3", "2"),  # integral float printed without .0
+        ("1 / 4", "0.25"),
+        ("0.1 + 0.2", "0.3"),  # 12 significant digits
+        ("sqrt(16) + abs(-3) + round(2.6) + min(4, 2) + max(1, 5)", "17"),
+        ("floor(2.7) + ceil(2.1)", "5"),
+        ("round(pi, 2)", "3.14"),
+        ("2 ** 100", "1267650600228229401496703205376"),
+        ("  3  ", "3"),
+    ],
+)
+def test_calculator_values(expression, expected):
+    assert calculator(expression) == expected
+
+
+@pytest.mark.parametrize(
+    ("expression", "error"),
+    [
+        ("1 / 0", "Error: division by zero"),
+        ("5 % 0", "Error: division by zero"),
+        ("2 ** 10001", "Error: exponent 10001 too large (at most 1000)"),
+        ("(10 ** 1000) ** 2", "Error: result too large"),
+        ("99 ** 1000", "Error: result too large"),
+        ("10.0 ** 400", "Error: result too large"),
+        ("sqrt(-1)", "Error: math domain error"),
+        ("2 ^ 3", "Error: unsupported operator ^ (use ** for powers)"),
+        ("__import__('os')", "Error: unsupported function '__import__'"),
+        ("().__class__", "Error: unsupported syntax: Attribute"),
+        ("x + 1", "Error: unknown name 'x'"),
+        ("'a' * 3", "Error: unsupported literal 'a'"),
+        ("1 +", "Error: invalid expression"),
+        ("1 < 2", "Error: unsupported syntax: Compare"),
+        ("1" * 1001, "Error: expression longer than 1000 characters"),
+    ],
+)
+def test_calculator_errors_are_text_for_the_model(expression, error):
+    assert calculator(expression).startswith(error)
+
+
+def test_calculator_is_a_function_tool_and_evaluate_returns_numbers():
+    assert calculator.name == "calculator"
+    assert calculator.schema["function"]["parameters"]["required"] == ["expression"]
+    assert evaluate_expression("3 * 4") == 12 and isinstance(evaluate_expression("3 * 4"), int)
+
+
+# ---- sandbox ---------------------------------------------------------------------------------------
+
+FAST = SandboxLimits(timeout_s=5, memory_mb=512, max_processes=16)
+IS_ROOT = os.geteuid() == 0
+
+
+def run(code: str, limits: SandboxLimits = FAST):
+    return run_python_sandboxed(code, limits)
+
+
+def processes_of_uid(uid: int) -> list[str]:
+    """Live (non-zombie) processes owned by `uid`."""
+    found = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            text = status.read_text()
+        except OSError:
+            continue
+        if f"\nUid:\t{uid}\t" in text and "State:\tZ" not in text:
+            found.append(status.parent.name)
+    return found
+
+
+def test_runs_code_in_a_fresh_directory_that_is_deleted_afterwards():
+    result = run("import os\nprint(os.getcwd())\nopen('f.txt', 'w').write('kept')\nprint(open('f.txt').read())")
+    workdir, content = result.stdout.split()
+    assert result.exit_code == 0 and not result.timed_out and content == "kept"
+    assert Path(workdir).name.startswith("turnrl-sbx-") and not Path(workdir).exists()
+    assert result.to_text(FAST) == f"{workdir}\nkept"
+    assert result.layers["rlimits"] and result.layers["audit_hook"]
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="the privilege drop needs root")
+def test_as_root_code_runs_as_a_fresh_unprivileged_uid():
+    result = run("import os; print(os.getuid(), os.getgid(), os.getgroups())")
+    uid = result.layers["uid"]
+    assert uid is not None and uid >= 100_000
+    assert result.stdout.split() == [str(uid), str(uid), "[]"]
+
+
+def test_errors_show_a_traceback_of_the_code_only():
+    result = run("x = 1\nraise ValueError('bad value')")
+    assert result.exit_code == 1
+    assert 'File "<code>", line 2, in <module>' in result.stderr
+    assert "ValueError: bad value" in result.stderr
+    assert "_run" not in result.stderr and "<string>" not in result.stderr
+    assert result.to_text(FAST).endswith("ValueError: bad value\n[exit code 1]")
+
+
+def test_environment_is_scrubbed(monkeypatch):
+    monkeypatch.setenv("TURNRL_SECRET_TOKEN", "hunter2")
+    result = run("import os; print(os.environ.get('TURNRL_SECRET_TOKEN'), os.environ['HOME'] == os.getcwd())")
+    assert result.stdout.split() == ["None", "True"]
+
+
+NETWORK_CODE = """
+import socket
+for host in ("127.0.0.1", "8.8.8.8"):
+    try:
+        socket.create_connection((host, 53), timeout=2).close()
+        print(host, "connected")
+    except OSError as e:
+        print(host, "refused", type(e).__name__)
+"""
+
+
+def test_network_is_refused():
+    result = run(NETWORK_CODE)
+    assert result.stdout.split("\n")[:2] == [
+        f"127.0.0.1 refused {'OSError' if result.layers['netns'] else 'PermissionError'}",
+        f"8.8.8.8 refused {'OSError' if result.layers['netns'] else 'PermissionError'}",
+    ]
+    if IS_ROOT:
+        assert result.layers["netns"] and not result.layers["network_hook"]
+
+
+def test_network_is_refused_by_the_audit_hook_without_a_namespace():
+    result = run(NETWORK_CODE, SandboxLimits(timeout_s=5, network_namespace=False))
+    assert not result.layers["netns"] and result.layers["network_hook"]
+    assert result.stdout.split("\n")[:2] == ["127.0.0.1 refused PermissionError", "8.8.8.8 refused PermissionError"]
+
+
+def test_writes_outside_the_directory_fail(tmp_path):
+    target = tmp_path / "escaped.txt"
+    code = f"""
+import os
+for attempt in (lambda: open({str(target)!r}, 'w'), lambda: os.open({str(target)!r}, os.O_CREAT | os.O_WRONLY),
+                lambda: os.remove({str(tmp_path)!r}), lambda: os.symlink('/etc', 'link') or open('link/x', 'w')):
+    try:
+        attempt()
+        print('wrote')
+    except PermissionError as e:
+        print('refused')
+"""
+    result = run(code)
+    assert result.stdout.split() == ["refused"] * 4
+    assert not target.exists() and tmp_path.exists()
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="the kernel-level write protection comes with the privilege drop")
+def test_native_writes_bypassing_the_audit_hook_are_refused_by_the_kernel(tmp_path):
+    target = tmp_path / "native.txt"
+    code = f"""
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+print(libc.open({str(target).encode()!r}, 0o101, 0o644), ctypes.get_errno())
+"""
+    result = run(code)
+    assert result.stdout.split() == ["-1", "13"]  # EACCES
+    assert not target.exists()
+
+
+def test_starting_programs_is_refused():
+    result = run("import os, subprocess\nfor f in (lambda: os.system('true'), lambda: subprocess.run(['true'])):\n"
+                 "    try:\n        f(); print('ran')\n    except PermissionError:\n        print('refused')")
+    assert result.stdout.split() == ["refused", "refused"]
+
+
+def test_timeout_kills_an_infinite_loop():
+    limits = SandboxLimits(timeout_s=1)
+    start = time.monotonic()
+    result = run("print('started', flush=True)\nwhile True:\n    pass", limits)
+    assert time.monotonic() - start < 3
+    assert result.timed_out and result.exit_code == -signal.SIGKILL
+    assert result.to_text(limits) == "started\n[timed out after 1 s; the process was killed]"
+
+
+def test_cpu_limit_stops_a_busy_process():
+    limits = SandboxLimits(timeout_s=10, cpu_s=1)
+    start = time.monotonic()
+    result = run("while True:\n    pass", limits)
+    assert time.monotonic() - start < 5
+    assert not result.timed_out and result.exit_code == -signal.SIGXCPU
+    assert "CPU time limit of 1 s exceeded" in result.to_text(limits)
+
+
+def test_memory_bomb_is_contained():
+    result = run("chunks = []\nwhile True:\n    chunks.append(bytearray(50 * 1024 * 1024))")
+    assert result.exit_code == 1 and result.stderr.rstrip().endswith("MemoryError")
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="RLIMIT_NPROC is per uid; the exact bound needs the privilege drop")
+def test_fork_bomb_is_bounded_and_leaves_no_process_behind():
+    code = """
+import os, time
+forked = 0
+try:
+    while True:
+        if os.fork() == 0:
+            time.sleep(60)
+            os._exit(0)
+        forked += 1
+except OSError as e:
+    print("refused after", forked, type(e).__name__)
+"""
+    start = time.monotonic()
+    result = run(code)
+    assert time.monotonic() - start < 3
+    assert result.stdout.split() == ["refused", "after", str(FAST.max_processes - 1), "BlockingIOError"]
+    assert processes_of_uid(result.layers["uid"]) == []
+
+
+def test_endless_fork_bomb_ends_at_the_timeout_and_leaves_no_process_behind():
+    limits = SandboxLimits(timeout_s=1, max_processes=16)
+    code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    start = time.monotonic()
+    result = run(code, limits)
+    assert time.monotonic() - start < 4
+    assert result.timed_out
+    if result.layers["uid"] is not None:
+        assert processes_of_uid(result.layers["uid"]) == []
+
+
+def test_escaped_background_process_is_killed():
+    code = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint(os.getpid())"
+    result = run(code)
+    assert result.exit_code == 0 and not result.timed_out
+    if result.layers["uid"] is not None:
+        assert processes_of_uid(result.layers["uid"]) == []
+
+
+def test_output_is_capped_keeping_head_and_tail():
+    limits = SandboxLimits(timeout_s=5, max_output_chars=100)
+    result = run("print('A' * 60 + 'B' * 100000 + 'C' * 60)", limits)
+    assert result.truncated
+    assert result.stdout.startswith("A" * 50 + "\n...[output truncated: 100121 bytes in total")
+    assert result.stdout.endswith("\n" + "C" * 49 + "\n")  # the last 50 characters: 49 C and print's newline
+    assert len(result.stdout) < 200
+
+
+async def test_python_exec_is_a_function_tool_with_metrics():
+    assert python_exec.name == "python_exec"
+    assert python_exec.schema["function"]["parameters"]["required"] == ["code"]
+    assert "10 s wall time, 1024 MB memory, no network" in python_exec.schema["function"]["description"]
+    result = await python_exec.call({"code": "print(6 * 7)"})
+    assert isinstance(result, ToolResult) and result.text == "42"
+    assert result.metrics["exit_code"] == 0 and result.metrics["timed_out"] is False
+
+
+async def test_make_python_tool_applies_its_limits():
+    tool = make_python_tool(name="py", timeout_s=1, memory_mb=256)
+    assert tool.name == "py"
+    assert "1 s wall time, 256 MB memory" in tool.schema["function"]["description"]
+    result = await tool.call({"code": "x = bytearray(300 * 1024 * 1024)"})
+    assert "MemoryError" in result.text and result.metrics["exit_code"] == 1
+
+
+def test_file_size_limit_applies_to_files_and_output():
+    limits = SandboxLimits(timeout_s=5, max_file_mb=1)
+    result = run("open('big', 'wb').write(b'x' * 2 * 1024 * 1024)", limits)
+    assert result.stderr.rstrip().endswith("OSError: [Errno 27] File too large")
+    result = run("while True:\n    print('x' * 100_000)", limits)
+    assert result.exit_code == 1 and result.stderr.rstrip().endswith("OSError: [Errno 27] File too large")

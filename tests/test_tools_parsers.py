@@ -1,0 +1,205 @@
+"""Tool-call parsers: calls, ids, errors as data (never exceptions), reasoning stripped, typed values."""
+
+from __future__ import annotations
+
+import pytest
+
+from turnrl.tools import PARSERS, get_parser, split_reasoning
+from turnrl.types import ToolCall
+
+hermes = get_parser("hermes")
+
+
+def test_registry_and_unknown_parser():
+    assert set(PARSERS) >= {"hermes", "qwen3_coder"}
+    with pytest.raises(ValueError, match="unknown tool-call parser 'nope'; registered: hermes, qwen3_coder"):
+        get_parser("nope")
+
+
+# ---- hermes ----------------------------------------------------------------------------------------
+
+
+def test_hermes_single_call_and_content():
+    text = 'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    result = hermes.parse(text)
+    assert result.calls == [ToolCall(name="add", arguments={"a": 1, "b": 2}, id="call_0")]
+    assert result.errors == []
+    assert result.content == "Let me add."
+    assert hermes.has_call_syntax(text)
+
+
+def test_hermes_multiple_calls_ids_generated_in_order_and_model_ids_kept():
+    text = (
+        '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n'
+        '<tool_call>{"id": "abc", "name": "b", "arguments": "{\\"x\\": [1, 2]}"}</tool_call>\n'
+        '<tool_call>{"type": "function", "function": {"name": "c", "arguments": {"y": null}}}</tool_call>\n'
+        '<tool_call>{"name": "d"}</tool_call>'
+    )
+    result = hermes.parse(text)
+    assert result.calls == [
+        ToolCall("a", {}, "call_0"),
+        ToolCall("b", {"x": [1, 2]}, "abc"),
+        ToolCall("c", {"y": None}, "call_2"),
+        ToolCall("d", {}, "call_3"),
+    ]
+    assert result.errors == [] and result.content == ""
+
+
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [
+        ('{"name": "a" "arguments": {}}', "invalid JSON in <tool_call> #1: Expecting ',' delimiter at char 13"),
+        ('{"arguments": {"x": 1}}', 'missing "name" in <tool_call> #1'),
+        ('["a", {}]', "<tool_call> #1 must hold a JSON object"),
+        ('{"name": "a", "arguments": [1]}', '"arguments" in <tool_call> #1 must be a JSON object, got an array'),
+        ('{"name": "a", "arguments": "{bad"}', 'invalid JSON in the "arguments" string of <tool_call> #1'),
+    ],
+)
+def test_hermes_malformed_calls_become_errors(body, error):
+    result = hermes.parse(f"<tool_call>{body}</tool_call>")
+    assert result.calls == []
+    assert len(result.errors) == 1 and result.errors[0].startswith(error)
+
+
+def test_hermes_good_and_bad_calls_mix_and_blocks_are_numbered():
+    text = '<tool_call>{oops}</tool_call><tool_call>{"name": "ok", "arguments": {}}</tool_call>'
+    result = hermes.parse(text)
+    assert result.calls == [ToolCall("ok", {}, "call_0")]
+    assert len(result.errors) == 1 and result.errors[0].startswith("invalid JSON in <tool_call> #1:")
+
+
+def test_hermes_unterminated_call_is_an_error():
+    text = 'Sure. <tool_call>{"name": "a", "arguments": {}}'
+    result = hermes.parse(text)
+    assert result.calls == []
+    assert result.errors == ["unterminated <tool_call> #1: missing </tool_call>"]
+    assert result.content == "Sure."
+    assert hermes.has_call_syntax(text)
+
+
+def test_no_call_syntax_is_a_plain_answer():
+    result = hermes.parse("The answer is 4.")
+    assert result.calls == [] and result.errors == [] and result.content == "The answer is 4."
+    assert not hermes.has_call_syntax("The answer is 4.")
+
+
+def test_calls_inside_think_are_ignored():
+    call = '<tool_call>{"name": "rm", "arguments": {}}</tool_call>'
+    text = f"<think>maybe {call}?</think>Final: 4"
+    result = hermes.parse(text)
+    assert result.calls == [] and result.errors == []
+    assert result.content == "Final: 4"
+    assert result.reasoning == f"maybe {call}?"
+    assert not hermes.has_call_syntax(text)
+
+
+def test_reasoning_without_opening_tag_qwen3_style():
+    call = '<tool_call>{"name": "real", "arguments": {}}</tool_call>'
+    text = f'thinking about <tool_call>{{"name": "fake", "arguments": {{}}}}</tool_call>\n</think>\n\n{call}'
+    result = hermes.parse(text)
+    assert [c.name for c in result.calls] == ["real"]
+    assert result.reasoning.startswith("thinking about")
+
+
+def test_unclosed_think_makes_the_rest_reasoning():
+    text = 'Answer first. <think>let me call <tool_call>{"name": "x", "arguments": {}}</tool_call>'
+    result = hermes.parse(text)
+    assert result.calls == [] and result.errors == [] and result.content == "Answer first."
+
+
+def test_split_reasoning_handles_several_blocks():
+    assert split_reasoning("<think>a</think>x<think>b</think>y") == ("a\nb", "xy")
+    assert split_reasoning("r</think>z") == ("r", "z")
+    assert split_reasoning("plain") == ("", "plain")
+
+
+# ---- qwen3_coder -----------------------------------------------------------------------------------
+
+QWEN_CALL = """I'll run it.
+<tool_call>
+<function=run>
+<parameter=count>
+3
+</parameter>
+<parameter=ratio>
+0.5
+</parameter>
+<parameter=items>
+[1, "two", {"three": 3}]
+</parameter>
+<parameter=flag>
+true
+</parameter>
+<parameter=nothing>
+null
+</parameter>
+<parameter=text>
+hello
+world
+</parameter>
+<parameter=quoted>
+"007"
+</parameter>
+<parameter=nan>
+NaN
+</parameter>
+</function>
+</tool_call>"""
+
+
+def test_qwen3_coder_values_are_typed_via_json_with_string_fallback():
+    result = get_parser("qwen3_coder").parse(QWEN_CALL)
+    assert result.errors == []
+    assert result.content == "I'll run it."
+    assert result.calls == [
+        ToolCall(
+            name="run",
+            arguments={
+                "count": 3,
+                "ratio": 0.5,
+                "items": [1, "two", {"three": 3}],
+                "flag": True,
+                "nothing": None,
+                "text": "hello\nworld",
+                "quoted": "007",
+                "nan": "NaN",
+            },
+            id="call_0",
+        )
+    ]
+
+
+def test_qwen3_coder_keeps_string_parameters_as_strings_given_schemas():
+    schemas = [{"type": "function", "function": {"name": "run", "parameters": {
+        "type": "object", "properties": {"count": {"type": "string"}, "n": {"type": "integer"}}}}}]
+    text = "<tool_call>\n<function=run>\n<parameter=count>\n3\n</parameter>\n<parameter=n>\n3\n</parameter>\n</function>\n</tool_call>"
+    call = get_parser("qwen3_coder", schemas).parse(text).calls[0]
+    assert call.arguments == {"count": "3", "n": 3}
+
+
+def test_qwen3_coder_several_functions_and_lenient_inner_closing_tags():
+    text = (
+        "<tool_call>\n<function=a>\n<parameter=x>\n1\n</function>\n"
+        "<function=b>\n<parameter=y>\nhi\n<parameter=z>\n[2]\n</function>\n</tool_call>"
+    )
+    result = get_parser("qwen3_coder").parse(text)
+    assert result.errors == []
+    assert result.calls == [ToolCall("a", {"x": 1}, "call_0"), ToolCall("b", {"y": "hi", "z": [2]}, "call_1")]
+
+
+def test_qwen3_coder_errors():
+    parser = get_parser("qwen3_coder")
+    assert parser.parse("<tool_call>\n<function=a>\n").errors == ["unterminated <tool_call> #1: missing </tool_call>"]
+    assert parser.parse("<tool_call>just text</tool_call>").errors == ["no <function=...> in <tool_call> #1"]
+    assert parser.parse("<tool_call><function=>\n</function></tool_call>").errors[0].startswith("missing function name")
+    dup = "<tool_call><function=f><parameter=x>1</parameter><parameter=x>2</parameter></function></tool_call>"
+    assert parser.parse(dup).errors == ["parameter 'x' given twice in <tool_call> #1 (function 'f')"]
+
+
+def test_qwen3_coder_ignores_calls_in_reasoning_and_never_evals():
+    parser = get_parser("qwen3_coder")
+    hidden = "<tool_call>\n<function=rm>\n</function>\n</tool_call>"
+    assert parser.parse(f"<think>{hidden}</think>done").calls == []
+    assert parser.parse(f"{hidden}</think>done").calls == []
+    evil = "<tool_call>\n<function=f>\n<parameter=x>\n__import__('os').getcwd()\n</parameter>\n</function>\n</tool_call>"
+    assert parser.parse(evil).calls[0].arguments == {"x": "__import__('os').getcwd()"}

@@ -1,0 +1,783 @@
+"""Built-in tools: a safe calculator and a sandboxed Python interpreter.
+
+`calculator` evaluates arithmetic by walking the `ast`; it never calls `eval`.
+
+`python_exec` (or `make_python_tool(...)` for other limits) runs model-written code in a child process.
+What protects the host, from strongest to weakest (`SandboxResult.layers` says which were active):
+
+1. Kernel resource limits (`setrlimit`): CPU seconds, address space (memory), file size (also bounds
+   the captured stdout/stderr), open files, processes/threads, no core dumps. A supervisor process
+   enforces the wall-clock timeout; it is the run's subreaper, so when the code finishes or times out it
+   kills and reaps every process the code started (no background process outlives the call, no zombie
+   is left). Output is truncated to `max_output_chars`.
+2. Network namespace (Linux, `unshare(CLONE_NEWNET)`): the process sees only a loopback interface
+   that is down, so no connection of any kind leaves it, even from native code. Needs root (or
+   unprivileged user namespaces, tried for non-root users). When unavailable, layer 5 blocks sockets.
+3. Privilege drop (when run as root): the code runs as a fresh random unprivileged uid/gid with no
+   supplementary groups and `no_new_privs`. The kernel then refuses writes to files it does not own
+   (everything outside the work dir except world-writable places such as /tmp), enforces the process
+   limit (root ignores RLIMIT_NPROC, so a fork bomb is only contained with this layer), the code cannot
+   signal its supervisor, and after the run every process of that uid is killed. If the Python
+   installation is not readable by other users (e.g. a pyenv under /root), the process keeps
+   CAP_DAC_READ_SEARCH so it can import the standard library: it can then READ every file on the host.
+4. A fresh temporary work dir (deleted afterwards), HOME/TMPDIR pointing into it, a scrubbed
+   environment (no tokens or keys from the parent's env), stdin closed, `python -I` (no PYTHONPATH,
+   no user site-packages).
+5. A Python audit hook (`sys.addaudithook`): refuses writes, deletes, renames, chmods and links outside
+   the work dir, starting other programs (os.system, subprocess, exec*, posix_spawn; `allow_subprocess`
+   lifts this), and, when layer 2 is missing, non-Unix sockets, connect/bind/sendto and DNS lookups.
+   The hook is NOT a security boundary: `ctypes`, native extensions, `dir_fd=` relative opens and
+   anything else below the Python layer bypass it. It stops accidents and naive code only.
+
+What this does NOT protect against:
+- Reading files: world-readable ones always; every file when layer 3 keeps CAP_DAC_READ_SEARCH or when
+  running as root without layer 3. Keep reference answers and secrets out of reach by other means.
+- Seeing the host's processes and their command lines in /proc (there is no PID or mount namespace).
+- Writes into world-writable directories (/tmp, /dev/shm) by native code (such files outlive the run),
+  and without layer 3 any write native code can make as the parent's user.
+- Filling the disk with many files that are each under the size limit; a CPU-heavy run slowing its
+  neighbours (no cgroups); kernel exploits and side channels.
+- Without layer 3 (a non-root parent): code that kills its supervisor (same uid) can leave processes
+  running after the call, each still bounded by its CPU limit. Without layer 2 as well (no user
+  namespaces): network access from native code.
+For untrusted code at scale, run it inside a container or VM (gVisor, Firecracker, SandboxFusion) and
+use these limits on top.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import grp
+import json
+import math
+import os
+import pwd
+import random
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from turnrl.tools.function_tool import FunctionTool, ToolResult, function_tool
+
+# ---- calculator ------------------------------------------------------------------------------------
+
+
+class CalculatorError(ValueError):
+    """The expression is invalid, unsupported, or its value is out of range."""
+
+
+MAX_EXPRESSION_CHARS = 1000
+MAX_EXPONENT = 1000
+MAX_INT_BITS = 4000  # ~1200 decimal digits; also keeps str() under Python's 4300-digit limit
+
+_BINARY_OPS: dict[type[ast.operator], Any] = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.Div: lambda a, b: a / b,
+    ast.FloorDiv: lambda a, b: a // b,
+    ast.Mod: lambda a, b: a % b,
+    ast.Pow: lambda a, b: _power(a, b),
+}
+_FUNCTIONS: dict[str, Any] = {
+    "sqrt": math.sqrt,
+    "abs": abs,
+    "round": round,
+    "min": min,
+    "max": max,
+    "floor": math.floor,
+    "ceil": math.ceil,
+    "log": math.log,
+    "exp": math.exp,
+}
+_CONSTANTS = {"pi": math.pi, "e": math.e}
+
+
+def evaluate_expression(expression: str) -> int | float:
+    """Evaluate arithmetic: numbers, + - * / // % **, unary +/-, parentheses, the functions in
+    `_FUNCTIONS` and the constants pi and e. Raises `CalculatorError` with a readable message."""
+    if len(expression) > MAX_EXPRESSION_CHARS:
+        raise CalculatorError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except (SyntaxError, ValueError) as e:
+        raise CalculatorError(f"invalid expression: {getattr(e, 'msg', e)}") from None
+    try:
+        return _checked(_eval_node(tree.body))
+    except ZeroDivisionError:
+        raise CalculatorError("division by zero") from None
+    except OverflowError:
+        raise CalculatorError("result too large") from None
+    except (ValueError, TypeError) as e:  # math domain errors, round() of inf, ...
+        raise CalculatorError(str(e)) from None
+
+
+def _eval_node(node: ast.AST) -> int | float:
+    if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool):
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY_OPS:
+        left, right = _eval_node(node.left), _eval_node(node.right)
+        return _checked(_BINARY_OPS[type(node.op)](left, right))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+        value = _eval_node(node.operand)
+        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.Name) and node.id in _CONSTANTS:
+        return _CONSTANTS[node.id]
+    if isinstance(node, ast.Call):
+        return _eval_call(node)
+    raise CalculatorError(_unsupported(node))
+
+
+def _eval_call(node: ast.Call) -> int | float:
+    if not isinstance(node.func, ast.Name) or node.func.id not in _FUNCTIONS:
+        called = node.func.id if isinstance(node.func, ast.Name) else ast.unparse(node.func)
+        raise CalculatorError(f"unsupported function {called!r}; available: {', '.join(_FUNCTIONS)}")
+    if node.keywords:
+        raise CalculatorError(f"{node.func.id}() takes no keyword arguments")
+    args = [_eval_node(a) for a in node.args]
+    return _checked(_FUNCTIONS[node.func.id](*args))
+
+
+def _unsupported(node: ast.AST) -> str:
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitXor):
+        return "unsupported operator ^ (use ** for powers)"
+    if isinstance(node, ast.Name):
+        return f"unknown name {node.id!r}; constants: {', '.join(_CONSTANTS)}"
+    if isinstance(node, ast.Constant):
+        return f"unsupported literal {node.value!r}; only int and float numbers"
+    return f"unsupported syntax: {type(node).__name__} ({ast.unparse(node)})"
+
+
+def _power(base: int | float, exponent: int | float) -> int | float:
+    if abs(exponent) > MAX_EXPONENT:
+        raise CalculatorError(f"exponent {exponent} too large (at most {MAX_EXPONENT})")
+    if isinstance(base, int) and isinstance(exponent, int) and base.bit_length() * exponent > MAX_INT_BITS:
+        raise CalculatorError("result too large")
+    return base**exponent
+
+
+def _checked(value: Any) -> int | float:
+    if isinstance(value, complex):
+        raise CalculatorError("result is not a real number")
+    if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:
+        raise CalculatorError("result too large")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise CalculatorError("result too large" if math.isinf(value) else "result is not a number")
+    return value
+
+
+def format_number(value: int | float) -> str:
+    """Integers (and integral floats below 1e15) without `.0`; other floats to 12 significant digits."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    if isinstance(value, float):
+        return format(value, ".12g")
+    return str(value)
+
+
+@function_tool
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression and return the result.
+
+    Supports numbers, + - * / // % ** (exponents up to 1000), parentheses, sqrt, abs, round, min, max,
+    floor, ceil, log, exp, pi and e.
+
+    Args:
+        expression: The expression, e.g. "(3 + 4) * 2 ** 3".
+    """
+    try:
+        return format_number(evaluate_expression(expression))
+    except CalculatorError as e:
+        return f"Error: {e}"
+
+
+# ---- sandboxed Python ------------------------------------------------------------------------------
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself could not be set up (a host problem, not the code's)."""
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Limits of one sandboxed run."""
+
+    timeout_s: float = 10.0
+    """Wall-clock limit; then every process of the run is killed."""
+    cpu_s: int | None = None
+    """CPU seconds per process (RLIMIT_CPU); None means ceil(timeout_s) + 1."""
+    memory_mb: int = 1024
+    """Address-space limit per process (RLIMIT_AS). Allocations beyond it raise MemoryError."""
+    max_processes: int = 64
+    """Processes and threads of the run (RLIMIT_NPROC; enforced only when the privilege drop is active,
+    or for a non-root parent, where it is added to the user's current count)."""
+    max_file_mb: int = 16
+    """Largest file the code may write (RLIMIT_FSIZE); captured stdout/stderr are files too."""
+    max_open_files: int = 256
+    max_output_chars: int = 8192
+    """Characters kept from each of stdout and stderr (head and tail; the middle is elided)."""
+    allow_subprocess: bool = False
+    """Let the audit hook allow os.system / subprocess / exec (the kernel limits still apply)."""
+    network_namespace: bool = True
+    """Isolate the network with a namespace where possible; False leaves only the audit hook's blocking."""
+    python: str = sys.executable
+    """The interpreter; by default the current one, so installed packages (numpy, sympy) are importable."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for the code (the parent's environment is never passed on)."""
+    base_dir: str | None = None
+    """Where the temporary work dirs are created (default: the system temp dir)."""
+
+
+@dataclass
+class SandboxResult:
+    stdout: str
+    stderr: str
+    exit_code: int
+    """The process's exit status; negative: killed by that signal."""
+    timed_out: bool
+    wall_s: float
+    truncated: bool
+    """Whether stdout or stderr was cut to `max_output_chars`."""
+    layers: dict[str, Any]
+    """Which protections were active: rlimits, netns, no_new_privs, subreaper, uid (None: no privilege
+    drop), read_anywhere, audit_hook, network_hook (sockets blocked by the hook: no netns)."""
+
+    def to_text(self, limits: SandboxLimits) -> str:
+        """What the model sees: stdout, then stderr under a `[stderr]` line, then a status line."""
+        parts = [self.stdout.rstrip("\n")] if self.stdout else []
+        if self.stderr:
+            parts.append("[stderr]\n" + self.stderr.rstrip("\n"))
+        status = _status_line(self, limits)
+        if status:
+            parts.append(status)
+        return "\n".join(parts) if parts else "(no output)"
+
+
+def _status_line(result: SandboxResult, limits: SandboxLimits) -> str:
+    if result.timed_out:
+        return f"[timed out after {limits.timeout_s:g} s; the process was killed]"
+    if result.exit_code >= 0:
+        return f"[exit code {result.exit_code}]" if result.exit_code else ""
+    sig = -result.exit_code
+    reasons: dict[int, str] = {
+        signal.SIGXCPU: f": CPU time limit of {_cpu_seconds(limits)} s exceeded",
+        signal.SIGXFSZ: f": file size limit of {limits.max_file_mb} MB exceeded",
+    }
+    try:
+        name = signal.Signals(sig).name
+    except ValueError:
+        name = f"signal {sig}"
+    return f"[terminated by {name}{reasons.get(sig, '')}]"
+
+
+def _cpu_seconds(limits: SandboxLimits) -> int:
+    return limits.cpu_s if limits.cpu_s is not None else math.ceil(limits.timeout_s) + 1
+
+
+def run_python_sandboxed(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
+    """Run `code` as a Python program in a sandbox (see the module docstring for what that means).
+
+    Blocking; `python_exec` runs it in a worker thread. Raises `SandboxError` when the sandbox could not
+    be set up; everything the code does (errors, timeouts, limits) is reported in the result.
+    """
+    limits = limits or SandboxLimits()
+    sandbox_id = _pick_sandbox_id()
+    with (
+        tempfile.TemporaryDirectory(prefix="turnrl-sbx-ctl-", ignore_cleanup_errors=True) as control,
+        tempfile.TemporaryDirectory(prefix="turnrl-sbx-", dir=limits.base_dir, ignore_cleanup_errors=True) as workdir,
+    ):
+        if sandbox_id is not None:
+            os.chown(workdir, sandbox_id, sandbox_id)
+        out_path, err_path = Path(control, "stdout"), Path(control, "stderr")
+        report_r, report_w = os.pipe()
+        try:
+            config = _bootstrap_config(code, limits, workdir, sandbox_id, report_w)
+            Path(control, "config.json").write_text(json.dumps(config))
+            returncode, backstop_fired, wall_s = _spawn_and_wait(limits, control, workdir, report_w)
+        finally:
+            os.close(report_w)
+            report = _read_report(report_r)
+        if backstop_fired or "exit_code" not in report:  # the supervisor itself died: clean up for it
+            _kill_leftovers(sandbox_id, limits)
+        stdout, out_cut = _read_capped(out_path, limits.max_output_chars)
+        stderr, err_cut = _read_capped(err_path, limits.max_output_chars)
+    if "setup_error" in report or "layers" not in report:
+        detail = report.get("setup_error") or stderr[-2000:] or f"exit status {returncode}"
+        raise SandboxError(f"the Python sandbox could not be set up: {detail}")
+    exit_code = report.get("exit_code", returncode)
+    timed_out = backstop_fired or bool(report.get("timed_out"))
+    return SandboxResult(stdout, stderr, exit_code, timed_out, wall_s, out_cut or err_cut, report["layers"])
+
+
+_BACKSTOP_GRACE_S = 5.0  # the in-sandbox supervisor enforces timeout_s; this catches a dead supervisor
+
+
+def _spawn_and_wait(limits: SandboxLimits, control: str, workdir: str, report_w: int) -> tuple[int, bool, float]:
+    """Start the supervisor (`_BOOTSTRAP`) and wait for it; SIGKILL its process group if it overstays."""
+    argv = [limits.python, "-I", "-B", "-u", "-c", _BOOTSTRAP, str(Path(control, "config.json"))]
+    start = time.monotonic()
+    with open(Path(control, "stdout"), "wb") as out, open(Path(control, "stderr"), "wb") as err:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+            cwd=workdir,
+            env=_sandbox_env(workdir, limits),
+            start_new_session=True,  # its own process group, killed as a whole by the backstop
+            pass_fds=(report_w,),
+        )
+        try:
+            returncode, backstop_fired = proc.wait(timeout=limits.timeout_s + _BACKSTOP_GRACE_S), False
+        except subprocess.TimeoutExpired:
+            returncode, backstop_fired = None, True
+        # Normally the supervisor has already killed everything; this matters when it died early.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait() if returncode is None else returncode, backstop_fired, time.monotonic() - start
+
+
+def _sandbox_env(workdir: str, limits: SandboxLimits) -> dict[str, str]:
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": workdir,
+        "TMPDIR": workdir,
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "MPLBACKEND": "Agg",
+        "OMP_NUM_THREADS": "1",  # BLAS thread pools would count against max_processes and memory
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
+    return {**env, **limits.env}
+
+
+def _bootstrap_config(
+    code: str, limits: SandboxLimits, workdir: str, sandbox_id: int | None, report_fd: int
+) -> dict[str, Any]:
+    nproc = limits.max_processes
+    if os.geteuid() != 0:  # RLIMIT_NPROC counts every process of the user, not just this run's
+        nproc += _user_task_count(os.getuid())
+    mb = 1024 * 1024
+    return {
+        "code": code,
+        "cwd": workdir,
+        "timeout_s": limits.timeout_s,
+        "report_fd": report_fd,
+        "uid": sandbox_id,
+        "keep_dac_read_search": sandbox_id is not None and not _python_readable_by_others(limits.python),
+        "allow_subprocess": limits.allow_subprocess,
+        "network_namespace": limits.network_namespace,
+        "rlimits": {
+            "RLIMIT_CPU": [_cpu_seconds(limits), _cpu_seconds(limits) + 1],
+            "RLIMIT_AS": [limits.memory_mb * mb] * 2,
+            "RLIMIT_FSIZE": [limits.max_file_mb * mb] * 2,
+            "RLIMIT_NOFILE": [limits.max_open_files] * 2,
+            "RLIMIT_NPROC": [nproc] * 2,
+            "RLIMIT_CORE": [0, 0],
+        },
+    }
+
+
+_KILL_AS_UID = "import os, sys; u = int(sys.argv[1]); os.setgroups([]); os.setgid(u); os.setuid(u); os.kill(-1, 9)"
+
+
+def _kill_leftovers(sandbox_id: int | None, limits: SandboxLimits) -> None:
+    """Kill every process of the run's uid (kill(-1) after setuid(u) reaches exactly uid u's processes,
+    also those that left the process group). Only needed when the supervisor could not do it."""
+    if sandbox_id is not None:
+        subprocess.run(
+            [limits.python, "-I", "-S", "-c", _KILL_AS_UID, str(sandbox_id)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={},
+            check=False,
+            timeout=30,
+        )
+
+
+def _read_report(fd: int) -> dict[str, Any]:
+    """Merge the JSON lines the sandbox wrote on the report pipe (layers, exit status, setup errors).
+    Non-blocking: a writer that is somehow still alive cannot hang the caller."""
+    os.set_blocking(fd, False)
+    chunks = []
+    try:
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    except BlockingIOError:
+        pass
+    finally:
+        os.close(fd)
+    report: dict[str, Any] = {}
+    for line in b"".join(chunks).decode(errors="replace").splitlines():
+        with contextlib.suppress(ValueError):
+            message = json.loads(line)
+            if isinstance(message, dict):
+                report.update(message)
+    return report
+
+
+def _read_capped(path: Path, limit: int) -> tuple[str, bool]:
+    """The file's text, or its head and tail around a truncation note when longer than `limit` chars."""
+    size = path.stat().st_size
+    window = 4 * limit  # bytes that surely hold `limit` characters of UTF-8
+    half = limit // 2
+    with open(path, "rb") as f:
+        if size <= 2 * window:
+            text = f.read().decode(errors="replace")
+            if len(text) <= limit:
+                return text, False
+            head, tail = text[:half], text[len(text) - half :]
+        else:
+            head = f.read(window).decode(errors="replace")[:half]
+            f.seek(size - window)
+            tail = f.read().decode(errors="replace")[-half:]
+    note = f"\n...[output truncated: {size} bytes in total; showing the first and last {half} characters]...\n"
+    return head + note + tail, True
+
+
+# ---- host probing ----------------------------------------------------------------------------------
+
+_ID_FLOOR = 100_000  # keep clear of real accounts and container user ranges below it
+_ID_CEILING = 2**31 - 2
+
+
+def _pick_sandbox_id() -> int | None:
+    """A random unused uid (also used as gid) for one run, or None when not root (no drop possible).
+
+    Drawn from the OS's entropy, not `random`'s seeded state: trainers seed `random` identically in every
+    worker, and two concurrent runs must not share a uid."""
+    if os.geteuid() != 0 or not sys.platform.startswith("linux"):
+        return None
+    spans = _intersect(_id_spans("/proc/self/uid_map"), _id_spans("/proc/self/gid_map"))
+    if not spans:
+        return None
+    lo, hi = max(spans, key=lambda s: s[1] - s[0])
+    rng = random.SystemRandom()
+    for _ in range(20):
+        candidate = rng.randrange(lo, hi)
+        if not _id_in_use(candidate):
+            return candidate
+    return None
+
+
+def _id_spans(path: str) -> list[tuple[int, int]]:
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return []
+    spans = []
+    for line in lines:
+        inside, _outside, count = (int(x) for x in line.split())
+        lo, hi = max(inside, _ID_FLOOR), min(inside + count, _ID_CEILING)
+        if hi - lo > 1000:
+            spans.append((lo, hi))
+    return spans
+
+
+def _intersect(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    spans = [(max(a0, b0), min(a1, b1)) for a0, a1 in a for b0, b1 in b]
+    return [(lo, hi) for lo, hi in spans if hi - lo > 1000]
+
+
+def _id_in_use(candidate: int) -> bool:
+    for lookup in (pwd.getpwuid, grp.getgrgid):
+        try:
+            lookup(candidate)
+            return True
+        except KeyError:
+            pass
+    return False
+
+
+@lru_cache(maxsize=8)
+def _python_readable_by_others(python: str) -> bool:
+    """Whether an unprivileged uid can run `python` and import its standard library and site-packages:
+    each path readable by others and every ancestor directory searchable. Only checked for the running
+    interpreter (another one is assumed unreadable)."""
+    if Path(python).resolve() != Path(sys.executable).resolve():
+        return False
+    paths = [Path(sys.executable).resolve(), *(Path(p).resolve() for p in sys.path if p and Path(p).exists())]
+    for path in paths:
+        mode = path.stat().st_mode
+        if not mode & stat.S_IROTH or (stat.S_ISDIR(mode) and not mode & stat.S_IXOTH):
+            return False
+        if any(not parent.stat().st_mode & stat.S_IXOTH for parent in path.parents):
+            return False
+    return True
+
+
+def _user_task_count(uid: int) -> int:
+    """Threads of every process of `uid` (what RLIMIT_NPROC counts)."""
+    total = 0
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
+        except OSError:
+            continue
+        if int(fields.get("Uid", "-1").split()[0]) == uid:
+            total += int(fields.get("Threads", "1"))
+    return total
+
+
+# ---- the child side --------------------------------------------------------------------------------
+# `python -I -B -u -c _BOOTSTRAP config.json` starts as the *supervisor*: it applies the limits and
+# namespaces (inherited by everything it starts), makes itself the subreaper of the run, and forks the
+# *worker*, which drops privileges, reports the active layers, installs the audit hook and runs the code.
+# The supervisor keeps its privileges only to enforce the wall-clock timeout and to kill and reap every
+# process of the run afterwards (orphans are reparented to it, so none is left as a zombie either).
+
+_BOOTSTRAP = r'''
+import json, linecache, os, resource, select, socket, sys, time, traceback
+try:
+    import ctypes
+except ImportError:
+    ctypes = None
+
+def _report(fd, **message):
+    os.write(fd, (json.dumps(message) + "\n").encode())
+
+def _setup_supervisor(cfg):
+    for name, (soft, hard) in cfg["rlimits"].items():
+        current_hard = resource.getrlimit(getattr(resource, name))[1]
+        if current_hard != resource.RLIM_INFINITY:  # a non-root parent cannot raise its hard limits
+            soft, hard = min(soft, current_hard), min(hard, current_hard)
+        resource.setrlimit(getattr(resource, name), (soft, hard))
+    layers = {"rlimits": True, "netns": False, "no_new_privs": False, "subreaper": False}
+    if sys.platform.startswith("linux") and ctypes is not None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        flags = 0x40000000 if os.geteuid() == 0 else 0x40000000 | 0x10000000  # NEWNET (| NEWUSER)
+        layers["netns"] = cfg["network_namespace"] and libc.unshare(flags) == 0
+        layers["no_new_privs"] = libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS
+        layers["subreaper"] = libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    return layers
+
+def _drop_privileges(uid, keep_dac_read_search):
+    libc = ctypes.CDLL(None, use_errno=True)
+    if keep_dac_read_search and libc.prctl(8, 1, 0, 0, 0) != 0:  # PR_SET_KEEPCAPS
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_KEEPCAPS)")
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+    if keep_dac_read_search:  # permitted = effective = {CAP_DAC_READ_SEARCH}, nothing else
+        class Header(ctypes.Structure):
+            _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+        class Data(ctypes.Structure):
+            _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+        data = (Data * 2)()
+        data[0].effective = data[0].permitted = 1 << 2
+        if libc.capset(ctypes.byref(Header(0x20080522, 0)), data) != 0:
+            raise OSError(ctypes.get_errno(), "capset(CAP_DAC_READ_SEARCH)")
+
+def _install_audit_hook(root, block_network, allow_subprocess):
+    realpath, dirname, basename, sep = os.path.realpath, os.path.dirname, os.path.basename, os.sep
+    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+    follow = {"os.chmod": (0,), "os.chown": (0,), "os.truncate": (0,), "os.utime": (0,)}
+    no_follow = {"os.remove": (0,), "os.rmdir": (0,), "os.mkdir": (0,), "os.rename": (0, 1),
+                 "os.link": (0, 1), "os.symlink": (1,), "shutil.rmtree": (0,)}
+    spawn = {"os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen"}
+    net = {"socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg"}
+    unix = getattr(socket, "AF_UNIX", None)
+
+    def inside(path, follow_last=True):
+        if isinstance(path, int):
+            return True  # an already open file descriptor
+        path = os.path.abspath(os.fsdecode(os.fspath(path)))
+        path = realpath(path) if follow_last else os.path.join(realpath(dirname(path)), basename(path))
+        return path == root or path.startswith(root + sep) or path == "/dev/null"
+
+    def hook(event, args):
+        if event == "open":
+            flags = args[2] if isinstance(args[2], int) else 0
+            if flags & write_flags and not inside(args[0]):
+                raise PermissionError(f"sandbox: writing outside the working directory is not allowed: {args[0]}")
+        elif event in follow or event in no_follow:
+            for i in follow.get(event) or no_follow[event]:
+                if not inside(args[i], event in follow):
+                    raise PermissionError(f"sandbox: {event} outside the working directory is not allowed: {args[i]}")
+        elif event in spawn and not allow_subprocess:
+            raise PermissionError(f"sandbox: starting programs ({event}) is not allowed")
+        elif block_network and (event == "socket.getaddrinfo"
+                                or (event == "socket.__new__" and args[1] != unix)
+                                or (event in net and isinstance(args[1], tuple))):
+            raise PermissionError(f"sandbox: network access ({event}) is not allowed")
+
+    sys.addaudithook(hook)
+
+def _worker(cfg, layers):
+    try:
+        if cfg["uid"] is not None:
+            _drop_privileges(cfg["uid"], cfg["keep_dac_read_search"])
+            layers.update(uid=cfg["uid"], read_anywhere=cfg["keep_dac_read_search"])
+        else:
+            layers.update(uid=None, read_anywhere=os.geteuid() == 0)
+        os.chdir(cfg["cwd"])
+        block_network = not layers["netns"]
+        _install_audit_hook(os.path.realpath(cfg["cwd"]), block_network, cfg["allow_subprocess"])
+        layers.update(audit_hook=True, network_hook=block_network)
+    except BaseException as e:
+        _report(cfg["report_fd"], setup_error=f"{type(e).__name__}: {e}")
+        os._exit(125)
+    _report(cfg["report_fd"], layers=layers)
+    os.close(cfg["report_fd"])
+    _run(cfg.pop("code"))
+
+def _run(code):
+    linecache.cache["<code>"] = (len(code), None, code.splitlines(True), "<code>")
+    sys.argv = ["<code>"]
+    sys.path.insert(0, os.getcwd())
+    try:
+        exec(compile(code, "<code>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    except SystemExit:
+        raise
+    except BaseException as e:
+        report = traceback.TracebackException(type(e), e, e.__traceback__)
+        report.stack = traceback.StackSummary.from_list([f for f in report.stack if f.filename != "<string>"])
+        sys.stderr.write("".join(report.format()))  # the traceback without this bootstrap's frames
+        sys.exit(1)
+
+def _wait(pid, timeout_s):
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        pidfd = None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        if pidfd is not None:
+            select.select([pidfd], [], [], remaining)
+        else:
+            time.sleep(min(remaining, 0.005))
+
+def _children():
+    me = str(os.getpid())
+    try:
+        with open(f"/proc/self/task/{me}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        pass
+    pids = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if entry.isdigit() and f.read().rsplit(")", 1)[1].split()[1] == me:
+                    pids.append(int(entry))
+        except (OSError, IndexError):
+            pass
+    return pids
+
+def _kill_all(uid):
+    if uid is not None:  # kill(-1) as the run's uid reaches its every process, wherever it is
+        killer = os.fork()
+        if killer == 0:
+            try:
+                os.setgroups([]); os.setgid(uid); os.setuid(uid); os.kill(-1, 9)
+            finally:
+                os._exit(0)
+        os.waitpid(killer, 0)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:  # orphans are reparented here: kill and reap until none is left
+        for pid in _children():
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                time.sleep(0.001)
+        except ChildProcessError:
+            return
+
+def _supervise(cfg, worker):
+    status = _wait(worker, cfg["timeout_s"])
+    _kill_all(cfg["uid"])
+    if status is None:
+        exit_code = -9
+    elif os.WIFSIGNALED(status):
+        exit_code = -os.WTERMSIG(status)
+    else:
+        exit_code = os.WEXITSTATUS(status)
+    _report(cfg["report_fd"], exit_code=exit_code, timed_out=status is None)
+    os._exit(exit_code if exit_code >= 0 else 128 - exit_code)
+
+def _main():
+    with open(sys.argv[1]) as f:
+        cfg = json.load(f)
+    try:
+        layers = _setup_supervisor(cfg)
+    except BaseException as e:
+        _report(cfg["report_fd"], setup_error=f"{type(e).__name__}: {e}")
+        os._exit(125)
+    worker = os.fork()
+    if worker == 0:
+        _worker(cfg, layers)
+        sys.exit(0)
+    _supervise(cfg, worker)
+
+_main()
+'''
+
+
+def make_python_tool(
+    *,
+    name: str = "python_exec",
+    timeout_s: float = 10.0,
+    memory_mb: int = 1024,
+    cpu_s: int | None = None,
+    max_processes: int = 64,
+    max_file_mb: int = 16,
+    max_output_chars: int = 8192,
+    allow_subprocess: bool = False,
+    python: str = sys.executable,
+    env: dict[str, str] | None = None,
+) -> FunctionTool:
+    """A `FunctionTool` `name(code: str)` running code with these `SandboxLimits`. Its result carries
+    metrics exit_code, timed_out, wall_s, truncated."""
+    limits = SandboxLimits(
+        timeout_s=timeout_s,
+        cpu_s=cpu_s,
+        memory_mb=memory_mb,
+        max_processes=max_processes,
+        max_file_mb=max_file_mb,
+        max_output_chars=max_output_chars,
+        allow_subprocess=allow_subprocess,
+        python=python,
+        env=dict(env or {}),
+    )
+
+    def python_exec(code: str) -> ToolResult:
+        result = run_python_sandboxed(code, limits)
+        metrics = {
+            "exit_code": result.exit_code,
+            "timed_out": result.timed_out,
+            "wall_s": result.wall_s,
+            "truncated": result.truncated,
+        }
+        return ToolResult(text=result.to_text(limits), metrics=metrics)
+
+    python_exec.__doc__ = f"""Run a Python 3 program and return what it prints (stdout, then stderr).
+
+    Each call starts a fresh interpreter in an empty directory: print() the values you need. Limits:
+    {timeout_s:g} s wall time, {memory_mb} MB memory, no network.
+
+    Args:
+        code: The complete program.
+    """
+    return function_tool(python_exec, name=name)
+
+
+python_exec = make_python_tool()

@@ -1,0 +1,266 @@
+"""Tool-call parsers: model text in, `ToolCall`s plus readable errors out.
+
+A parser never raises on model output. A malformed call becomes an entry in `ParseResult.errors`,
+written to be shown to the model (verl drops such calls and ends the episode without feedback).
+Reasoning is removed before parsing, so a call the model only thinks about is never executed.
+
+    parser = get_parser("hermes")
+    result = parser.parse(text)
+    if result.calls: ...              # run them
+    elif result.errors: ...           # tell the model what was wrong
+    else: ...                         # a final answer: no tool call syntax at all
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from turnrl.types import ToolCall
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass
+class ParseResult:
+    """What one assistant message contained."""
+
+    content: str
+    """The text outside reasoning and tool-call blocks, stripped."""
+    calls: list[ToolCall] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    """One message per malformed call, e.g. `invalid JSON in <tool_call> #1: Expecting ',' delimiter at
+    char 23`. Blocks are numbered from 1 in the order they appear."""
+    reasoning: str = ""
+    """The reasoning text that was removed (without the think tags)."""
+
+
+class ToolCallParser(Protocol):
+    name: str
+
+    def parse(self, text: str) -> ParseResult: ...
+
+    def has_call_syntax(self, text: str) -> bool:
+        """True when the text (outside reasoning) tries to call a tool, well-formed or not."""
+        ...
+
+
+def split_reasoning(text: str) -> tuple[str, str]:
+    """Return (reasoning, rest): the text of `<think>...</think>` blocks, and everything else.
+
+    A `</think>` with no opening tag before it closes reasoning that started before the text (Qwen3
+    templates put `<think>` in the prompt), so everything up to it is reasoning. An unclosed `<think>`
+    makes the rest of the text reasoning (generation stopped mid-thought).
+    """
+    reasoning: list[str] = []
+    close = text.find(THINK_CLOSE)
+    if close != -1 and THINK_OPEN not in text[:close]:
+        reasoning.append(text[:close])
+        text = text[close + len(THINK_CLOSE) :]
+    rest: list[str] = []
+    while (start := text.find(THINK_OPEN)) != -1:
+        rest.append(text[:start])
+        end = text.find(THINK_CLOSE, start)
+        if end == -1:
+            reasoning.append(text[start + len(THINK_OPEN) :])
+            text = ""
+            break
+        reasoning.append(text[start + len(THINK_OPEN) : end])
+        text = text[end + len(THINK_CLOSE) :]
+    rest.append(text)
+    return "\n".join(r.strip() for r in reasoning).strip(), "".join(rest)
+
+
+def _call_blocks(text: str) -> tuple[list[str], list[str], list[str]]:
+    """Split text into (contents outside blocks, bodies of complete <tool_call> blocks, errors)."""
+    outside: list[str] = []
+    bodies: list[str] = []
+    errors: list[str] = []
+    while (start := text.find(CALL_OPEN)) != -1:
+        outside.append(text[:start])
+        end = text.find(CALL_CLOSE, start)
+        if end == -1:
+            errors.append(f"unterminated {CALL_OPEN} #{len(bodies) + 1}: missing {CALL_CLOSE}")
+            return outside, bodies, errors
+        bodies.append(text[start + len(CALL_OPEN) : end])
+        text = text[end + len(CALL_CLOSE) :]
+    outside.append(text)
+    return outside, bodies, errors
+
+
+def _join_content(parts: list[str]) -> str:
+    return "\n".join(p.strip() for p in parts if p.strip())
+
+
+# ---- hermes ----------------------------------------------------------------------------------------
+
+
+class HermesParser:
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Qwen2.5, Qwen3, Hermes...).
+
+    `arguments` may be an object or a JSON string holding one (missing means `{}`; `parameters` is read
+    when `arguments` is absent); `{"function": {"name", "arguments"}}` nesting is accepted; a model `id`
+    is kept, otherwise ids are `call_<i>` with i the call's index in this message.
+    """
+
+    name = "hermes"
+
+    def __init__(self, schemas: list[dict[str, Any]] | None = None) -> None:
+        del schemas  # JSON already carries types
+
+    def has_call_syntax(self, text: str) -> bool:
+        return CALL_OPEN in split_reasoning(text)[1]
+
+    def parse(self, text: str) -> ParseResult:
+        reasoning, rest = split_reasoning(text)
+        outside, bodies, block_errors = _call_blocks(rest)
+        result = ParseResult(content=_join_content(outside), reasoning=reasoning)
+        for number, body in enumerate(bodies, start=1):
+            call_or_error = _hermes_call(body, number, f"call_{len(result.calls)}")
+            if isinstance(call_or_error, ToolCall):
+                result.calls.append(call_or_error)
+            else:
+                result.errors.append(call_or_error)
+        result.errors += block_errors
+        return result
+
+
+def _hermes_call(body: str, number: int, default_id: str) -> ToolCall | str:
+    where = f"{CALL_OPEN} #{number}"
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError as e:
+        return f"invalid JSON in {where}: {e.msg} at char {e.pos}"
+    if not isinstance(obj, dict):
+        return f'{where} must hold a JSON object {{"name": ..., "arguments": {{...}}}}, got {_json_kind(obj)}'
+    call_id = obj.get("id")
+    if isinstance(obj.get("function"), dict):
+        obj = obj["function"]
+    name = obj.get("name")
+    if not isinstance(name, str) or not name.strip():
+        return f'missing "name" in {where}: expected {{"name": ..., "arguments": {{...}}}}'
+    arguments = obj.get("arguments", obj.get("parameters"))
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as e:
+            return f'invalid JSON in the "arguments" string of {where}: {e.msg} at char {e.pos}'
+    if arguments is None:
+        arguments = {}
+    if not isinstance(arguments, dict):
+        return f'"arguments" in {where} must be a JSON object, got {_json_kind(arguments)}'
+    return ToolCall(name=name.strip(), arguments=arguments, id=str(call_id) if call_id else default_id)
+
+
+def _json_kind(value: Any) -> str:
+    kinds = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    return "null" if value is None else kinds.get(type(value), type(value).__name__)
+
+
+# ---- qwen3_coder -----------------------------------------------------------------------------------
+
+_FUNCTION_RE = re.compile(r"<function=([^>\n]*)>(.*?)(?:</function>|(?=<function=)|\Z)", re.DOTALL)
+_PARAMETER_RE = re.compile(
+    r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|\Z)", re.DOTALL
+)
+
+
+class Qwen3CoderParser:
+    """Qwen3-Coder's XML calls:
+
+        <tool_call>
+        <function=name>
+        <parameter=arg>
+        value
+        </parameter>
+        </function>
+        </tool_call>
+
+    A value loses one leading and one trailing newline, then is read as JSON (numbers, arrays, objects,
+    true/false/null) and kept as the raw string when that fails, or when the tool's schema says the
+    parameter is a string. Nothing is ever `eval`-ed. A missing `</parameter>` or `</function>` is
+    tolerated (the next tag ends it); a missing `</tool_call>` is an error.
+    """
+
+    name = "qwen3_coder"
+
+    def __init__(self, schemas: list[dict[str, Any]] | None = None) -> None:
+        self._string_params = _string_parameters(schemas or [])
+
+    def has_call_syntax(self, text: str) -> bool:
+        return CALL_OPEN in split_reasoning(text)[1]
+
+    def parse(self, text: str) -> ParseResult:
+        reasoning, rest = split_reasoning(text)
+        outside, bodies, block_errors = _call_blocks(rest)
+        result = ParseResult(content=_join_content(outside), reasoning=reasoning)
+        for number, body in enumerate(bodies, start=1):
+            functions = _FUNCTION_RE.findall(body)
+            if not functions:
+                result.errors.append(f"no <function=...> in {CALL_OPEN} #{number}")
+            for name, inner in functions:
+                call_or_error = self._call(name.strip(), inner, number, f"call_{len(result.calls)}")
+                if isinstance(call_or_error, ToolCall):
+                    result.calls.append(call_or_error)
+                else:
+                    result.errors.append(call_or_error)
+        result.errors += block_errors
+        return result
+
+    def _call(self, name: str, inner: str, number: int, call_id: str) -> ToolCall | str:
+        where = f"{CALL_OPEN} #{number}"
+        if not name:
+            return f"missing function name in {where}: expected <function=name>"
+        arguments: dict[str, Any] = {}
+        for key, raw in _PARAMETER_RE.findall(inner):
+            key = key.strip()
+            if not key:
+                return f"missing parameter name in {where} (function {name!r}): expected <parameter=name>"
+            if key in arguments:
+                return f"parameter {key!r} given twice in {where} (function {name!r})"
+            arguments[key] = self._value(name, key, raw)
+        return ToolCall(name=name, arguments=arguments, id=call_id)
+
+    def _value(self, function: str, key: str, raw: str) -> Any:
+        value = raw[1:] if raw.startswith("\n") else raw
+        value = value[:-1] if value.endswith("\n") else value
+        if (function, key) in self._string_params:
+            return value
+        try:
+            return json.loads(value, parse_constant=_reject_constant)
+        except ValueError:
+            return value
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # NaN / Infinity stay strings
+
+
+def _string_parameters(schemas: list[dict[str, Any]]) -> set[tuple[str, str]]:
+    out = set()
+    for schema in schemas:
+        fn = schema.get("function", schema)
+        for key, prop in ((fn.get("parameters") or {}).get("properties") or {}).items():
+            if isinstance(prop, dict) and prop.get("type") == "string":
+                out.add((fn.get("name"), key))
+    return out
+
+
+# ---- registry --------------------------------------------------------------------------------------
+
+PARSERS: dict[str, Callable[[list[dict[str, Any]] | None], ToolCallParser]] = {
+    "hermes": HermesParser,
+    "qwen3_coder": Qwen3CoderParser,
+}
+
+
+def get_parser(name: str, schemas: list[dict[str, Any]] | None = None) -> ToolCallParser:
+    """The parser registered as `name`. `schemas` (the tool set's) lets typed formats keep string
+    parameters as strings."""
+    if name not in PARSERS:
+        raise ValueError(f"unknown tool-call parser {name!r}; registered: {', '.join(sorted(PARSERS))}")
+    return PARSERS[name](schemas)
