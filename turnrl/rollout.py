@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import time
 import traceback
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -218,7 +219,8 @@ async def _turn_loop(
         if budget_left is not None and budget_left <= 0:
             return TerminationReason.TOKEN_BUDGET
         max_new = limits.max_new_tokens if budget_left is None else min(limits.max_new_tokens, budget_left)
-        params = dataclasses.replace(ctx.sampling, max_new_tokens=max_new, stop_token_ids=stop_ids)
+        params = dataclasses.replace(ctx.sampling, max_new_tokens=max_new, stop_token_ids=stop_ids,
+                                     seed=derive_seed(ctx.sampling.seed, ctx.trajectory_id, turn))
         out = await _generate(ctx, b, params, timing)
         b.add_model(out, turn)
         traj.num_turns = turn
@@ -284,6 +286,11 @@ async def _env_step(env: Any, text: str, limits: RolloutLimits, timing: dict) ->
     raise _End(reason, f"{type(error).__name__}: {error}")
 
 
+def derive_seed(base: int | None, trajectory_id: str, turn: int) -> int | None:
+    """A per-call seed from the run seed: the same trajectory id and turn always sample the same way."""
+    return None if base is None else zlib.crc32(f"{base}/{trajectory_id}/{turn}".encode())
+
+
 def _record_step(traj: Trajectory, turn: int, step: StepResult, out: GenerateOutput) -> None:
     if step.reward is not None:
         traj.turn_rewards.append(float(step.reward))
@@ -330,8 +337,17 @@ def _sanity_check(ctx: RolloutContext, traj: Trajectory, messages: list[Message]
     traj.metrics["render_mismatch"] = 0.0 if check.ok else 1.0
     if not check.ok:
         traj.info["render_check"] = {"mode": str(ctx.sanity_mode), "strippable": check.strippable, "diff": check.diff}
-        log.warning("trajectory %s: token stream differs from a full re-render (%s mode)\n%s",
-                    traj.id, ctx.sanity_mode, check.diff)
+        _RENDER_WARNINGS["count"] += 1
+        if _RENDER_WARNINGS["count"] <= _RENDER_WARNINGS["limit"]:
+            log.warning(
+                "trajectory %s: token stream differs from a full re-render (%s mode; %s)%s\n%s", traj.id,
+                ctx.sanity_mode, "only reasoning/whitespace differs" if check.strippable else "content differs",
+                "; further mismatches are only counted (metric render_mismatch, info.render_check)"
+                if _RENDER_WARNINGS["count"] == _RENDER_WARNINGS["limit"] else "", check.diff,
+            )
+
+
+_RENDER_WARNINGS = {"count": 0, "limit": 3}
 
 
 # ---------------------------------------------------------------------------------------------------

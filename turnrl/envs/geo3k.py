@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from math_verify import parse, verify
-
+from turnrl.rewards import boxed_answer_reward, last_boxed, math_equal  # noqa: F401 (re-exported)
+from turnrl.rewards import reference_parses as _reference_parses
 from turnrl.types import Message, StepResult, TerminationReason
 
 TOOL_NAMES = ("calc_score", "calc_geo3k_reward")
@@ -81,58 +80,15 @@ def tool_call_format(tool_name: str = "calc_score") -> str:
 # ---- scoring -------------------------------------------------------------------------------------
 
 
-def last_boxed(text: str) -> str | None:
-    """Content of the last complete (brace-balanced) `\\boxed{...}` or `\\fbox{...}` in text."""
-    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
-    for start in reversed(starts):
-        depth = 1
-        for i in range(start, len(text)):
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            if depth == 0:
-                return text[start:i]
-    return None
-
-
-def _normalise(answer: str) -> str:
-    answer = answer.strip().strip("$").strip()
-    # Forms math-verify misreads: "30°" (unparsed) and a bare "pi" (read as p*i).
-    answer = answer.replace("°", "^\\circ")
-    return re.sub(r"(?<![\\a-zA-Z])pi(?![a-zA-Z])", r"\\pi", answer)
-
-
-def _timeout_s() -> int | None:
-    # math-verify's timeouts use signal.alarm, which only works on the main thread; an env stepped
-    # from a worker thread (asyncio.to_thread) runs without them.
-    return 5 if threading.current_thread() is threading.main_thread() else None
-
-
-def _parse(answer: str) -> list[Any]:
-    return parse(f"\\boxed{{{_normalise(answer)}}}", parsing_timeout=_timeout_s())
-
-
-def answers_match(candidate: str, answer: str) -> bool:
-    """Whether a candidate answer (raw, `$...$` or `\\boxed{...}`) equals the reference under math-verify."""
-    boxed = last_boxed(candidate)
-    if boxed is not None:
-        candidate = boxed
-    if not candidate.strip():
-        return False
-    gold = _parse(answer)
-    if not gold:
-        raise ValueError(f"geo3k: reference answer {answer!r} cannot be parsed by math-verify")
-    return bool(verify(gold, _parse(candidate), timeout_seconds=_timeout_s()))
-
-
 def geo3k_reward(model_texts: list[str], answer: str) -> float:
     """1.0 when the last `\\boxed{}` across the model's own replies matches `answer`, else 0.0.
 
     Pass only text the model generated: env feedback contains `\\boxed{}` and must never be graded.
     """
-    for text in reversed(model_texts):
-        boxed = last_boxed(text)
-        if boxed is not None:
-            return 1.0 if answers_match(boxed, answer) else 0.0
-    return 0.0
+    return boxed_answer_reward(model_texts, answer)
+
+
+answers_match = math_equal
 
 
 # ---- parsing -------------------------------------------------------------------------------------
@@ -200,7 +156,7 @@ class Geo3kEnv:
     """One geo3k episode. See the module docstring for the behaviour of `step`."""
 
     def __init__(self, answer: str, config: Geo3kConfig) -> None:
-        if not _parse(answer):
+        if not _reference_parses(answer):
             raise ValueError(f"geo3k: reference answer {answer!r} cannot be parsed by math-verify")
         self.answer = answer
         self.config = config

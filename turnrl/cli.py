@@ -1,0 +1,185 @@
+"""`turnrl rollout | train | eval | serve | view`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Multi-turn agentic RL for LLMs and VLMs.")
+console = Console()
+
+
+def _setup_logging(verbose: bool) -> None:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING, format="%(message)s",
+        handlers=[RichHandler(console=console, show_path=False, rich_tracebacks=False)], force=True,
+    )
+
+
+def _fail(message: str) -> None:
+    console.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(2)
+
+
+Opt = typer.Option
+
+
+@app.command()
+def rollout(
+    model: Annotated[str, Opt(help="Local HF directory, hub id, or built-in name (smollm2-135m-instruct, tiny-qwen3).")],
+    data: Annotated[Path, Opt(help="JSONL/parquet rows with a `prompt` (string or chat messages).")],
+    out: Annotated[Path, Opt(help="Output trajectory JSONL (docs/trajectory-format.md).")],
+    env: Annotated[str | None, Opt(help="Environment: built-in name, dotted module, or .py file with build_env.")] = None,
+    n: Annotated[int, Opt(help="Samples per prompt.")] = 1,
+    max_turns: Annotated[int, Opt(help="Model turns per trajectory.")] = 4,
+    max_new_tokens: Annotated[int, Opt(help="Tokens per model turn.")] = 256,
+    token_budget: Annotated[int | None, Opt(help="Tokens after the prompt for the whole trajectory.")] = None,
+    custom_config: Annotated[Path | None, Opt(help="YAML passed to build_env as `config`.")] = None,
+    temperature: Annotated[float, Opt(help="Sampling temperature (0 = greedy).")] = 1.0,
+    top_p: Annotated[float, Opt(help="Nucleus sampling mass.")] = 1.0,
+    seed: Annotated[int | None, Opt(help="Seed of the samplers (reproducible trajectories).")] = None,
+    agent: Annotated[str, Opt(help="Default agent for rows without agent_name.")] = "env_agent",
+    agents: Annotated[list[str], Opt("--agent-path", help="Extra agent loop: [name=]file.py:function.")] = [],
+    tools: Annotated[list[str], Opt(help="Function-tool .py file or tool-config .yaml (repeatable).")] = [],
+    tool_parser: Annotated[str, Opt(help="Tool-call format (hermes, qwen3_coder).")] = "hermes",
+    scheduler: Annotated[str | None, Opt(help="ms-swift-style scheduler by name.")] = None,
+    plugin: Annotated[list[str], Opt(help="Python file imported at start-up (repeatable).")] = [],
+    chat_template_kwargs: Annotated[str | None, Opt(help='JSON, e.g. \'{"enable_thinking": false}\'.')] = None,
+    sanity_check: Annotated[str, Opt(help="strict | ignore_strippable | disable.")] = "strict",
+    concurrency: Annotated[int, Opt(help="Trajectories in flight.")] = 64,
+    max_batch_size: Annotated[int, Opt(help="Rows decoded together by the embedded engine.")] = 16,
+    limit: Annotated[int | None, Opt(help="Use only the first N rows.")] = None,
+    reward: Annotated[str | None, Opt(help="Reward function (env, env_last, math, file.py:fn).")] = None,
+    verbose: Annotated[bool, Opt("--verbose", "-v")] = False,
+) -> None:
+    """Roll out trajectories of a model in an environment and write them as JSONL."""
+    _setup_logging(verbose)
+    from turnrl.config import ConfigError, EngineConfig, RolloutConfig, SamplingConfig
+    from turnrl.data import DataError, load_rows
+
+    try:
+        cfg = RolloutConfig(
+            env=env, custom_config=str(custom_config) if custom_config else None, agent=agent, agents=agents,
+            tools=tools, tool_parser=tool_parser, scheduler=scheduler, plugins=plugin, n=n, max_turns=max_turns,
+            max_new_tokens=max_new_tokens, token_budget=token_budget, concurrency=concurrency,
+            sanity_check=sanity_check, chat_template_kwargs=json.loads(chat_template_kwargs or "{}"),
+            sampling=SamplingConfig(temperature=temperature, top_p=top_p, seed=seed),
+        )
+        rows = load_rows(data)[:limit]
+    except (ConfigError, DataError, ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    asyncio.run(_rollout(model, cfg, EngineConfig(max_batch_size=max_batch_size), rows, out, reward))
+
+
+async def _rollout(model_name, cfg, engine_cfg, rows, out: Path, reward: str | None) -> None:
+    from turnrl.build import build_engine, build_renderer, build_rollout_manager
+    from turnrl.models import load_model, load_tokenizer
+    from turnrl.observe import RolloutStats, TrajectoryWriter
+    from turnrl.rewards import load_reward_fn
+
+    try:
+        if cfg.env:  # fail on a bad env before spending time on the model
+            from turnrl.envs.base import load_env_factory
+
+            load_env_factory(cfg.env)
+        tokenizer = load_tokenizer(model_name)
+        renderer = build_renderer(tokenizer, cfg)
+        reward_fn = load_reward_fn(reward) if reward else None
+        with console.status(f"loading {model_name}"):
+            model = load_model(model_name)
+        engine = build_engine(model, engine_cfg, eos_token_ids=sorted(renderer.end_of_turn_ids))
+        manager = build_rollout_manager(cfg, engine, renderer, reward_fn)
+    except (ValueError, FileNotFoundError, AttributeError, ModuleNotFoundError) as e:
+        _fail(str(e))
+    stats = RolloutStats()
+    total = len(rows) * cfg.n
+    with TrajectoryWriter(out) as writer, _progress() as progress:
+        task = progress.add_task("rollout", total=total, info="")
+        async for traj in manager.stream(rows, cfg.n):
+            writer.write(traj)
+            stats.add(traj)
+            s = stats.summary()
+            progress.update(task, advance=1, info=f"turns {s['rollout/turns_mean']:.1f}  "
+                                                  f"{s['rollout/tokens_per_s']:.0f} tok/s")
+    if hasattr(engine, "close"):
+        engine.close()
+    console.print(stats.table(f"rollout of {model_name} → {out}"))
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TextColumn("{task.fields[info]}"), console=console)
+
+
+@app.command()
+def train(
+    config: Annotated[Path, typer.Argument(help="Training config YAML (turnrl.config.TrainConfig).")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="Dotted key=value overrides.")] = None,
+    verbose: Annotated[bool, Opt("--verbose", "-v")] = False,
+) -> None:
+    """Train a policy with GRPO on multi-turn rollouts."""
+    _setup_logging(verbose)
+    from turnrl.config import ConfigError, TrainConfig, load_config
+
+    try:
+        cfg = load_config(TrainConfig, config, overrides or [])
+    except ConfigError as e:
+        _fail(str(e))
+    from turnrl.trainer import run_training
+
+    run_training(cfg, console=console)
+
+
+@app.command(name="eval")
+def evaluate(
+    config: Annotated[Path, typer.Argument(help="Training config YAML; evaluates its model on eval_data.")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="Dotted key=value overrides.")] = None,
+    checkpoint: Annotated[Path | None, Opt(help="Checkpoint directory to evaluate instead of the base model.")] = None,
+    out: Annotated[Path | None, Opt(help="Write the evaluation trajectories here.")] = None,
+) -> None:
+    """Greedy evaluation on the held-out set of a training config."""
+    _setup_logging(False)
+    from turnrl.config import ConfigError, TrainConfig, load_config
+
+    try:
+        cfg = load_config(TrainConfig, config, overrides or [])
+    except ConfigError as e:
+        _fail(str(e))
+    from turnrl.trainer import run_evaluation
+
+    run_evaluation(cfg, checkpoint=checkpoint, out=out, console=console)
+
+
+@app.command()
+def view(
+    path: Annotated[Path, typer.Argument(help="Trajectory JSONL written by rollout/train.")],
+    index: Annotated[int | None, Opt(help="Show only the trajectory at this line (0-based).")] = None,
+    model: Annotated[str | None, Opt(help="Tokenizer to decode token-level segments (else messages are shown).")] = None,
+    html: Annotated[Path | None, Opt(help="Write an HTML page (with images) instead of printing.")] = None,
+) -> None:
+    """Show trajectories: model tokens (trained) vs injected tokens, statuses, rewards, images."""
+    from turnrl.viewer import print_trajectories, write_html
+
+    if not path.exists():
+        _fail(f"{path} does not exist")
+    if html is not None:
+        write_html(path, html, model=model)
+        console.print(f"wrote {html}")
+        return
+    print_trajectories(path, console, index=index, model=model)
+
+
+def main() -> None:  # pragma: no cover
+    app()

@@ -1,0 +1,250 @@
+"""Typed configuration: one pydantic model per entry point, defaults in the schema, YAML + dotted overrides.
+
+    cfg = load_config(TrainConfig, "examples/countdown/config.yaml", ["algo.clip_high=0.28", "steps=10"])
+
+Unknown keys and wrong types fail at once with the dotted path of the field, what was given, what was
+expected, and a suggestion for misspelt keys. Components never see these objects: `turnrl.build` turns
+them into plain arguments.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class SamplingConfig(Strict):
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature of rollouts (0 = greedy). The trainer scales its logits by the same value."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus mass; keep 1.0 when training (the trainer's logprobs ignore top-p)."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 disables."""
+    seed: int | None = None
+    """Base seed of per-request samplers (request k of trajectory t gets a derived seed); None = unseeded."""
+
+
+class EngineConfig(Strict):
+    kind: Literal["embedded", "vllm", "sglang", "http"] = "embedded"
+    """embedded: in-process continuous batching (CPU, small models); vllm / sglang / http: see docs/serving.md."""
+    max_batch_size: int = Field(16, ge=1)
+    """Rows decoded together by the embedded engine."""
+    prefix_cache_tokens: int = Field(32_768, ge=0)
+    """KV tokens the embedded engine keeps per finished turn for the trajectory's next turn (0 = off)."""
+    replicas: int = Field(1, ge=1)
+    """Engine replicas behind the router (each a separate engine)."""
+    urls: list[str] = []
+    """Server URLs for kind sglang/http/vllm-server (one replica each)."""
+
+
+class RolloutConfig(Strict):
+    env: str | None = None
+    """Environment: a built-in name (countdown, geo3k, single_turn), a dotted module or a .py file with build_env."""
+    env_config: dict[str, Any] = {}
+    """Passed to build_env(sample, config) as `config` (merged over --custom-config YAML)."""
+    custom_config: str | None = None
+    """A YAML file whose mapping becomes the env config (slime's --custom-config-path)."""
+    agent: str = "env_agent"
+    """Default agent for rows without `agent_name` (single_turn, env_agent, tool_agent, or one from `agents`)."""
+    agents: list[str] = []
+    """Extra agent loops by path: `[name=]file.py:function` or `[name=]pkg.module:function`."""
+    tools: list[str] = []
+    """Function-tool files (.py) and tool configs (.yaml) for the tool agent."""
+    tool_parser: str = "hermes"
+    """Tool-call format the tool agent parses (hermes, qwen3_coder)."""
+    tool_agent: dict[str, Any] = {}
+    """Tool agent limits: max_parallel_calls, max_tool_response_length, truncate_side, ... (see docs/tools.md)."""
+    scheduler: str | None = None
+    """An ms-swift-style scheduler by name (see docs/from-ms-swift.md); rows then run through it."""
+    plugins: list[str] = []
+    """Python files imported at start-up (they may register schedulers, agents, rewards)."""
+    n: int = Field(4, ge=1)
+    """Samples per prompt (the GRPO group size)."""
+    max_turns: int = Field(4, ge=1)
+    """Model turns per trajectory."""
+    max_new_tokens: int = Field(256, ge=1)
+    """Tokens per model turn."""
+    token_budget: int | None = Field(None, ge=1)
+    """Tokens after the prompt for the whole trajectory (model + observations); None = unlimited."""
+    env_timeout_s: float | None = 60.0
+    """Time limit of one env step."""
+    env_retries: int = Field(0, ge=0)
+    """Extra attempts of a failing env step."""
+    trajectory_timeout_s: float | None = None
+    """Wall-clock limit per trajectory."""
+    concurrency: int = Field(64, ge=1)
+    """Trajectories in flight at once."""
+    sanity_check: Literal["strict", "ignore_strippable", "disable"] = "strict"
+    """Compare each token stream with a full chat-template re-render (render.py)."""
+    chat_template_kwargs: dict[str, Any] = {}
+    """Passed to the chat template (e.g. enable_thinking: false)."""
+    sampling: SamplingConfig = SamplingConfig()
+
+
+class AlgoConfig(Strict):
+    advantage: Literal["grpo", "rloo"] = "grpo"
+    """Group-relative advantage estimator."""
+    normalize_std: bool = True
+    """Divide by the group std (GRPO); false gives Dr. GRPO (mean only)."""
+    clip_low: float = Field(0.2, ge=0)
+    """Ratio clipped below at 1 - clip_low."""
+    clip_high: float = Field(0.2, ge=0)
+    """Ratio clipped above at 1 + clip_high (clip-higher: e.g. 0.28)."""
+    dual_clip: float | None = None
+    """Dual-clip constant (> 1) for negative advantages; None disables."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """sequence = GSPO (use tiny clip ranges, ~3e-4)."""
+    kl_coef: float = Field(0.0, ge=0)
+    """KL-to-reference loss coefficient; 0 loads no reference model."""
+    kl_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    """How per-token losses become one number (see algos.aggregate_loss)."""
+    norm_constant: float | None = None
+    """Denominator of seq_mean_token_sum_norm (e.g. the max response length)."""
+    is_mode: Literal["none", "truncate", "mask"] = "truncate"
+    """Importance-sampling correction against the engine's logprobs: TIS, MIS, or none."""
+    is_level: Literal["token", "sequence"] = "token"
+    is_threshold: float = Field(2.0, gt=1)
+    train_on: list[Literal["completed", "truncated", "aborted", "failed"]] = ["completed", "truncated"]
+    """Trajectory statuses that enter the loss (failed ones never should)."""
+
+
+class OptimConfig(Strict):
+    lr: float = Field(1e-6, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float | None = 1.0
+    """Max gradient norm; None disables."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear learning-rate warm-up (optimizer steps)."""
+    epochs: int = Field(1, ge=1)
+    """Passes over each step's rollouts (PPO epochs)."""
+    mini_batches: int = Field(1, ge=1)
+    """Optimizer steps per epoch (the step's trajectories are split into this many mini-batches)."""
+    micro_batch_tokens: int = Field(4096, ge=64)
+    """Tokens per packed forward/backward (sequences are packed without padding up to this budget)."""
+    gradient_checkpointing: bool = False
+
+
+class RewardConfig(Strict):
+    function: str = "env"
+    """env (sum of env step rewards), env_last, math (\\boxed answer vs `answer`), or path.py:fn / pkg.mod:fn."""
+    answer_key: str = "answer"
+    """Dataset column with the reference answer for `math`."""
+    format_weight: float = 0.0
+    """Weight of a format reward (reply ends with a \\boxed{} answer) added to the main reward."""
+
+
+class TrainConfig(Strict):
+    model: str
+    """Local HF directory, hub id, or built-in name (smollm2-135m-instruct, tiny-qwen3, tiny-qwen3-vl)."""
+    train_data: str
+    """JSONL or parquet rows with a `prompt` (and any columns the env / reward use)."""
+    eval_data: str | None = None
+    """Held-out rows evaluated with greedy decoding before training, every eval_every steps and at the end."""
+    output_dir: str = "runs/latest"
+    """Checkpoints, metrics.jsonl, trajectories and plots go here."""
+    steps: int = Field(20, ge=1)
+    """Training steps (one rollout batch and its updates each)."""
+    prompts_per_step: int = Field(8, ge=1)
+    """Prompts per step; each gets rollout.n samples."""
+    seed: int = 0
+    shuffle: bool = True
+    """Reshuffle the training rows each epoch over the data (deterministic by seed)."""
+    eval_every: int = Field(0, ge=0)
+    """Evaluate every K steps (0 = only before and after training)."""
+    eval_n: int = Field(1, ge=1)
+    """Greedy samples per eval prompt (1 unless the env is stochastic)."""
+    save_every: int = Field(0, ge=0)
+    """Checkpoint every K steps (0 = only at the end)."""
+    resume: bool = False
+    """Continue from the latest checkpoint in output_dir (same data order, RNG, optimizer)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Training and engine dtype (fp32 on CPU: bf16 is ~25x slower without hardware support)."""
+    rollout: RolloutConfig = RolloutConfig()
+    engine: EngineConfig = EngineConfig()
+    algo: AlgoConfig = AlgoConfig()
+    optim: OptimConfig = OptimConfig()
+    reward: RewardConfig = RewardConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.algo.loss_agg == "seq_mean_token_sum_norm" and self.algo.norm_constant is None:
+            raise ValueError("algo.norm_constant is required with algo.loss_agg=seq_mean_token_sum_norm")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------------
+C = TypeVar("C", bound=BaseModel)
+
+
+class ConfigError(ValueError):
+    """A config file or override is wrong; the message names each bad field."""
+
+
+def load_config(cls: type[C], path: str | Path | None = None, overrides: list[str] = ()) -> C:
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path}: invalid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path}: expected a mapping at the top level, got {type(data).__name__}")
+    for item in overrides:
+        apply_override(data, item)
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_explain(cls, e, path)) from None
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """`a.b.c=value` (value parsed as YAML: numbers, booleans, lists, null) into nested dicts."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {item!r}: expected dotted.key=value")
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {item!r}: {part} is not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
+
+
+def _explain(cls: type[BaseModel], error: ValidationError, path: Path | None) -> str:
+    where = f"config {path}" if path else "config"
+    lines = [f"{where} is invalid:"]
+    for err in error.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            known = _fields_at(cls, err["loc"][:-1])
+            hint = difflib.get_close_matches(str(err["loc"][-1]), known, n=1)
+            suggestion = f" (did you mean {hint[0]!r}?)" if hint else f" (known keys: {', '.join(known)})"
+            lines.append(f"  {loc}: unknown key{suggestion}")
+        else:
+            lines.append(f"  {loc or '(top level)'}: {err['msg']} (got {err.get('input')!r:.80})")
+    return "\n".join(lines)
+
+
+def _fields_at(cls: type[BaseModel], loc: tuple) -> list[str]:
+    model: Any = cls
+    for part in loc:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        model = field.annotation
+    return sorted(getattr(model, "model_fields", {}))

@@ -1,0 +1,135 @@
+"""Observability: rollout statistics (O1), the trajectory JSONL dump (O2) and console tables/progress (O3).
+
+Metric names are flat strings, `group/name`, so they can go to MLflow or a log line unchanged:
+- `rollout/status/<status>`, `rollout/reason/<termination_reason>`: fractions of trajectories
+- `rollout/turns_mean`, `rollout/turns_hist/<k>`: turn-count distribution
+- `rollout/model_tokens_mean`, `rollout/injected_tokens_mean`: tokens per trajectory (mask 1 / mask 0)
+- `rollout/gen_time_s`, `rollout/env_time_s`: summed over trajectories (waiting included)
+- `rollout/env_retries`, `rollout/render_mismatch`, `rollout/reward_errors`, `rollout/logprob_issues`: counts
+- `rollout/reward_mean`, `rollout/reward_std`: over trajectories with a reward
+- `rollout/tokens_per_s`: model tokens per wall-clock second
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from rich.table import Table
+
+from turnrl.types import RolloutStatus, Trajectory
+
+
+@dataclass
+class RolloutStats:
+    """Accumulates per-trajectory facts as trajectories stream in."""
+
+    started: float = field(default_factory=time.perf_counter)
+    count: int = 0
+    statuses: Counter = field(default_factory=Counter)
+    reasons: Counter = field(default_factory=Counter)
+    turns: Counter = field(default_factory=Counter)
+    rewards: list[float] = field(default_factory=list)
+    totals: Counter = field(default_factory=Counter)
+    tool_calls: Counter = field(default_factory=Counter)
+
+    def add(self, traj: Trajectory) -> None:
+        self.count += 1
+        self.statuses[str(traj.status)] += 1
+        self.reasons[str(traj.termination_reason)] += 1
+        self.turns[traj.num_turns] += 1
+        if traj.reward is not None:
+            self.rewards.append(float(traj.reward))
+        self.totals["model_tokens"] += traj.num_model_tokens
+        self.totals["injected_tokens"] += traj.num_response_tokens - traj.num_model_tokens
+        for key in ("gen_time_s", "env_time_s", "env_retries", "render_mismatch", "cached_prompt_tokens"):
+            self.totals[key] += traj.metrics.get(key, 0.0)
+        self.totals["reward_errors"] += "reward_error" in traj.info
+        for name, n in traj.info.get("tool_stats", {}).get("calls", {}).items():
+            self.tool_calls[name] += n
+
+    def summary(self) -> dict[str, float]:
+        n = max(self.count, 1)
+        wall = time.perf_counter() - self.started
+        out: dict[str, float] = {"rollout/trajectories": float(self.count), "rollout/wall_s": wall}
+        out.update({f"rollout/status/{k}": v / n for k, v in self.statuses.items()})
+        out.update({f"rollout/reason/{k}": v / n for k, v in self.reasons.items()})
+        out.update({f"rollout/turns_hist/{k}": v / n for k, v in sorted(self.turns.items())})
+        out["rollout/turns_mean"] = sum(k * v for k, v in self.turns.items()) / n
+        out["rollout/model_tokens_mean"] = self.totals["model_tokens"] / n
+        out["rollout/injected_tokens_mean"] = self.totals["injected_tokens"] / n
+        out["rollout/tokens_per_s"] = self.totals["model_tokens"] / wall if wall > 0 else 0.0
+        for key in ("gen_time_s", "env_time_s", "env_retries", "render_mismatch", "reward_errors",
+                    "cached_prompt_tokens"):
+            out[f"rollout/{key}"] = float(self.totals[key])
+        if self.rewards:
+            mean = sum(self.rewards) / len(self.rewards)
+            out["rollout/reward_mean"] = mean
+            out["rollout/reward_std"] = math.sqrt(sum((r - mean) ** 2 for r in self.rewards) / len(self.rewards))
+        return out
+
+    def table(self, title: str = "rollout summary") -> Table:
+        s = self.summary()
+        t = Table(title=title, show_header=True, header_style="bold")
+        t.add_column("metric")
+        t.add_column("value", justify="right")
+        t.add_row("trajectories", f"{self.count}")
+        for status in RolloutStatus:
+            if self.statuses[str(status)]:
+                t.add_row(f"status {status}", f"{self.statuses[str(status)]} ({s[f'rollout/status/{status}']:.0%})")
+        for reason, k in self.reasons.most_common():
+            t.add_row(f"reason {reason}", f"{k}")
+        t.add_row("turns (count: trajectories)", ", ".join(f"{k}: {v}" for k, v in sorted(self.turns.items())))
+        t.add_row("model / injected tokens per trajectory",
+                  f"{s['rollout/model_tokens_mean']:.1f} / {s['rollout/injected_tokens_mean']:.1f}")
+        t.add_row("generation / env time (s, summed)", f"{s['rollout/gen_time_s']:.1f} / {s['rollout/env_time_s']:.1f}")
+        t.add_row("model tokens per second", f"{s['rollout/tokens_per_s']:.1f}")
+        if "rollout/reward_mean" in s:
+            t.add_row("reward mean ± std", f"{s['rollout/reward_mean']:.3f} ± {s['rollout/reward_std']:.3f}")
+        for key in ("env_retries", "render_mismatch", "reward_errors"):
+            if s[f"rollout/{key}"]:
+                t.add_row(key.replace("_", " "), f"{s[f'rollout/{key}']:.0f}")
+        if self.tool_calls:
+            t.add_row("tool calls", ", ".join(f"{k}: {v}" for k, v in self.tool_calls.most_common()))
+        t.add_row("wall time (s)", f"{s['rollout/wall_s']:.1f}")
+        return t
+
+
+class TrajectoryWriter:
+    """Appends trajectories to a JSONL file as they finish (docs/trajectory-format.md)."""
+
+    def __init__(self, path: str | Path, mode: str = "w"):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: IO[str] = open(self.path, mode, encoding="utf-8")
+
+    def write(self, traj: Trajectory) -> None:
+        self._file.write(json.dumps(traj.to_json(), ensure_ascii=False, default=_json_default) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> TrajectoryWriter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _json_default(obj: Any) -> Any:
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    if isinstance(obj, set | tuple):
+        return list(obj)
+    return str(obj)
+
+
+def read_trajectories(path: str | Path) -> list[Trajectory]:
+    with open(path, encoding="utf-8") as f:
+        return [Trajectory.from_json(json.loads(line)) for line in f if line.strip()]

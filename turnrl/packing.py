@@ -1,0 +1,123 @@
+"""Packed sequences for training: no padding, attention that never crosses sequences, logits only where needed.
+
+Sequences (prompt + response) are concatenated into rows of at most `max_tokens` tokens. Inside a row,
+each sequence keeps its own positions (0..len-1) and attends only to itself: a registered attention
+function runs causal SDPA per sequence (no block-diagonal mask, so no attention FLOPs on masked pairs).
+The LM head runs only at the positions that predict a trained token (loss mask 1): with a 150k vocabulary
+the head is most of the cost of a small model, and prompt/observation positions need no logits at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+VARLEN_ATTENTION = "turnrl_varlen"
+
+
+def varlen_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Causal attention per packed sequence. query [1, H, T, D], key/value [1, H_kv, T, D] → [1, T, H, D]."""
+    cu_seqlens: list[int] = kwargs["turnrl_cu_seqlens"]
+    groups = query.shape[1] // key.shape[1]
+    outputs = []
+    for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True):
+        k, v = key[:, :, a:b], value[:, :, a:b]
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        outputs.append(F.scaled_dot_product_attention(query[:, :, a:b], k, v, is_causal=True, scale=scaling))
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(VARLEN_ATTENTION, varlen_sdpa_attention)
+
+
+def use_varlen_attention(model: torch.nn.Module) -> None:
+    """Switch a (text) model's attention to the packed-sequence kernel (training side only)."""
+    for config in {id(c): c for c in _text_configs(model.config)}.values():
+        config._attn_implementation_internal = VARLEN_ATTENTION
+
+
+def _text_configs(config):
+    yield config
+    text = getattr(config, "text_config", None)
+    if text is not None:
+        yield text
+
+
+@dataclass
+class PackedRow:
+    """Several sequences concatenated; `targets` are the trained next-token predictions."""
+
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    cu_seqlens: list[int]  # sequence boundaries, len = n_seqs + 1
+    sequence_index: list[int]  # which input sample each packed sequence is
+    predict_at: torch.Tensor  # [N] row positions whose logits predict a trained token
+    targets: torch.Tensor  # [N] the token predicted at each of those positions
+    target_seq: torch.Tensor  # [N] packed-sequence number of each target (0..n_seqs-1)
+    target_pos: torch.Tensor  # [N] index of the target inside its sequence's response
+
+
+def pack_sequences(
+    sequences: Sequence[tuple[list[int], list[int], list[int]]], max_tokens: int
+) -> list[PackedRow]:
+    """Greedy first-fit packing of (prompt_ids, response_ids, loss_mask) triples, in order.
+
+    A sequence longer than max_tokens gets a row of its own (never truncated: that would change the loss).
+    """
+    rows: list[list[int]] = []
+    sizes: list[int] = []
+    for i, (prompt, response, _) in enumerate(sequences):
+        n = len(prompt) + len(response)
+        for r, size in enumerate(sizes):
+            if size + n <= max_tokens:
+                rows[r].append(i)
+                sizes[r] += n
+                break
+        else:
+            rows.append([i])
+            sizes.append(n)
+    return [_build_row(sequences, members) for members in rows]
+
+
+def _build_row(sequences, members: list[int]) -> PackedRow:
+    ids, pos, cu = [], [], [0]
+    predict_at, targets, target_seq, target_pos = [], [], [], []
+    for s, i in enumerate(members):
+        prompt, response, mask = sequences[i]
+        offset = cu[-1]
+        for k, m in enumerate(mask):
+            if m:
+                predict_at.append(offset + len(prompt) + k - 1)  # the logit at t predicts token t + 1
+                targets.append(response[k])
+                target_seq.append(s)
+                target_pos.append(k)
+        ids.extend(prompt + response)
+        pos.extend(range(len(prompt) + len(response)))
+        cu.append(offset + len(prompt) + len(response))
+    return PackedRow(
+        input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]), cu_seqlens=cu, sequence_index=members,
+        predict_at=torch.tensor(predict_at, dtype=torch.long), targets=torch.tensor(targets, dtype=torch.long),
+        target_seq=torch.tensor(target_seq, dtype=torch.long), target_pos=torch.tensor(target_pos, dtype=torch.long),
+    )
+
+
+def packed_token_logprobs(model: torch.nn.Module, row: PackedRow, temperature: float = 1.0) -> torch.Tensor:
+    """Logprob of each target token under `model` with logits / temperature (as the engine sampled). [N]"""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    hidden = base(input_ids=row.input_ids, position_ids=row.position_ids,
+                  turnrl_cu_seqlens=row.cu_seqlens).last_hidden_state  # [1, T, H]
+    logits_N_V = model.lm_head(hidden[0, row.predict_at]).float()
+    if temperature > 0 and temperature != 1.0:
+        logits_N_V = logits_N_V / temperature
+    return logits_N_V.log_softmax(-1).gather(1, row.targets[:, None])[:, 0]
+
+
+def unpack_to_padded(values_N: torch.Tensor, row: PackedRow, lengths: list[int]) -> torch.Tensor:
+    """Scatter per-target values into [n_seqs, max_response_len] (zeros elsewhere) for the loss functions."""
+    out = values_N.new_zeros(len(row.sequence_index), max(lengths, default=0))
+    return out.index_put((row.target_seq, row.target_pos), values_N)

@@ -1,0 +1,114 @@
+"""A readable view of trajectory JSONL: trained tokens vs injected tokens, statuses, rewards and images."""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import mimetypes
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.panel import Panel
+from rich.text import Text
+
+STYLES = {"prompt": "dim", "model": "green", "injected": "magenta", "env": "yellow", "tool": "cyan", "template": "bright_black"}
+CSS_COLOURS = {"prompt": "#777", "model": "#0a7d00", "injected": "#a0a", "env": "#9a6700", "tool": "#0277bd",
+               "template": "#999"}
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _pieces(row: dict[str, Any], tokenizer: Any) -> list[tuple[str, str]]:
+    """(kind, text) runs: prompt, then each segment split where the mask changes inside it."""
+    pieces = [("prompt", tokenizer.decode(row["prompt_ids"]))]
+    ids, mask = row["response_ids"], row["loss_mask"]
+    for seg in row.get("segments") or [{"source": "model", "start": 0, "length": len(ids)}]:
+        a, b = seg["start"], seg["start"] + seg["length"]
+        run = a
+        for k in range(a + 1, b + 1):
+            if k == b or mask[k] != mask[run]:
+                kind = seg["source"] if seg["source"] != "model" else ("model" if mask[run] else "injected")
+                pieces.append((kind, tokenizer.decode(ids[run:k])))
+                run = k
+    return pieces
+
+
+def _header(row: dict[str, Any]) -> str:
+    reward = row.get("reward")
+    return (f"{row['id']}  status={row['status']}  reason={row.get('termination_reason')}  turns={row.get('num_turns')}  "
+            f"reward={'—' if reward is None else f'{reward:.3f}'}" + (f"  error={row['error']}" if row.get("error") else ""))
+
+
+def print_trajectories(path: Path, console: Console, index: int | None = None, model: str | None = None) -> None:
+    rows = _rows(path)
+    selected = rows if index is None else [rows[index]]
+    tokenizer = None
+    if model is not None:
+        from turnrl.models import load_tokenizer
+
+        tokenizer = load_tokenizer(model)
+    legend = "  ".join(f"[{style}]{kind}[/]" for kind, style in STYLES.items())
+    console.print(f"{len(rows)} trajectories in {path}   legend: {legend}")
+    for row in selected:
+        body = Text()
+        if tokenizer is not None:
+            for kind, text in _pieces(row, tokenizer):
+                body.append(text, style=STYLES.get(kind, ""))
+        else:
+            for m in row.get("messages", []):
+                style = {"assistant": "green", "tool": "cyan", "system": "dim"}.get(m.get("role"), "yellow")
+                body.append(f"[{m.get('role')}] ", style="bold " + style)
+                body.append(_content_text(m.get("content")) + "\n", style=style)
+        if row.get("images"):
+            body.append("\nimages: " + ", ".join(row["images"]), style="italic")
+        console.print(Panel(body, title=_header(row), title_align="left"))
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") if p.get("type") == "text" else f"<{p.get('type')}>" for p in content)
+    return str(content)
+
+
+def _image_src(ref: str, base: Path) -> str:
+    if ref.startswith(("data:", "http://", "https://")):
+        return ref
+    path = Path(ref) if Path(ref).is_absolute() else base / ref
+    if not path.exists():
+        return ""
+    mime = mimetypes.guess_type(path.name)[0] or "image/png"
+    return f"data:{mime};base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def write_html(path: Path, out: Path, model: str | None = None) -> None:
+    """One self-contained HTML page: each trajectory with coloured token runs and its images inline."""
+    rows = _rows(path)
+    tokenizer = None
+    if model is not None:
+        from turnrl.models import load_tokenizer
+
+        tokenizer = load_tokenizer(model)
+    parts = ["<html><head><meta charset='utf-8'><style>body{font-family:sans-serif} pre{white-space:pre-wrap;"
+             "border:1px solid #ddd;padding:8px} img{max-width:256px;margin:4px;border:1px solid #ccc}</style></head><body>",
+             "<p>" + " ".join(f"<span style='color:{c}'>{k}</span>" for k, c in CSS_COLOURS.items()) + "</p>"]
+    for row in rows:
+        parts.append(f"<h3>{html.escape(_header(row))}</h3>")
+        for ref in row.get("images", []):
+            src = _image_src(ref, path.parent)
+            parts.append(f"<img src='{src}' title='{html.escape(ref)}'>" if src else f"<p>missing image {html.escape(ref)}</p>")
+        if tokenizer is not None:
+            spans = "".join(f"<span style='color:{CSS_COLOURS.get(k, '#000')}'>{html.escape(t)}</span>"
+                            for k, t in _pieces(row, tokenizer))
+        else:
+            spans = "".join(f"<b>[{html.escape(str(m.get('role')))}]</b> {html.escape(_content_text(m.get('content')))}\n"
+                            for m in row.get("messages", []))
+        parts.append(f"<pre>{spans}</pre>")
+    parts.append("</body></html>")
+    out.write_text("\n".join(parts), encoding="utf-8")
