@@ -173,7 +173,8 @@ async def test_slime_tuple_and_env_given_reason(qwen3_tokenizer):
     engine = ScriptedEngine(qwen3_tokenizer, replies("nope", "4"))
     traj = await drive(make_ctx(engine, qwen3_tokenizer), FeedbackEnv(slime_tuple=True))
     assert traj.termination_reason == TerminationReason.ENV_DONE and traj.num_turns == 2
-    assert traj.info["turns"][1]["env_info"] == {"correct": True}
+    assert traj.info["turns"][1]["env"]["info"] == {"correct": True}
+    assert traj.info["turns"][1]["generate"]["finish_reason"] == "stop"
 
     class NoToolCall:
         def step(self, text):

@@ -221,7 +221,9 @@ async def _turn_loop(
         max_new = limits.max_new_tokens if budget_left is None else min(limits.max_new_tokens, budget_left)
         params = dataclasses.replace(ctx.sampling, max_new_tokens=max_new, stop_token_ids=stop_ids,
                                      seed=derive_seed(ctx.sampling.seed, ctx.trajectory_id, turn))
-        out = await _generate(ctx, b, params, timing)
+        record: dict[str, Any] = {"turn": turn}
+        traj.info.setdefault("turns", []).append(record)  # the trace of this turn (docs/trajectory-format.md)
+        out = await _generate(ctx, b, params, timing, record)
         b.add_model(out, turn)
         traj.num_turns = turn
         text = ctx.renderer.assistant_text(out.token_ids)
@@ -230,8 +232,9 @@ async def _turn_loop(
             return TerminationReason.CANCELLED
         if out.finish_reason == FinishReason.LENGTH:
             return TerminationReason.LENGTH if max_new == limits.max_new_tokens else TerminationReason.TOKEN_BUDGET
-        step = await _env_step(env, text, limits, timing)
-        _record_step(traj, turn, step, out)
+        step = await _env_step(env, text, limits, timing, record)
+        if step.reward is not None:
+            traj.turn_rewards.append(float(step.reward))
         if step.done:
             return step.termination_reason or TerminationReason.ENV_DONE
         if turn == limits.max_turns:
@@ -246,33 +249,45 @@ async def _turn_loop(
         source = SegmentSource.TOOL if any(m.get("role") == "tool" for m in observation) else SegmentSource.ENV
         b.add_injected(closing, SegmentSource.TEMPLATE, turn)
         b.add_injected(obs_ids, source, turn)
+        record["observation_tokens"] = len(closing) + len(obs_ids)
         messages.extend(observation)
     return TerminationReason.MAX_TURNS
 
 
-async def _generate(ctx: RolloutContext, b: TrajectoryBuilder, params: SamplingParams, timing: dict) -> GenerateOutput:
-    t0 = time.perf_counter()
+async def _generate(
+    ctx: RolloutContext, b: TrajectoryBuilder, params: SamplingParams, timing: dict, record: dict
+) -> GenerateOutput:
+    t0, start_ns = time.perf_counter(), time.time_ns()
     try:
         out = await ctx.engine.generate(b.token_ids, params, request_id=ctx.trajectory_id)
     except asyncio.CancelledError:
         raise
     except Exception as e:
+        record["generate"] = {"start_ns": start_ns, "end_ns": time.time_ns(), "error": f"{type(e).__name__}: {e}"}
         raise _End(TerminationReason.ENGINE_ERROR, f"{type(e).__name__}: {e}") from e
     finally:
         timing["gen_time_s"] += time.perf_counter() - t0
+    record["generate"] = {
+        "start_ns": start_ns, "end_ns": time.time_ns(), "prompt_tokens": len(b.token_ids),
+        "cached_prompt_tokens": out.cached_prompt_tokens, "tokens": len(out.token_ids),
+        "finish_reason": str(out.finish_reason), "policy_version": out.policy_version,
+    }
     if not out.token_ids:
         raise _End(TerminationReason.ENGINE_ERROR, "engine returned no tokens")
     timing["cached_prompt_tokens"] += out.cached_prompt_tokens
     return out
 
 
-async def _env_step(env: Any, text: str, limits: RolloutLimits, timing: dict) -> StepResult:
+async def _env_step(env: Any, text: str, limits: RolloutLimits, timing: dict, record: dict) -> StepResult:
     error: BaseException | None = None
+    start_ns = time.time_ns()
     for attempt in range(limits.env_retries + 1):
         t0 = time.perf_counter()
         try:
-            result = await asyncio.wait_for(call(env.step, text), limits.env_timeout_s)
-            return normalise_step(result)
+            step = normalise_step(await asyncio.wait_for(call(env.step, text), limits.env_timeout_s))
+            record["env"] = {"start_ns": start_ns, "end_ns": time.time_ns(), "attempts": attempt + 1,
+                             "reward": step.reward, "done": step.done, "info": step.info}
+            return step
         except TimeoutError:
             error = TimeoutError(f"env.step exceeded env_timeout_s={limits.env_timeout_s}")
         except Exception as e:
@@ -282,22 +297,16 @@ async def _env_step(env: Any, text: str, limits: RolloutLimits, timing: dict) ->
         if attempt < limits.env_retries:
             timing["env_retries"] += 1
             log.warning("env.step failed (%s); retry %d of %d", error, attempt + 1, limits.env_retries)
+    message = f"{type(error).__name__}: {error}"
+    record["env"] = {"start_ns": start_ns, "end_ns": time.time_ns(), "attempts": limits.env_retries + 1,
+                     "error": message}
     reason = TerminationReason.TIMEOUT if isinstance(error, TimeoutError) else TerminationReason.ENV_ERROR
-    raise _End(reason, f"{type(error).__name__}: {error}")
+    raise _End(reason, message)
 
 
 def derive_seed(base: int | None, trajectory_id: str, turn: int) -> int | None:
     """A per-call seed from the run seed: the same trajectory id and turn always sample the same way."""
     return None if base is None else zlib.crc32(f"{base}/{trajectory_id}/{turn}".encode())
-
-
-def _record_step(traj: Trajectory, turn: int, step: StepResult, out: GenerateOutput) -> None:
-    if step.reward is not None:
-        traj.turn_rewards.append(float(step.reward))
-    traj.info.setdefault("turns", []).append({
-        "turn": turn, "finish_reason": str(out.finish_reason), "model_tokens": len(out.token_ids),
-        "reward": step.reward, "done": step.done, "env_info": step.info,
-    })
 
 
 def _failed(ctx: RolloutContext, builder: TrajectoryBuilder | None, reason: TerminationReason, e: BaseException) -> Trajectory:
