@@ -47,7 +47,8 @@ class RolloutStats:
             self.rewards.append(float(traj.reward))
         self.totals["model_tokens"] += traj.num_model_tokens
         self.totals["injected_tokens"] += traj.num_response_tokens - traj.num_model_tokens
-        for key in ("gen_time_s", "env_time_s", "env_retries", "render_mismatch", "cached_prompt_tokens"):
+        for key in ("gen_time_s", "env_time_s", "env_retries", "render_mismatch", "cached_prompt_tokens",
+                    "logprob_issues"):
             self.totals[key] += traj.metrics.get(key, 0.0)
         self.totals["reward_errors"] += "reward_error" in traj.info
         for name, n in traj.info.get("tool_stats", {}).get("calls", {}).items():
@@ -65,7 +66,7 @@ class RolloutStats:
         out["rollout/injected_tokens_mean"] = self.totals["injected_tokens"] / n
         out["rollout/tokens_per_s"] = self.totals["model_tokens"] / wall if wall > 0 else 0.0
         for key in ("gen_time_s", "env_time_s", "env_retries", "render_mismatch", "reward_errors",
-                    "cached_prompt_tokens"):
+                    "cached_prompt_tokens", "logprob_issues"):
             out[f"rollout/{key}"] = float(self.totals[key])
         if self.rewards:
             mean = sum(self.rewards) / len(self.rewards)
@@ -91,7 +92,7 @@ class RolloutStats:
         t.add_row("model tokens per second", f"{s['rollout/tokens_per_s']:.1f}")
         if "rollout/reward_mean" in s:
             t.add_row("reward mean ± std", f"{s['rollout/reward_mean']:.3f} ± {s['rollout/reward_std']:.3f}")
-        for key in ("env_retries", "render_mismatch", "reward_errors"):
+        for key in ("env_retries", "render_mismatch", "reward_errors", "logprob_issues"):
             if s[f"rollout/{key}"]:
                 t.add_row(key.replace("_", " "), f"{s[f'rollout/{key}']:.0f}")
         if self.tool_calls:

@@ -46,6 +46,7 @@ from turnrl.types import (
     StepResult,
     TerminationReason,
     Trajectory,
+    Turn,
     validate_segment,
 )
 
@@ -105,11 +106,38 @@ class TrajectoryBuilder:
         self._response_len += len(segment.token_ids)
         return segment
 
-    def add_model(self, out: GenerateOutput, turn: int) -> Segment:
+    def add_model(self, out: GenerateOutput, turn: int, *, extend: bool = False) -> Segment:
+        """Append the engine's tokens (mask 1, its logprobs); `extend` continues the last model segment."""
+        last = self.trajectory.segments[-1] if self.trajectory.segments else None
+        if extend and last is not None and last.source == SegmentSource.MODEL:
+            last.token_ids.extend(out.token_ids)
+            last.loss_mask.extend([1] * len(out.token_ids))
+            if last.logprobs is not None:
+                last.logprobs.extend(out.logprobs)
+            last.policy_version = out.policy_version
+            self._ids.extend(out.token_ids)
+            self._response_len += len(out.token_ids)
+            return last
         return self.add(Segment(
             SegmentSource.MODEL, list(out.token_ids), [1] * len(out.token_ids), list(out.logprobs), turn,
             out.policy_version,
         ))
+
+    def replace_last_model_tokens(self, n_old: int, token_ids: list[int], loss_mask: list[int],
+                                  logprobs: list[float | None] | None) -> None:
+        """Swap the last `n_old` tokens of the last model segment for edited ones (a scheduler's `step`)."""
+        last = self.trajectory.segments[-1]
+        if last.source != SegmentSource.MODEL or n_old > len(last.token_ids):
+            raise ValueError(f"trajectory {self.trajectory.id!r}: no model turn of {n_old} tokens to replace")
+        keep = len(last.token_ids) - n_old
+        old_logprobs = last.logprobs
+        last.token_ids[keep:] = token_ids
+        last.loss_mask[keep:] = loss_mask
+        last.logprobs = None if logprobs is None or old_logprobs is None else old_logprobs[:keep] + list(logprobs)
+        validate_segment(last, f"trajectory {self.trajectory.id!r} edited model segment")
+        del self._ids[len(self._ids) - n_old:]
+        self._ids.extend(token_ids)
+        self._response_len += len(token_ids) - n_old
 
     def add_injected(self, token_ids: Sequence[int], source: SegmentSource, turn: int) -> Segment | None:
         if not token_ids:
@@ -214,6 +242,7 @@ async def _turn_loop(
 ) -> TerminationReason:
     limits, traj = ctx.limits, b.trajectory
     stop_ids = tuple(sorted(set(ctx.sampling.stop_token_ids) | ctx.renderer.end_of_turn_ids))
+    continuing = False
     for turn in range(1, limits.max_turns + 1):
         budget_left = None if limits.token_budget is None else limits.token_budget - b.response_len
         if budget_left is not None and budget_left <= 0:
@@ -224,25 +253,48 @@ async def _turn_loop(
         record: dict[str, Any] = {"turn": turn}
         traj.info.setdefault("turns", []).append(record)  # the trace of this turn (docs/trajectory-format.md)
         out = await _generate(ctx, b, params, timing, record)
-        b.add_model(out, turn)
+        b.add_model(out, turn, extend=continuing)
         traj.num_turns = turn
         text = ctx.renderer.assistant_text(out.token_ids)
-        messages.append({"role": "assistant", "content": text})
+        if continuing:
+            messages[-1]["content"] += text
+        else:
+            messages.append({"role": "assistant", "content": text})
         if out.finish_reason == FinishReason.ABORT:
             return TerminationReason.CANCELLED
-        if out.finish_reason == FinishReason.LENGTH:
-            return TerminationReason.LENGTH if max_new == limits.max_new_tokens else TerminationReason.TOKEN_BUDGET
-        step = await _env_step(env, text, limits, timing, record)
+        length_reason = TerminationReason.LENGTH if max_new == limits.max_new_tokens else TerminationReason.TOKEN_BUDGET
+        turn_aware = hasattr(env, "step_turn")  # schedulers see tokens and decide themselves on a length stop
+        if out.finish_reason == FinishReason.LENGTH and not turn_aware:
+            return length_reason
+        step = await _env_step(env, Turn(turn, text, out.token_ids, out.logprobs, out.finish_reason) if turn_aware
+                               else text, limits, timing, record)
+        edited = _apply_step_edits(b, out, step)
+        if edited is not None:  # the assistant message shows the edited tokens
+            content = messages[-1]["content"]
+            messages[-1]["content"] = content[: len(content) - len(text)] + ctx.renderer.assistant_text(edited)
         if step.reward is not None:
             traj.turn_rewards.append(float(step.reward))
         if step.done:
+            if step.termination_reason is None and out.finish_reason == FinishReason.LENGTH:
+                return length_reason
             return step.termination_reason or TerminationReason.ENV_DONE
         if turn == limits.max_turns:
             return TerminationReason.MAX_TURNS
+        continuing = step.continuation
+        if continuing:  # e.g. a tip appended to the assistant message: mask 0, same segment, same message
+            tip = step.observation or ""
+            if not isinstance(tip, str):
+                raise _End(TerminationReason.INVALID_OUTPUT, "a continuation observation must be a string")
+            tip_ids = ctx.renderer.encode(tip) if tip else []
+            if limits.token_budget is not None and b.response_len + len(tip_ids) >= limits.token_budget:
+                return TerminationReason.TOKEN_BUDGET
+            b.extend_model_segment(tip_ids, turn)
+            messages[-1]["content"] += tip
+            continue
         observation = await observation_messages(env, step.observation)
         if not observation:
             raise _End(TerminationReason.ENV_ERROR, "env.step returned done=False without an observation")
-        closing = ctx.renderer.turn_closing_ids(out.token_ids)
+        closing = ctx.renderer.turn_closing_ids(b.trajectory.segments[-1].token_ids)
         obs_ids = ctx.renderer.observation_ids(observation, tools)
         if limits.token_budget is not None and b.response_len + len(closing) + len(obs_ids) >= limits.token_budget:
             return TerminationReason.TOKEN_BUDGET
@@ -302,6 +354,47 @@ async def _env_step(env: Any, text: str, limits: RolloutLimits, timing: dict, re
                      "error": message}
     reason = TerminationReason.TIMEOUT if isinstance(error, TimeoutError) else TerminationReason.ENV_ERROR
     raise _End(reason, message)
+
+
+def _apply_step_edits(b: TrajectoryBuilder, out: GenerateOutput, step: StepResult) -> list[int] | None:
+    """Apply a scheduler's token edits and rollout infos. Token rules (ms-swift's, but loud): ids and mask of
+    equal length with values in {0, 1}, else the trajectory fails; one logprob per mask-1 token, else
+    importance correction is switched off for this trajectory only, and the trajectory says so."""
+    traj = b.trajectory
+    if step.rollout_infos:
+        traj.info.setdefault("rollout_infos", {}).update(step.rollout_infos)
+    if step.response_token_ids is None and step.response_loss_mask is None and step.rollout_logprobs is None:
+        return None
+    ids = list(step.response_token_ids if step.response_token_ids is not None else out.token_ids)
+    mask = list(step.response_loss_mask if step.response_loss_mask is not None else [1] * len(ids))
+    if len(mask) != len(ids) or any(m not in (0, 1) for m in mask):
+        raise _End(TerminationReason.INVALID_OUTPUT,
+                   f"trajectory {traj.id!r} turn {traj.num_turns}: response_token_ids has {len(ids)} tokens and "
+                   f"response_loss_mask {len(mask)} values {sorted(set(mask))}; they must have equal length and "
+                   "values in {0, 1}")
+    n_trained = sum(mask)
+    logprobs: list[float] | None = None
+    issue = None
+    if step.rollout_logprobs is not None:
+        if len(step.rollout_logprobs) == n_trained:
+            logprobs = list(step.rollout_logprobs)
+        else:
+            issue = f"rollout_logprobs has {len(step.rollout_logprobs)} values for {n_trained} mask-1 tokens"
+    elif ids[:n_trained] == out.token_ids[:n_trained] and all(mask[:n_trained]):
+        logprobs = list(out.logprobs[:n_trained])  # a cut of the engine's own tokens keeps their logprobs
+    else:
+        issue = f"{n_trained} mask-1 tokens are not the engine's own tokens and no rollout_logprobs were given"
+    aligned = None
+    if logprobs is not None:
+        it = iter(logprobs)
+        aligned = [next(it) if m else None for m in mask]
+    if issue is not None:
+        log.warning("trajectory %s turn %d: %s; importance-sampling correction is off for this trajectory",
+                    traj.id, traj.num_turns, issue)
+        traj.info.setdefault("logprob_issues", []).append(f"turn {traj.num_turns}: {issue}")
+        traj.metrics["logprob_issues"] = traj.metrics.get("logprob_issues", 0) + 1
+    b.replace_last_model_tokens(len(out.token_ids), ids, mask, aligned)
+    return ids
 
 
 def derive_seed(base: int | None, trajectory_id: str, turn: int) -> int | None:

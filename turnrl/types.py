@@ -406,6 +406,29 @@ class StepResult:
     info: dict[str, Any] = field(default_factory=dict)
     termination_reason: TerminationReason | None = None
     """Why the episode ended when done (default env_done)."""
+    # ---- token-level edits (ms-swift's scheduler `step` results; plain envs leave them unset) ----------
+    response_token_ids: list[int] | None = None
+    """Replace this turn's model tokens (e.g. cut after the answer and append a tip)."""
+    response_loss_mask: list[int] | None = None
+    """Mask of `response_token_ids` (0 on injected tokens); default all 1."""
+    rollout_logprobs: list[float] | None = None
+    """One logprob per mask-1 token of `response_token_ids`; default: the engine's, when they still apply."""
+    continuation: bool = False
+    """The observation (a str) continues the assistant message instead of starting a new turn: its tokens
+    are appended to the model segment with mask 0, with no turn closing and no generation prompt."""
+    rollout_infos: dict[str, Any] | None = None
+    """Merged into `Trajectory.info["rollout_infos"]`; reward functions receive the keys as arguments."""
+
+
+@dataclass
+class Turn:
+    """One model turn as an env that implements `step_turn` sees it (tokens, not just text)."""
+
+    turn: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
 
 
 def as_dict(obj: Any) -> dict[str, Any]:
