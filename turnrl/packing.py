@@ -60,14 +60,17 @@ class PackedRow:
     targets: torch.Tensor  # [N] the token predicted at each of those positions
     target_seq: torch.Tensor  # [N] packed-sequence number of each target (0..n_seqs-1)
     target_pos: torch.Tensor  # [N] index of the target inside its sequence's response
+    mm_inputs: list[dict[str, torch.Tensor] | None] | None = None  # per packed sequence (VLM), in row order
 
 
 def pack_sequences(
-    sequences: Sequence[tuple[list[int], list[int], list[int]]], max_tokens: int
+    sequences: Sequence[tuple[list[int], list[int], list[int]]], max_tokens: int,
+    mm_inputs: Sequence[dict[str, torch.Tensor] | None] | None = None,
 ) -> list[PackedRow]:
     """Greedy first-fit packing of (prompt_ids, response_ids, loss_mask) triples, in order.
 
     A sequence longer than max_tokens gets a row of its own (never truncated: that would change the loss).
+    `mm_inputs` (VLM processor tensors per sequence) travel with their sequences.
     """
     rows: list[list[int]] = []
     sizes: list[int] = []
@@ -81,7 +84,11 @@ def pack_sequences(
         else:
             rows.append([i])
             sizes.append(n)
-    return [_build_row(sequences, members) for members in rows]
+    packed = [_build_row(sequences, members) for members in rows]
+    if mm_inputs is not None:
+        for row in packed:
+            row.mm_inputs = [mm_inputs[i] for i in row.sequence_index]
+    return packed
 
 
 def _build_row(sequences, members: list[int]) -> PackedRow:
@@ -108,13 +115,32 @@ def _build_row(sequences, members: list[int]) -> PackedRow:
 
 def packed_token_logprobs(model: torch.nn.Module, row: PackedRow, temperature: float = 1.0) -> torch.Tensor:
     """Logprob of each target token under `model` with logits / temperature (as the engine sampled). [N]"""
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    hidden = base(input_ids=row.input_ids, position_ids=row.position_ids,
-                  turnrl_cu_seqlens=row.cu_seqlens).last_hidden_state  # [1, T, H]
+    if hasattr(model.config, "vision_config"):
+        hidden = _vl_hidden(model, row)
+    else:
+        base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        hidden = base(input_ids=row.input_ids, position_ids=row.position_ids,
+                      turnrl_cu_seqlens=row.cu_seqlens).last_hidden_state  # [1, T, H]
     logits_N_V = model.lm_head(hidden[0, row.predict_at]).float()
     if temperature > 0 and temperature != 1.0:
         logits_N_V = logits_N_V / temperature
     return logits_N_V.log_softmax(-1).gather(1, row.targets[:, None])[:, 0]
+
+
+def _vl_hidden(model: torch.nn.Module, row: PackedRow) -> torch.Tensor:
+    """VLM forward of a packed row: each sequence's M-RoPE positions from 0, pixels of all its images."""
+    from turnrl.multimodal import vl_positions
+
+    mms = row.mm_inputs or [None] * (len(row.cu_seqlens) - 1)
+    ids = row.input_ids[0].tolist()
+    positions = []
+    for k, (a, b) in enumerate(zip(row.cu_seqlens[:-1], row.cu_seqlens[1:], strict=True)):
+        grid = (mms[k] or {}).get("image_grid_thw")
+        positions.append(vl_positions(model, ids[a:b], grid)[0])
+    with_images = [mm for mm in mms if mm]
+    pixels = {key: torch.cat([mm[key] for mm in with_images]) for key in with_images[0]} if with_images else {}
+    return model.model(input_ids=row.input_ids, position_ids=torch.cat(positions, dim=2),
+                       turnrl_cu_seqlens=row.cu_seqlens, **pixels).last_hidden_state
 
 
 def unpack_to_padded(values_N: torch.Tensor, row: PackedRow, lengths: list[int]) -> torch.Tensor:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import difflib
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -45,6 +45,17 @@ class SanityMode(StrEnum):
 
 class RenderError(ValueError):
     """The chat template cannot be used append-only (the message says why and with which messages)."""
+
+
+@dataclass
+class Rendered:
+    """A rendered chunk of the token stream (the prompt, or one observation delta) and its images."""
+
+    ids: list[int]
+    images: list[Any] = field(default_factory=list)
+    """Inference side: the images of this chunk in order (as given: paths, PIL images, base64...)."""
+    mm_inputs: dict[str, Any] = field(default_factory=dict)
+    """Training side: the processor's tensors for this chunk (pixel_values, image_grid_thw...)."""
 
 
 @dataclass
@@ -157,6 +168,14 @@ class ChatRenderer:
             ids.pop()
         return self.decode(ids)
 
+    def initial(self, messages: list[Message], tools: list[dict] | None = None) -> Rendered:
+        _refuse_images(messages)
+        return Rendered(self.initial_ids(messages, tools))
+
+    def observation(self, messages: list[Message], tools: list[dict] | None = None) -> Rendered:
+        _refuse_images(messages)
+        return Rendered(self.observation_ids(messages, tools))
+
     # ---- sanity check (T2) ----------------------------------------------------------------------
     def check(
         self, stream_ids: list[int], messages: list[Message], tools: list[dict] | None = None,
@@ -177,6 +196,13 @@ class ChatRenderer:
         diff = readable_diff(stream, full)
         ok = strippable and mode == SanityMode.IGNORE_STRIPPABLE
         return RenderCheck(ok=ok, strippable=strippable, diff=diff)
+
+
+def _refuse_images(messages: list[Message]) -> None:
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list) and any(p.get("type") in ("image", "image_url") for p in content):
+            raise RenderError("the conversation has images but the policy is text-only; load a VLM (e.g. tiny-qwen3-vl)")
 
 
 def _normalise(text: str) -> str:

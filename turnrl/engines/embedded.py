@@ -24,6 +24,7 @@ How it works:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import itertools
 import logging
@@ -33,6 +34,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -146,6 +148,8 @@ class _Request:
     length: int = 0  # tokens whose KV is in the slot
     cached_prompt_tokens: int = 0
     aborted: bool = False
+    images: list = field(default_factory=list)  # VLM: every image of the prompt, in order
+    next_pos: int = 0  # rotary position of the next token fed (differs from `length` after images)
 
 
 def sample_tokens(
@@ -203,8 +207,13 @@ class EmbeddedEngine:
         prefix_cache_tokens: int = 32_768,
         max_context: int | None = None,
         seed: int = 0,
+        image_processor: Any = None,
     ):
         self.model = model.eval()
+        self.is_vlm = hasattr(model.config, "vision_config")
+        self.image_processor = image_processor
+        if self.is_vlm and image_processor is None:
+            raise EngineError("EmbeddedEngine over a VLM needs its image_processor (turnrl.multimodal.build_processor)")
         cfg = getattr(model.config, "text_config", model.config)
         self.max_batch_size = max_batch_size
         self.max_context = max_context or getattr(cfg, "max_position_embeddings", 32_768)
@@ -218,7 +227,7 @@ class EmbeddedEngine:
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.policy_version = 0
         self.prefix_cache_tokens = prefix_cache_tokens
-        self._parked: OrderedDict[str, tuple[list[int], list[torch.Tensor]]] = OrderedDict()
+        self._parked: OrderedDict[str, tuple[list[int], list[torch.Tensor], int]] = OrderedDict()
         self._parked_tokens = 0
         self._generator = torch.Generator().manual_seed(seed)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -235,7 +244,7 @@ class EmbeddedEngine:
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, *, request_id: str, images: list | None = None
     ) -> GenerateOutput:
-        if images:
+        if images and not self.is_vlm:
             raise EngineError("EmbeddedEngine over a text-only model got images; load a VLM policy for images")
         if not prompt_ids:
             raise EngineError(f"request {request_id!r}: empty prompt")
@@ -250,6 +259,7 @@ class EmbeddedEngine:
             future=loop.create_future(), stop_ids=self.eos_token_ids | frozenset(params.stop_token_ids),
             max_new=min(params.max_new_tokens, self.max_context - len(prompt_ids)),
             generator=None if params.seed is None else torch.Generator().manual_seed(params.seed),
+            images=list(images or []),
         )
         self._submit(("generate", req))
         try:
@@ -300,10 +310,8 @@ class EmbeddedEngine:
             else:
                 fut.set_result(result)
 
-        try:
+        with contextlib.suppress(RuntimeError):  # the caller's loop is closed
             loop.call_soon_threadsafe(_set)
-        except RuntimeError:  # the caller's loop is closed
-            pass
 
     def _run(self) -> None:
         with torch.inference_mode():
@@ -358,14 +366,16 @@ class EmbeddedEngine:
 
     # ---- weights ---------------------------------------------------------------------------------
     def _load_weights(self, tensors: dict[str, torch.Tensor], version: int | None) -> int:
-        params = dict(self.model.named_parameters())
-        params.update(dict(self.model.named_buffers()))
+        # remove_duplicate=False: a state dict names tied weights twice (lm_head.weight and embed_tokens.weight)
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        params.update(dict(self.model.named_buffers(remove_duplicate=False)))
         unknown = [n for n in tensors if n not in params]
         if unknown:
             raise EngineError(f"update_weights: {len(unknown)} unknown parameter names, e.g. {unknown[:3]}")
-        for name, t in tensors.items():
+        for name, t in tensors.items():  # check everything before copying anything: no half-updated policy
             if params[name].shape != t.shape:
                 raise EngineError(f"update_weights: {name} has shape {tuple(t.shape)}, expected {tuple(params[name].shape)}")
+        for name, t in tensors.items():
             params[name].copy_(t)
         self._drop_parked()  # parked KV was computed with the old weights
         self.policy_version = self.policy_version + 1 if version is None else version
@@ -377,7 +387,8 @@ class EmbeddedEngine:
         if not self.prefix_cache_tokens or len(tokens) > self.prefix_cache_tokens:
             return
         self._unpark(req.request_id)
-        self._parked[req.request_id] = (tokens, self.cache.export_row(slot, len(tokens)))
+        # the next turn's delta starts with the last sampled token, at rotary position next_pos
+        self._parked[req.request_id] = (tokens, self.cache.export_row(slot, len(tokens)), req.next_pos)
         self._parked_tokens += len(tokens)
         while self._parked_tokens > self.prefix_cache_tokens:
             self._unpark(next(iter(self._parked)))
@@ -402,21 +413,27 @@ class EmbeddedEngine:
             self._prefill(req, slot)
 
     def _prefill(self, req: _Request, slot: int) -> None:
-        start = 0
+        start, start_pos = 0, 0
         parked = self._unpark(req.request_id)
         if parked is not None:
-            tokens, kv = parked
+            tokens, kv, parked_pos = parked
             n = len(tokens)
             if 0 < n < len(req.prompt_ids) and req.prompt_ids[:n] == tokens:
                 self.cache.ensure_capacity(len(req.prompt_ids) + req.max_new)
                 self.cache.import_row(slot, kv)
-                start = n
+                start, start_pos = n, parked_pos
         self.cache.ensure_capacity(len(req.prompt_ids) + req.max_new)
         new_ids = req.prompt_ids[start:]
         mask = self.cache.plan_prefill(slot, start, len(new_ids))
-        logits = self._forward(
-            torch.tensor([new_ids]), torch.arange(start, len(req.prompt_ids))[None], mask
-        )
+        if self.is_vlm:
+            pixels = self._new_image_inputs(req, start)
+            from turnrl.multimodal import vl_positions
+
+            positions, req.next_pos = vl_positions(self.model, new_ids, pixels.get("image_grid_thw"), start_pos)
+            logits = self._forward(torch.tensor([new_ids]), positions, mask, **pixels)
+        else:
+            logits = self._forward(torch.tensor([new_ids]), torch.arange(start, len(req.prompt_ids))[None], mask)
+            req.next_pos = len(req.prompt_ids)
         req.length = len(req.prompt_ids)
         req.cached_prompt_tokens = start
         self.stats["prefill_tokens"] += len(new_ids)
@@ -427,13 +444,35 @@ class EmbeddedEngine:
         if self._finished(req):
             self._retire([req])
 
+    def _new_image_inputs(self, req: _Request, start: int) -> dict[str, torch.Tensor]:
+        """Pixels of the images in the part of the prompt not served from the cache (stream order)."""
+        from turnrl.multimodal import load_image
+
+        vision_start = self.model.config.vision_start_token_id
+        cached = req.prompt_ids[:start].count(vision_start)
+        new = req.images[cached:]
+        expected = req.prompt_ids[start:].count(vision_start)
+        if len(new) != expected:
+            raise EngineError(f"request {req.request_id!r}: the prompt has {cached + expected} images but "
+                              f"{len(req.images)} were sent")
+        if not new:
+            return {}
+        out = self.image_processor(images=[load_image(im) for im in new], return_tensors="pt")
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+
     def _decode_step(self) -> None:
         rows = self._active
         lens = torch.tensor([r.length for r in rows])
         self.cache.ensure_capacity(int(lens.max()) + 1)
         mask = self.cache.plan_decode(lens)
         ids = torch.tensor([[r.out_ids[-1]] for r in rows])
-        logits = self._forward(ids, lens[:, None], mask)
+        if self.is_vlm:  # text tokens after images: the same rotary position on all three M-RoPE axes
+            positions = torch.tensor([r.next_pos for r in rows]).view(1, -1, 1).expand(3, -1, 1)
+        else:
+            positions = lens[:, None]
+        logits = self._forward(ids, positions, mask)
+        for r in rows:
+            r.next_pos += 1
         tokens, logps = sample_tokens(
             logits[:, -1], [r.params for r in rows], [r.generator for r in rows], self._generator
         )
@@ -443,10 +482,11 @@ class EmbeddedEngine:
             self._append(r, t, lp)
         self._retire([r for r in rows if self._finished(r) or r.aborted])
 
-    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+                 **pixels: torch.Tensor) -> torch.Tensor:
         out = self.model(
             input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
-            logits_to_keep=1, **{self._cache_kwarg: self.cache},
+            logits_to_keep=1, **{self._cache_kwarg: self.cache}, **pixels,
         )
         return out.logits
 

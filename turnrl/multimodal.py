@@ -1,0 +1,314 @@
+"""Vision-language policies: processors, images, the VLM renderer, and the two image stores kept in step.
+
+slime's design, with the checks none of the reference systems has. A VLM trajectory keeps its images twice:
+- inference side: the images in token-stream order, sent with every generate call (an engine turns them
+  into pixels itself, as vLLM/SGLang do from image data);
+- training side: the processor tensors of each rendered chunk (prompt, then each observation), buffered
+  per turn and concatenated once per key when the trajectory ends (never a `torch.cat` per turn: that is
+  O(turns²) bytes copied; bench/multimodal.py measures both).
+When a trajectory ends, three parity checks run (`check_parity`): every image's run of placeholder tokens
+has exactly the length its features need; the training tensors hold the images in stream order; the
+inference-side list equals the training-side list. A violation fails the trajectory (parity_error); it
+is never trained on.
+
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL load through transformers processors. torchvision does not import beside
+the CPU torch here, so processors are built with the PIL image processor and without a video processor.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from turnrl.render import DUMMY_MARK, ChatRenderer, Rendered, RenderError
+from turnrl.types import Message
+
+IMAGE_PLACEHOLDER = "<image>"
+VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+TEXT_KEYS = {"input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids"}
+
+
+# ---- images ---------------------------------------------------------------------------------------
+def load_image(ref: Any) -> Image.Image:
+    """A PIL image from a PIL image, a file path, a `data:` URI or raw base64 (no network fetches)."""
+    if isinstance(ref, Image.Image):
+        return ref.convert("RGB")
+    if isinstance(ref, dict):
+        if ref.get("bytes"):
+            return Image.open(io.BytesIO(ref["bytes"])).convert("RGB")
+        ref = ref.get("path") or ref.get("url") or ref.get("image")
+    if not isinstance(ref, str):
+        raise ValueError(f"image must be a PIL image, a path, a data URI or base64, got {type(ref).__name__}")
+    if ref.startswith("data:"):
+        return Image.open(io.BytesIO(base64.b64decode(ref.split(",", 1)[1]))).convert("RGB")
+    if ref.startswith(("http://", "https://")):
+        raise ValueError(f"image {ref[:60]!r}: remote images are not fetched; download them first")
+    path = Path(ref)
+    if path.exists():
+        return Image.open(path).convert("RGB")
+    try:
+        return Image.open(io.BytesIO(base64.b64decode(ref, validate=True))).convert("RGB")
+    except Exception:
+        raise FileNotFoundError(f"image {ref[:80]!r} is neither an existing file nor base64 data") from None
+
+
+def image_ref(ref: Any) -> str:
+    """How an image is recorded in the trajectory JSONL: its file path, or `sha256:<hex>` of its pixels."""
+    if isinstance(ref, str) and not ref.startswith("data:") and Path(ref).exists():
+        return ref
+    image = load_image(ref)
+    return "sha256:" + hashlib.sha256(image.tobytes() + repr(image.size).encode()).hexdigest()
+
+
+def content_images(messages: list[Message]) -> list[Any]:
+    """Image parts of the messages, in rendering order."""
+    images = []
+    for m in messages:
+        if isinstance(m.get("content"), list):
+            images += [p.get("image", p.get("image_url")) for p in m["content"] if p.get("type") in ("image", "image_url")]
+    return images
+
+
+def split_placeholders(text: str, images: list[Any], where: str) -> list[dict[str, Any]]:
+    """geo3k-style `<image>` placeholders in a prompt string → content parts, images in order."""
+    pieces = text.split(IMAGE_PLACEHOLDER)
+    if len(pieces) - 1 != len(images):
+        raise ValueError(f"{where}: the text has {len(pieces) - 1} '{IMAGE_PLACEHOLDER}' placeholders but "
+                         f"{len(images)} images")
+    parts: list[dict[str, Any]] = []
+    for k, piece in enumerate(pieces):
+        if piece:
+            parts.append({"type": "text", "text": piece})
+        if k < len(images):
+            parts.append({"type": "image", "image": images[k]})
+    return parts
+
+
+# ---- processors and tiny models ---------------------------------------------------------------------
+def _allow_missing_video_processor(cls):
+    class Processor(cls):
+        def check_argument_for_proper_class(self, name, arg):
+            return None if arg is None else super().check_argument_for_proper_class(name, arg)
+
+    Processor.__name__ = cls.__name__
+    return Processor
+
+
+def build_processor(model_dir: str | Path):
+    """A transformers VL processor for a Qwen2/2.5/3-VL directory, with the PIL image processor and no video
+    processor (torchvision-free). The directory's chat template wins; else turnrl's Qwen VL template."""
+    from transformers import (
+        AutoConfig,
+        AutoTokenizer,
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessorPil,
+        Qwen2VLProcessor,
+        Qwen3VLProcessor,
+    )
+
+    model_dir = Path(model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    classes = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}
+    if config.model_type not in classes:
+        raise ValueError(f"{model_dir}: no VL processor for model_type {config.model_type!r} (supported: {sorted(classes)})")
+    if (model_dir / "preprocessor_config.json").exists():
+        image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
+    else:
+        image_processor = tiny_image_processor(config)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    template = None
+    if (model_dir / "chat_template.jinja").exists():
+        template = (model_dir / "chat_template.jinja").read_text()
+    if template is None or "vision_start" not in template:
+        template = resources.files("turnrl").joinpath("templates/qwen_vl.jinja").read_text()
+    cls = _allow_missing_video_processor(classes[config.model_type])
+    return cls(image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=template)
+
+
+def tiny_image_processor(config):
+    from transformers import Qwen2VLImageProcessorPil
+
+    vision = config.vision_config
+    mean_std = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if config.model_type == "qwen3_vl" else {}
+    return Qwen2VLImageProcessorPil(
+        patch_size=vision.patch_size, merge_size=vision.spatial_merge_size, temporal_patch_size=vision.temporal_patch_size,
+        min_pixels=32 * 32, max_pixels=224 * 224, **mean_std,
+    )
+
+
+def tiny_vl_config(family: str = "qwen3_vl"):
+    """A few-million-parameter random VLM config with the real Qwen3 vocabulary and vision token ids."""
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
+
+    ids = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653)
+    text = dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=8192, tie_word_embeddings=True, eos_token_id=151645,
+                pad_token_id=151643, bos_token_id=151643)
+    if family == "qwen3_vl":
+        text.update(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3],
+                                                  "mrope_interleaved": True})
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                      num_position_embeddings=256, deepstack_visual_indexes=[0], patch_size=16, spatial_merge_size=2,
+                      temporal_patch_size=2)
+        return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+    text.update(rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]})
+    if family == "qwen2_vl":
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2)
+        return Qwen2VLConfig(text_config=text, vision_config=vision, **ids)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  fullatt_block_indexes=[1], window_size=56, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
+
+
+def materialise_tiny_vl(out: Path, family: str = "qwen3_vl") -> None:
+    from transformers import AutoModelForImageTextToText, GenerationConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(tiny_vl_config(family))
+    model.generation_config = GenerationConfig(eos_token_id=[151645, 151643], pad_token_id=151643)
+    model.save_pretrained(out)
+    tiny_image_processor(model.config).save_pretrained(out)
+    (out / "chat_template.jinja").write_text(resources.files("turnrl").joinpath("templates/qwen_vl.jinja").read_text())
+
+
+def materialise_tiny_qwen3_vl(out: Path) -> None:
+    materialise_tiny_vl(out, "qwen3_vl")
+
+
+# ---- rendering --------------------------------------------------------------------------------------
+class VisionRenderer(ChatRenderer):
+    """ChatRenderer for VLM processors: image parts expand into placeholder tokens and pixel tensors."""
+
+    def __init__(self, processor: Any, chat_template_kwargs: dict[str, Any] | None = None):
+        self.processor = processor
+        tokenizer = processor.tokenizer
+        tokenizer.chat_template = processor.chat_template  # the delta machinery renders through the tokenizer
+        super().__init__(tokenizer, chat_template_kwargs)
+        self.image_pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+        self.vision_start_id = tokenizer.convert_tokens_to_ids(VISION_START)
+        self.merge_size = processor.image_processor.merge_size
+
+    def _encode_with_images(self, text: str, images: list[Any]) -> Rendered:
+        if not images:
+            return Rendered(self.encode(text))
+        pil = [load_image(im) for im in images]
+        out = self.processor(text=[text], images=pil, return_tensors="pt")
+        mm = {k: v for k, v in out.items() if k not in TEXT_KEYS and isinstance(v, torch.Tensor)}
+        return Rendered(out["input_ids"][0].tolist(), list(images), mm)
+
+    def initial(self, messages: list[Message], tools: list[dict] | None = None) -> Rendered:
+        return self._encode_with_images(self.render_text(messages, tools, add_generation_prompt=True),
+                                        content_images(messages))
+
+    def observation(self, messages: list[Message], tools: list[dict] | None = None) -> Rendered:
+        text = self.render_text(self._dummy() + list(messages), tools, add_generation_prompt=True)
+        start = text.find(DUMMY_MARK) + len(DUMMY_MARK)
+        if not text.startswith(self._closing_text, start):
+            raise RenderError(f"the chat template closes an assistant turn differently before {[m.get('role') for m in messages]}")
+        delta = text[start + len(self._closing_text):]
+        self._encode_suffix(text, start + len(self._closing_text))  # the boundary must be a token boundary
+        return self._encode_with_images(delta, content_images(messages))
+
+    def image_token_counts(self, mm_inputs: dict[str, torch.Tensor]) -> list[int]:
+        """Placeholder tokens each image's features need: prod(grid_thw) / merge_size²."""
+        grid = mm_inputs.get("image_grid_thw")
+        if grid is None:
+            return []
+        return [int(g.prod()) // self.merge_size**2 for g in grid]
+
+
+# ---- the training-side buffer and parity checks -------------------------------------------------------
+class ImageBuffer:
+    """Both image stores of one trajectory, appended chunk by chunk, merged once per key at the end."""
+
+    def __init__(self) -> None:
+        self.images: list[Any] = []  # inference side, stream order
+        self.chunks: list[dict[str, torch.Tensor]] = []  # training side, one dict per chunk with images
+        self.chunk_images: list[list[str]] = []  # refs of the images each training chunk holds
+
+    def add(self, rendered: Rendered) -> None:
+        if not rendered.images:
+            return
+        self.images.extend(rendered.images)
+        self.chunks.append(rendered.mm_inputs)
+        self.chunk_images.append([image_ref(im) for im in rendered.images])
+
+    def merged(self) -> dict[str, torch.Tensor]:
+        """One `torch.cat` per key over all chunks (O(total bytes), whatever the number of turns)."""
+        if not self.chunks:
+            return {}
+        return {key: torch.cat([c[key] for c in self.chunks], dim=0) for key in self.chunks[0]}
+
+
+def check_parity(stream_ids: list[int], buffer: ImageBuffer, merged: dict[str, torch.Tensor],
+                 renderer: VisionRenderer) -> str | None:
+    """None when the token stream, the training tensors and the inference images agree, else why not."""
+    runs = _placeholder_runs(stream_ids, renderer.image_pad_id)
+    needed = renderer.image_token_counts(merged)
+    if len(runs) != len(needed):
+        return f"the token stream has {len(runs)} image placeholder runs but the training tensors hold {len(needed)} images"
+    for k, (have, need) in enumerate(zip(runs, needed, strict=True)):
+        if have != need:
+            return f"image {k}: {have} placeholder tokens in the stream but its features need {need}"
+    inference = [image_ref(im) for im in buffer.images]
+    training = [ref for refs in buffer.chunk_images for ref in refs]
+    if len(inference) != len(training):
+        return f"{len(inference)} images on the inference side but {len(training)} on the training side"
+    for k, (a, b) in enumerate(zip(inference, training, strict=True)):
+        if a != b:
+            return f"image {k} differs between the inference side ({a}) and the training side ({b})"
+    if len(inference) != len(needed):
+        return f"{len(inference)} images sent to the engine but {len(needed)} in the training tensors"
+    for k, im in enumerate(buffer.images):  # stream order: image k's own size gives image k's grid
+        need = expected_image_tokens(renderer, im)
+        if need != needed[k]:
+            return f"image {k} is out of order: its size needs {need} placeholder tokens, the tensors hold {needed[k]}"
+    return None
+
+
+def expected_image_tokens(renderer: VisionRenderer, image: Any) -> int:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    ip = renderer.processor.image_processor
+    width, height = load_image(image).size
+    factor = ip.patch_size * ip.merge_size
+    min_pixels = getattr(ip, "min_pixels", None) or ip.size.get("shortest_edge")
+    max_pixels = getattr(ip, "max_pixels", None) or ip.size.get("longest_edge")
+    h, w = smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+    return (h // ip.patch_size) * (w // ip.patch_size) // ip.merge_size**2
+
+
+def _placeholder_runs(ids: list[int], pad_id: int) -> list[int]:
+    runs, n = [], 0
+    for t in ids:
+        if t == pad_id:
+            n += 1
+        elif n:
+            runs.append(n)
+            n = 0
+    if n:
+        runs.append(n)
+    return runs
+
+
+# ---- multimodal rotary positions ---------------------------------------------------------------------
+def vl_positions(model: torch.nn.Module, ids: list[int], image_grid_thw: torch.Tensor | None,
+                 offset: int = 0) -> tuple[torch.Tensor, int]:
+    """M-RoPE positions [3, 1, T] of a token chunk starting at rotary position `offset`, and the position of
+    the token after it. Positions are translation-invariant per chunk, so a delta (e.g. the next turn after
+    a cached prefix) gets the same positions as inside the whole sequence."""
+    input_ids = torch.tensor([ids])
+    image_token_id = model.config.image_token_id
+    mm_token_type_ids = (input_ids == image_token_id).int()
+    positions, _ = model.model.get_rope_index(input_ids, mm_token_type_ids=mm_token_type_ids,
+                                              image_grid_thw=image_grid_thw)
+    positions = positions + offset
+    return positions, int(positions.max()) + 1
