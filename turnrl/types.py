@@ -63,6 +63,9 @@ class TerminationReason(StrEnum):
     """A custom agent or scheduler produced tokens/masks/logprobs that break the invariants."""
     CANCELLED = "cancelled"
     """Cancelled from outside (rollout shutdown) or the engine aborted the request."""
+    SPLIT = "split"
+    """A scheduler rewrote the history: this sample ends here and the episode goes on in a new sample (same
+    `info["episode_id"]`, same reward)."""
 
 
 STATUS_OF: dict[TerminationReason, RolloutStatus] = {
@@ -79,6 +82,7 @@ STATUS_OF: dict[TerminationReason, RolloutStatus] = {
     TerminationReason.PARITY_ERROR: RolloutStatus.FAILED,
     TerminationReason.INVALID_OUTPUT: RolloutStatus.FAILED,
     TerminationReason.CANCELLED: RolloutStatus.ABORTED,
+    TerminationReason.SPLIT: RolloutStatus.COMPLETED,
 }
 
 

@@ -1,0 +1,633 @@
+"""ms-swift's `MultiTurnScheduler` hooks, run by the one turn loop (`turnrl.rollout.drive`).
+
+Porting an ms-swift scheduler means changing its imports (docs/from-ms-swift.md):
+
+    from turnrl.agents.scheduler import MultiTurnScheduler, multi_turns
+
+    class Retry(MultiTurnScheduler):
+        def check_finished(self, request, response, turn):
+            return "\\\\boxed{4}" in response.message.content or super().check_finished(request, response, turn)
+
+        def step(self, request, response, turn):
+            request.messages.append({"role": "user", "content": "Wrong, try again."})
+            return {"infer_request": request}
+
+    multi_turns["retry"] = Retry        # turnrl rollout --plugin retry.py --scheduler retry
+
+The hooks do not get a loop of their own. `SchedulerEnv` is a turn-aware env for `drive` (it implements
+`step_turn`, so it sees tokens and decides itself whether a length-truncated turn ends the episode):
+
+    drive: generate ─▶ SchedulerEnv.step_turn(turn)
+        request.messages gets the reply (a new assistant message, or appended to the one being continued)
+        on_turn_end(request, response, turn)  → done?, rollout_infos?, reward?   (`reward`: a turnrl extra)
+        check_finished(...)                    → stop?  (`done` overrides it; max_turns stops whatever they say)
+        step(...)                              → next request (+ token edits: ids, mask, logprobs)
+        next request against the stream's messages:
+          the last assistant message extended   → continuation: the new text is appended to the same model
+                                                  segment with mask 0 (the stop token of the turn is dropped)
+          messages appended                     → observation delta (chat-template tokens, mask 0)
+          anything else (history rewritten)     → this sample ends (TerminationReason.SPLIT) and the episode
+                                                  continues in a new sample rendered afresh from the request
+    Token edits become StepResult fields that drive validates loudly (ids/mask mismatch → FAILED/invalid_output;
+    a logprob count mismatch → importance correction off for that trajectory, `info.logprob_issues`).
+
+`run(request, runner)` is the full-control path (ms-swift's `run()` override, which here works in every
+mode). It drives the same `drive` through `SchedulerRunner.generate`, so limits, validation and traces are
+the same; a history that is not a prefix of the next request starts a new sample (trajectory splitting).
+
+All samples of one episode share `info["episode_id"]` and the episode's `info["rollout_infos"]` (with
+`num_turns`, the episode's model turns); the trainer rejects unequal rewards within an episode.
+
+One scheduler instance serves every trajectory of a RolloutManager, as in ms-swift: keep per-trajectory state
+keyed by `request.uuid` and drop it in `on_trajectory_end`, which always runs (also after a failure).
+
+Plugins: `--plugin FILE.py` (repeatable; `RolloutConfig.plugins`) files are imported by
+`turnrl.build.build_rollout_manager` before the scheduler name is resolved. The paths travel in the config,
+so every process that builds a RolloutManager with `build_rollout_manager` (the CLI, Ray rollout workers,
+`turnrl serve`) imports them itself; ms-swift's "plugin not imported in the rollout workers" stall cannot
+happen there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import inspect
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from turnrl.data import prompt_messages
+from turnrl.rollout import Agent, RolloutContext, drive
+from turnrl.types import FinishReason, Message, RolloutStatus, StepResult, TerminationReason, Trajectory, Turn
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------------
+# What the hooks see
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class RolloutRequest:
+    """What the model is asked next (ms-swift's `RolloutInferRequest`)."""
+
+    messages: list[Message]
+    """The conversation. While the hooks of a turn run, its last message is the model's reply."""
+    tools: list[dict] | None = None
+    """Tool schemas rendered into the prompt (the row's `tools` column, when it is a list)."""
+    images: list[str] = field(default_factory=list)
+    """The row's images, for reading. Images live in message content parts (`{"type": "image", ...}`);
+    changing this list instead is an error."""
+    data_dict: dict[str, Any] = field(default_factory=dict)
+    """The dataset row, every column (always passed; ms-swift needs --vllm_server_pass_dataset)."""
+    uuid: str = ""
+    """The trajectory id: the key for per-trajectory state."""
+
+
+RolloutInferRequest = RolloutRequest
+"""ms-swift's name for RolloutRequest."""
+
+
+@dataclass
+class ChatMessage:
+    role: str
+    content: str
+    tool_calls: list[dict] | None = None
+
+
+@dataclass
+class TurnResponse:
+    """One generate call (ms-swift's `ChatCompletionResponseChoice`, flattened: `choices` is not needed)."""
+
+    text: str
+    """The reply text of this call, without the end-of-turn token. On a continuation: only the new part."""
+    token_ids: list[int]
+    """Exactly the tokens the engine returned, its stop token included."""
+    logprobs: list[float]
+    """One sampling logprob per token (ms-swift: `choice.logprobs['content'][i]['logprob']`)."""
+    finish_reason: FinishReason
+    """stop / length / abort (a str enum: `response.finish_reason == "length"` works)."""
+    content_token_ids: list[int]
+    """`token_ids` without the trailing end-of-turn token: what `text` decodes from. Build edited tokens from
+    these (with `logprobs[:len(content_token_ids)]`) when the assistant message goes on after them."""
+
+    @property
+    def message(self) -> ChatMessage:
+        return ChatMessage("assistant", self.text)
+
+    @classmethod
+    def of(cls, turn: Turn, end_of_turn_ids: frozenset[int]) -> TurnResponse:
+        content = list(turn.token_ids)
+        while content and content[-1] in end_of_turn_ids:
+            content.pop()
+        return cls(turn.text, list(turn.token_ids), list(turn.logprobs), turn.finish_reason, content)
+
+
+class EpisodeOver(Exception):
+    """Raised by `SchedulerRunner.generate` when the episode cannot go on: max_turns, a token budget, an engine
+    error. A `run()` override may let it propagate; the trajectories built so far are kept."""
+
+
+class RolloutFailure(RuntimeError):
+    """The error `on_trajectory_end` receives when the episode ended FAILED without a Python exception
+    (engine error, env timeout, invalid token edits). `reason` is the TerminationReason."""
+
+    def __init__(self, reason: TerminationReason | None, message: str | None):
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+
+
+STEP_KEYS = {"infer_request", "response_token_ids", "response_loss_mask", "rollout_logprobs", "rollout_infos"}
+TURN_END_KEYS = {"done", "rollout_infos", "reward"}
+EDIT_KEYS = ("response_token_ids", "response_loss_mask", "rollout_logprobs")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The base class users subclass
+# ---------------------------------------------------------------------------------------------------
+class MultiTurnScheduler:
+    """Customise a rollout by overriding hooks (module docstring). Every hook may be sync or async.
+
+    Partial control: implement `step()` and optionally `check_finished()`, `on_turn_end()`,
+    `on_trajectory_start()`, `on_trajectory_end()`. Full control: override `run()`.
+    """
+
+    max_turns: int | None = None
+    """Model turns per episode. A subclass may set its own; the rollout's `max_turns` also applies (the smaller
+    wins) and the driver enforces it whatever the hooks return."""
+
+    def __init__(self, max_turns: int | None = None, *, tokenizer: Any = None, renderer: Any = None,
+                 env_config: dict[str, Any] | None = None, **kwargs: Any):
+        caps = [m for m in (type(self).max_turns, max_turns) if m is not None]
+        self.max_turns = min(caps) if caps else None
+        self.tokenizer = tokenizer
+        """The policy's tokenizer (for token edits)."""
+        self.renderer = renderer
+        """The ChatRenderer of the rollout (`encode`, `decode`, `end_of_turn_ids`)."""
+        self.env_config = dict(env_config or {})
+        """The rollout's `env_config` (e.g. `gym_env`, `base_url`)."""
+
+    async def on_trajectory_start(self, requests: list[RolloutRequest]) -> None:
+        """Before the first turn; may rewrite `requests[0]` in place (e.g. inject an env's first observation)."""
+
+    async def on_turn_end(self, request: RolloutRequest, response: TurnResponse, turn: int) -> dict | None:
+        """After each turn (the reply is in `request.messages`). May return `done` (overrides check_finished),
+        `rollout_infos` (merged into the episode's) and `reward` (recorded as this turn's env reward)."""
+        return None
+
+    def check_finished(self, request: RolloutRequest, response: TurnResponse, turn: int) -> bool:
+        """Stop on a length-truncated turn or at max_turns."""
+        if response.finish_reason == FinishReason.LENGTH:
+            return True
+        return self.max_turns is not None and turn >= self.max_turns
+
+    def step(self, request: RolloutRequest, response: TurnResponse, turn: int) -> dict:
+        """The next request: `{"infer_request": ..., "response_token_ids"?, "response_loss_mask"?,
+        "rollout_logprobs"?, "rollout_infos"?}`. Token fields replace this turn's tokens (mask 0 on injected
+        tokens; one logprob per mask-1 token)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement step() (or finish in check_finished)")
+
+    async def on_trajectory_end(self, requests: list[RolloutRequest], error: BaseException | None = None) -> None:
+        """Always runs once per trajectory, also after a failure (`error`). Release resources here."""
+
+    async def run(self, request: RolloutRequest, runner: SchedulerRunner) -> list[Trajectory]:
+        """The episode. The default maps the hooks onto `drive`; override for full control, calling
+        `await runner.generate(request)` per turn and returning `await runner.finish()`."""
+        return await runner.run_hooks(request)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The stream's conversation and how the next request extends it
+# ---------------------------------------------------------------------------------------------------
+class _Conversation:
+    """The messages exactly as the current sample's token stream holds them: the base every next request is
+    compared with (the scheduler's own request object may be rewritten freely)."""
+
+    def __init__(self, messages: list[Message]):
+        self.messages = copy.deepcopy(messages)
+        self.prior = ""
+        """Text of the assistant message before the current turn (non-empty on a continuation)."""
+        self.continuing = False
+
+    def add_reply(self, text: str) -> None:
+        if self.continuing:
+            self.prior = self.messages[-1]["content"]
+            self.messages[-1]["content"] += text
+        else:
+            self.prior = ""
+            self.messages.append({"role": "assistant", "content": text})
+
+    def plan(self, nxt: list[Message], response: TurnResponse, edits: dict[str, Any], renderer: Any
+             ) -> tuple[StepResult, bool]:
+        """The StepResult that takes the stream to `nxt`, and whether the sample must be split instead."""
+        ids = edits.get("response_token_ids")
+        reply = self.prior + (renderer.assistant_text(ids) if ids is not None else response.text)
+        head = self.messages[:-1]
+        if len(nxt) == len(self.messages) and _same(nxt[:-1], head) and nxt[-1].get("role") == "assistant":
+            content = nxt[-1].get("content")
+            if isinstance(content, str) and content.startswith(reply):
+                tip = content[len(reply):]
+            elif ids is not None:  # token-backed reply: the tokens are the message (as ms-swift >= PR #10012)
+                tip = ""
+            else:
+                return StepResult(done=True, termination_reason=TerminationReason.SPLIT, **edits), True
+            if not edits and response.content_token_ids != response.token_ids:
+                # go on after the text, not after the stop token the model sampled
+                edits = {"response_token_ids": response.content_token_ids}
+            self.messages[-1]["content"] = reply + tip
+            self.continuing = True
+            return StepResult(observation=tip, continuation=True, **edits), False
+        if (len(nxt) > len(self.messages) and _same(nxt[:len(head)], head)
+                and nxt[len(head)].get("role") == "assistant"
+                and (nxt[len(head)].get("content") == reply or ids is not None)):
+            new = copy.deepcopy(nxt[len(self.messages):])
+            if new[-1].get("role") == "assistant":
+                raise ValueError("the next request ends with an assistant message after new messages (a prefill); "
+                                 "the default loop cannot continue it — override run() instead")
+            self.messages[-1]["content"] = reply
+            self.messages += new
+            self.continuing = False
+            return StepResult(observation=copy.deepcopy(new), **edits), False
+        return StepResult(done=True, termination_reason=TerminationReason.SPLIT, **edits), True
+
+
+def _same(a: list[Message], b: list[Message]) -> bool:
+    def norm(m: Message) -> dict:
+        return {k: v for k, v in m.items() if v is not None}
+
+    return len(a) == len(b) and all(norm(x) == norm(y) for x, y in zip(a, b, strict=True))
+
+
+def _checked(value: Any, hook: str, allowed: set[str]) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise TypeError(f"{hook}() must return a dict (keys {sorted(allowed)}), got {type(value).__name__}")
+    unknown = set(value) - allowed
+    if unknown:
+        raise ValueError(f"{hook}() returned unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+    return value
+
+
+def _next_request(result: dict[str, Any], current: RolloutRequest) -> RolloutRequest:
+    nxt = result.get("infer_request")
+    if isinstance(nxt, dict):
+        nxt = RolloutRequest(**{"uuid": current.uuid, "data_dict": current.data_dict, **nxt})
+    if not isinstance(nxt, RolloutRequest):
+        raise TypeError(f"step() must return {{'infer_request': RolloutRequest, ...}}, got {type(nxt).__name__}")
+    if list(nxt.images) != list(current.images):
+        raise ValueError("step() changed request.images; put images into message content parts "
+                         "({'type': 'image', 'image': ...}) instead")
+    return nxt
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+# ---------------------------------------------------------------------------------------------------
+# The default path: the hooks as a turn-aware env of drive
+# ---------------------------------------------------------------------------------------------------
+class SchedulerEnv:
+    """A turn-aware env (`step_turn`) that calls the scheduler's hooks; one per sample of an episode."""
+
+    def __init__(self, runner: SchedulerRunner, request: RolloutRequest):
+        self.runner, self.request = runner, request
+        self.tools = request.tools
+        self.conversation = _Conversation(request.messages)
+        self.next_request: RolloutRequest | None = None
+        """Set when the scheduler rewrote the history: the episode goes on from it in a new sample."""
+
+    def format_observation(self, observation: Any) -> Any:
+        return observation
+
+    async def step_turn(self, turn: Turn) -> StepResult:
+        runner, scheduler, request = self.runner, self.runner.scheduler, self.request
+        n = runner.turns + turn.turn
+        response = TurnResponse.of(turn, runner.ctx.renderer.end_of_turn_ids)
+        if self.conversation.continuing:
+            request.messages[-1]["content"] += response.text
+        else:
+            request.messages.append({"role": "assistant", "content": response.text})
+        self.conversation.add_reply(response.text)
+        hook = _checked(await _maybe_await(scheduler.on_turn_end(request, response, n)), "on_turn_end", TURN_END_KEYS)
+        runner.merge_infos(hook.get("rollout_infos"), "on_turn_end")
+        reward = hook.get("reward")
+        finished = bool(await _maybe_await(scheduler.check_finished(request, response, n)))
+        if "done" in hook:
+            finished = bool(hook["done"])
+        if finished or n >= runner.max_turns:
+            return StepResult(reward=reward, done=True, termination_reason=self._stop_reason(hook, response, n))
+        result = _checked(await _maybe_await(scheduler.step(request, response, n)), "step", STEP_KEYS)
+        nxt = _next_request(result, request)
+        runner.merge_infos(result.get("rollout_infos"), "step")
+        edits = {k: result[k] for k in EDIT_KEYS if result.get(k) is not None}
+        step, split = self.conversation.plan(nxt.messages, response, edits, runner.ctx.renderer)
+        step.reward = reward
+        if split:
+            if nxt.messages and nxt.messages[-1].get("role") == "assistant":
+                raise ValueError("step() rewrote the history and ends it with an assistant message; a new sample "
+                                 "starts from a fresh prompt and cannot continue it — override run() instead")
+            self.next_request = nxt
+        self.request = nxt
+        return step
+
+    def _stop_reason(self, hook: dict, response: TurnResponse, n: int) -> TerminationReason | None:
+        if hook.get("done"):
+            return TerminationReason.ENV_DONE
+        if response.finish_reason == FinishReason.LENGTH:
+            return None  # drive reports the length stop (or the token budget) itself
+        if n >= self.runner.max_turns:
+            return TerminationReason.MAX_TURNS
+        return TerminationReason.ENV_DONE
+
+
+class _BridgeEnv:
+    """The turn-aware env behind `SchedulerRunner.generate`: hands each turn to `run()` and waits for what it
+    asks next (drive stays the only loop)."""
+
+    def __init__(self, runner: SchedulerRunner, request: RolloutRequest):
+        self.runner, self.tools = runner, request.tools
+
+    def format_observation(self, observation: Any) -> Any:
+        return observation
+
+    async def step_turn(self, turn: Turn) -> StepResult:
+        runner = self.runner
+        runner._action = asyncio.get_running_loop().create_future()
+        runner._turn.set_result(turn)
+        return await runner._action
+
+
+# ---------------------------------------------------------------------------------------------------
+# One episode
+# ---------------------------------------------------------------------------------------------------
+class SchedulerRunner:
+    """One episode of a scheduler: its samples (each built by `drive`), its rollout infos, its turn count.
+
+    In a `run()` override: `response = await runner.generate(request)` per turn (`new_sample=True` forces a new
+    sample), `runner.edit_last_turn(...)` for ms-swift's token fields, `runner.rollout_infos` for infos, and
+    `return await runner.finish()`.
+    """
+
+    def __init__(self, ctx: RolloutContext, scheduler: MultiTurnScheduler):
+        self.ctx, self.scheduler = ctx, scheduler
+        self.limits = ctx.limits
+        self.max_turns = ctx.limits.max_turns
+        self.trajectories: list[Trajectory] = []
+        self.rollout_infos: dict[str, Any] = {}
+        """The episode's rollout infos; every sample gets them (plus `num_turns`), reward functions by name."""
+        self.turns = 0
+        """Model turns of the samples finished so far."""
+        self._task: asyncio.Task | None = None
+        self._turn: asyncio.Future | None = None
+        self._action: asyncio.Future | None = None
+        self._conversation: _Conversation | None = None
+        self._last: TurnResponse | None = None
+        self._edits: dict[str, Any] = {}
+        self._running_turns = 0
+
+    def merge_infos(self, infos: Any, where: str) -> None:
+        if not infos:
+            return
+        if not isinstance(infos, dict):
+            raise TypeError(f"{where}() rollout_infos must be a dict, got {type(infos).__name__}")
+        for key, value in infos.items():
+            try:
+                json.dumps(value)
+            except (TypeError, ValueError):
+                raise TypeError(f"{where}() rollout_infos[{key!r}] is not JSON-serialisable "
+                                f"({type(value).__name__}); trajectories are written as JSON") from None
+        self.rollout_infos.update(infos)
+
+    # ---- the default path --------------------------------------------------------------------------
+    async def run_hooks(self, request: RolloutRequest) -> list[Trajectory]:
+        """Hooks mapped onto drive; a rewritten history continues the episode in a new sample."""
+        while request is not None and self.turns < self.max_turns:
+            env = SchedulerEnv(self, request)
+            await self._drive(env, request.messages)
+            request = env.next_request
+        return self.trajectories
+
+    async def _drive(self, env: Any, messages: list[Message], **limit_overrides: Any) -> Trajectory:
+        k = len(self.trajectories)
+        limits = dataclasses.replace(self.limits, max_turns=self.max_turns - self.turns, **limit_overrides)
+        if k == 0:
+            ctx = self.ctx
+            ctx.limits = limits
+        else:  # a later sample of a split episode: its own id (the engine's request id), same row and group
+            ctx = dataclasses.replace(self.ctx, trajectory_id=f"{self.ctx.trajectory_id}.{k}", limits=limits,
+                                      partial=None)
+        traj = await drive(ctx, env, copy.deepcopy(messages))
+        self.turns += traj.num_turns
+        self.trajectories.append(traj)
+        return traj
+
+    # ---- the run() path ----------------------------------------------------------------------------
+    async def generate(self, request: RolloutRequest, *, new_sample: bool = False) -> TurnResponse:
+        """One model turn on `request`. If the request extends the conversation so far, only the new part is
+        appended (mask 0); otherwise, or with `new_sample`, the current sample ends and a new one starts."""
+        if self._task is not None and self._task.done():
+            await self._collect()
+            raise EpisodeOver(f"the sample ended: {self.trajectories[-1].termination_reason}")
+        if self._task is not None:
+            if self.turns + self._running_turns >= self.max_turns:
+                self._answer(StepResult(done=True, termination_reason=TerminationReason.MAX_TURNS, **self._edits))
+                await self._collect()
+                raise EpisodeOver(f"max_turns={self.max_turns} reached")
+            if list(request.images) != list(self.ctx.sample.get("images") or []):
+                raise ValueError("request.images changed; put images into message content parts instead")
+            if new_sample:
+                step, split = StepResult(done=True, termination_reason=TerminationReason.SPLIT, **self._edits), True
+            else:
+                step, split = self._conversation.plan(request.messages, self._last, self._edits, self.ctx.renderer)
+            self._answer(step)
+            if split:
+                await self._collect()
+        if self._task is None:
+            if self.turns >= self.max_turns:
+                raise EpisodeOver(f"max_turns={self.max_turns} reached")
+            self._start(request)
+        return await self._next_turn()
+
+    def edit_last_turn(self, response_token_ids: list[int] | None = None, response_loss_mask: list[int] | None = None,
+                       rollout_logprobs: list[float] | None = None) -> None:
+        """ms-swift's token fields for the turn `generate` last returned; applied and validated with what comes next."""
+        if self._last is None:
+            raise RuntimeError("edit_last_turn() needs a turn: call generate() first")
+        given = {"response_token_ids": response_token_ids, "response_loss_mask": response_loss_mask,
+                 "rollout_logprobs": rollout_logprobs}
+        self._edits = {k: v for k, v in given.items() if v is not None}
+
+    async def finish(self) -> list[Trajectory]:
+        """End the current sample (env_done, or length if the last turn was cut) and return every sample."""
+        if self._task is not None:
+            if not self._task.done():
+                self._answer(StepResult(done=True, **self._edits))
+            await self._collect()
+        return self.trajectories
+
+    async def abort(self) -> None:
+        """Cancel a sample still being driven (the agent calls this when the episode raised)."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._task = None
+
+    def _start(self, request: RolloutRequest) -> None:
+        if request.messages and request.messages[-1].get("role") == "assistant":
+            raise ValueError("a new sample starts from a fresh prompt (generation prompt added), so its messages "
+                             "cannot end with an assistant message to continue")
+        self._conversation = _Conversation(request.messages)
+        self._running_turns = 0
+        self._turn = asyncio.get_running_loop().create_future()
+        # a retry would call step_turn again while run() waits for the first: run() owns its turns
+        self._task = asyncio.create_task(self._drive(_BridgeEnv(self, request), request.messages, env_retries=0))
+
+    def _answer(self, step: StepResult) -> None:
+        self._turn = asyncio.get_running_loop().create_future()
+        action, self._action = self._action, None
+        self._edits, self._last = {}, None
+        if action is not None and not action.done():
+            action.set_result(step)
+
+    async def _next_turn(self) -> TurnResponse:
+        await asyncio.wait({self._turn, self._task}, return_when=asyncio.FIRST_COMPLETED)
+        if not self._turn.done():
+            await self._collect()
+            traj = self.trajectories[-1]
+            raise EpisodeOver(f"the sample ended: {traj.termination_reason}{': ' + traj.error if traj.error else ''}")
+        response = TurnResponse.of(self._turn.result(), self.ctx.renderer.end_of_turn_ids)
+        self._conversation.add_reply(response.text)
+        self._last = response
+        self._running_turns += 1
+        return response
+
+    async def _collect(self) -> None:
+        task, self._task = self._task, None
+        await task
+        self._action = None
+
+    # ---- the end of an episode ---------------------------------------------------------------------
+    def finalize(self, trajectories: list[Trajectory]) -> list[Trajectory]:
+        """Give every sample the episode id and infos; a failed sample fails its whole episode (the samples share
+        one reward, which an unfinished episode cannot give)."""
+        infos = {**self.rollout_infos, "num_turns": self.turns}
+        failed = next((t for t in trajectories if t.status == RolloutStatus.FAILED), None)
+        for traj in trajectories:
+            traj.info["episode_id"] = self.ctx.trajectory_id
+            traj.info["rollout_infos"] = dict(infos)
+            if failed is not None and traj.status != RolloutStatus.FAILED:
+                traj.finish(failed.termination_reason, f"sample {failed.id} of this episode failed: {failed.error}")
+        return trajectories
+
+
+# ---------------------------------------------------------------------------------------------------
+# The agent and the registry
+# ---------------------------------------------------------------------------------------------------
+SCHEDULERS: dict[str, type[MultiTurnScheduler]] = {}
+"""Schedulers by name. The built-ins (math_tip_trick, thinking_tips, gym, remote_env and ms-swift's names for
+them) are registered by turnrl.agents.schedulers_builtin, imported at the end of this module; plugins add
+theirs: `multi_turns["name"] = MyScheduler`."""
+
+multi_turns = SCHEDULERS
+"""ms-swift's name for the registry, so `multi_turns['name'] = Cls` in a plugin ports unchanged."""
+
+
+def get_scheduler(spec: str | type[MultiTurnScheduler]) -> type[MultiTurnScheduler]:
+    """A registered name, a `path.py:Class` / `pkg.module:Class` spec, or the class itself."""
+    if isinstance(spec, type):
+        return spec
+    if spec in SCHEDULERS:
+        return SCHEDULERS[spec]
+    module_spec, sep, attr = spec.rpartition(":")
+    if sep and module_spec:
+        from turnrl.envs.base import load_module
+
+        cls = getattr(load_module(module_spec, what="scheduler"), attr, None)
+        if not isinstance(cls, type):
+            raise AttributeError(f"scheduler {spec!r}: {module_spec} has no class {attr!r}")
+        return cls
+    raise ValueError(f"unknown scheduler {spec!r}; registered: {', '.join(sorted(SCHEDULERS))}. A plugin file "
+                     "(--plugin FILE.py) registers more with multi_turns['name'] = MyScheduler, or pass path.py:Class")
+
+
+def build_scheduler(cls: type[MultiTurnScheduler], ctx: RolloutContext) -> MultiTurnScheduler:
+    """Instantiate with what the rollout offers: max_turns, tokenizer, renderer, env_config (only the arguments
+    the constructor names, unless it takes **kwargs, as ms-swift does with `tokenizer`)."""
+    offered = {"max_turns": ctx.limits.max_turns, "tokenizer": ctx.renderer.tokenizer, "renderer": ctx.renderer,
+               "env_config": dict(ctx.env_config)}
+    params = inspect.signature(cls).parameters.values()
+    if not any(p.kind == p.VAR_KEYWORD for p in params):
+        names = {p.name for p in params}
+        offered = {k: v for k, v in offered.items() if k in names}
+    return cls(**offered)
+
+
+def first_request(ctx: RolloutContext, sample: dict[str, Any]) -> RolloutRequest:
+    """The row as a request. A trailing assistant message (the row's reference reply) is dropped, as ms-swift's
+    `remove_response` does."""
+    messages = prompt_messages(sample)
+    if len(messages) > 1 and messages[-1].get("role") == "assistant":
+        messages.pop()
+    tools = sample.get("tools") if isinstance(sample.get("tools"), list) else None
+    return RolloutRequest(messages, tools, list(sample.get("images") or []), dict(sample), ctx.trajectory_id)
+
+
+def scheduler_agent(spec: str | type[MultiTurnScheduler]) -> Agent:
+    """The Agent that runs a scheduler. The class is resolved now (an unknown name fails at build time); the one
+    shared instance is built on the first trajectory, which brings the tokenizer and limits."""
+    cls = get_scheduler(spec)
+    instance: list[MultiTurnScheduler] = []
+
+    async def scheduler(ctx: RolloutContext, sample: dict[str, Any]) -> list[Trajectory]:
+        if not instance:
+            instance.append(build_scheduler(cls, ctx))
+        return await run_episode(instance[0], ctx, sample)
+
+    scheduler.__name__ = f"scheduler[{getattr(cls, '__name__', spec)}]"
+    return scheduler
+
+
+async def run_episode(scheduler: MultiTurnScheduler, ctx: RolloutContext, sample: dict[str, Any]) -> list[Trajectory]:
+    """on_trajectory_start → run (default: the hooks on drive) → on_trajectory_end, which always runs once."""
+    if scheduler.max_turns is not None and scheduler.max_turns < ctx.limits.max_turns:
+        ctx.limits = dataclasses.replace(ctx.limits, max_turns=scheduler.max_turns)
+    requests = [first_request(ctx, sample)]
+    runner = SchedulerRunner(ctx, scheduler)
+    try:
+        await _maybe_await(scheduler.on_trajectory_start(requests))
+        try:
+            result = await scheduler.run(requests[0], runner)
+        except EpisodeOver:  # a limit or an engine error ended a run() override: keep what was built
+            result = None
+        collected = await runner.finish()
+        trajectories = collected if result is None else [result] if isinstance(result, Trajectory) else list(result)
+        if not trajectories or not all(isinstance(t, Trajectory) for t in trajectories):
+            raise TypeError(f"{type(scheduler).__name__}.run() must return a non-empty list of Trajectory "
+                            "(return await runner.finish())")
+        runner.finalize(trajectories)
+    except BaseException as e:  # the manager turns the exception into a FAILED trajectory
+        await runner.abort()
+        await _end(scheduler, requests, e, [], ctx.trajectory_id)
+        raise
+    failed = next((t for t in trajectories if t.status == RolloutStatus.FAILED), None)
+    error = None if failed is None else RolloutFailure(failed.termination_reason, failed.error)
+    await _end(scheduler, requests, error, trajectories, ctx.trajectory_id)
+    return trajectories
+
+
+async def _end(scheduler: MultiTurnScheduler, requests: list[RolloutRequest], error: BaseException | None,
+               trajectories: list[Trajectory], trajectory_id: str) -> None:
+    """on_trajectory_end; its own failure is logged and recorded, never hiding the rollout's outcome or error."""
+    try:
+        await _maybe_await(scheduler.on_trajectory_end(requests, error))
+    except Exception as e:
+        log.warning("trajectory %s: on_trajectory_end raised %s: %s", trajectory_id, type(e).__name__, e)
+        for traj in trajectories:
+            traj.info["trajectory_end_error"] = f"{type(e).__name__}: {e}"
+
+
+import turnrl.agents.schedulers_builtin  # noqa: E402,F401  (registers the built-ins into SCHEDULERS)
