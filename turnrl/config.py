@@ -86,6 +86,12 @@ class RolloutConfig(Strict):
     """Compare each token stream with a full chat-template re-render (render.py)."""
     chat_template_kwargs: dict[str, Any] = {}
     """Passed to the chat template (e.g. enable_thinking: false)."""
+    trace_uri: str | None = None
+    """MLflow tracking URI that receives one trace per trajectory (turnrl.tracing); None = no tracing."""
+    trace_experiment: str = "turnrl"
+    """MLflow experiment of the traces (and of the training run's params and metrics)."""
+    max_traces_per_step: int = Field(16, ge=0)
+    """Trajectories traced per training step, eval pass or `turnrl rollout`; all are still written to JSONL."""
     sampling: SamplingConfig = SamplingConfig()
 
 
