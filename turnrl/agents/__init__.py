@@ -34,10 +34,17 @@ def _tool_agent(ctx: RolloutContext, sample: dict[str, Any]):
     return tool_agent(ctx, sample)
 
 
+def _openai_agent(ctx: RolloutContext, sample: dict[str, Any]):
+    from turnrl.agents.openai_agent import openai_agent
+
+    return openai_agent(ctx, sample)
+
+
 AGENTS: dict[str, Agent] = {
     "single_turn": single_turn,
     "env_agent": env_agent,
     "tool_agent": _tool_agent,
+    "openai_agent": _openai_agent,
 }
 """The built-in agents. Copy this dict (see `agent_registry`) rather than mutating it."""
 

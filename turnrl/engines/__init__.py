@@ -1,0 +1,31 @@
+"""Inference engines: the `Engine` protocol (base.py) and its backends (embedded, http, sglang, router)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def build_server_engine(cfg: Any) -> Any:
+    """An Engine for `engine.kind` http or sglang: one client per URL in `engine.urls`, behind a Router when
+    there are several. `cfg` is a turnrl.config.EngineConfig (`weights_dir`, if the config has it, is where
+    SGLangEngine writes weights for the server to load)."""
+    from turnrl.engines.router import Router
+
+    if not cfg.urls:
+        raise ValueError(f"engine.urls is required for engine.kind={cfg.kind!r} (one server URL per replica)")
+    if cfg.kind == "http":
+        from turnrl.engines.http import HttpEngine
+
+        replicas = [HttpEngine(url) for url in cfg.urls]
+    elif cfg.kind == "sglang":
+        from turnrl.engines.sglang import SGLangEngine
+
+        weights_dir = getattr(cfg, "weights_dir", None)
+        replicas = [  # a folder per replica: they write concurrently when the router broadcasts an update
+            SGLangEngine(url, weights_dir=None if weights_dir is None else
+                         weights_dir if len(cfg.urls) == 1 else f"{weights_dir}/replica{i}")
+            for i, url in enumerate(cfg.urls)
+        ]
+    else:
+        raise ValueError(f"engine.kind={cfg.kind!r} has no server client here; use http or sglang")
+    return replicas[0] if len(replicas) == 1 else Router(replicas)

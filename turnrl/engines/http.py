@@ -1,0 +1,215 @@
+"""`HttpEngine`: the Engine protocol over HTTP, against turnrl's own token-level server (`turnrl serve`).
+
+A trainer on one machine can sample from an engine on another: `turnrl serve --host 0.0.0.0 --token T` there,
+`HttpEngine("http://host:8000", token="T")` here. Tokens travel as ids, never as text, so nothing is
+re-tokenized on the way.
+
+The wire format (JSON unless said otherwise; `turnrl/serve.py` is the other side):
+
+    POST /generate      {"prompt_ids": [int], "sampling": {SamplingParams fields}, "request_id": str,
+                         "images": [str]?}
+                        -> {"token_ids": [int], "logprobs": [float], "finish_reason": "stop"|"length"|"abort",
+                            "policy_version": int, "cached_prompt_tokens": int}
+    POST /update_weights  body: a safetensors file (application/octet-stream), query `?version=N` (optional),
+                        or JSON {"path": "<file.safetensors or a folder of them, on the server>", "version": N?}
+                        -> {"policy_version": int}
+    POST /sleep, POST /wake_up                  -> {"ok": true}
+    POST /release       {"request_id": str}     -> {"ok": true}
+    GET  /health                                -> {"status": "ok", "model": str, "policy_version": int, ...}
+
+Images are sent as strings: paths and URLs as they are, PIL images as PNG data URIs.
+Every request carries `Authorization: Bearer <token>` when a token is set (argument, else the
+`TURNRL_SERVE_TOKEN` environment variable, the same one `turnrl serve` reads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import io
+import os
+from typing import Any
+
+import httpx
+import torch
+from safetensors.torch import load as load_safetensors_bytes
+from safetensors.torch import save as save_safetensors_bytes
+
+from turnrl.engines.base import EngineError, NamedTensors
+from turnrl.types import FinishReason, GenerateOutput, SamplingParams
+
+TOKEN_ENV = "TURNRL_SERVE_TOKEN"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Wire format (shared with turnrl/serve.py)
+# ---------------------------------------------------------------------------------------------------
+def sampling_to_json(params: SamplingParams) -> dict[str, Any]:
+    body = dataclasses.asdict(params)
+    body["stop_token_ids"] = list(params.stop_token_ids)
+    return body
+
+
+def sampling_from_json(body: dict[str, Any]) -> SamplingParams:
+    """Raises ValueError naming unknown fields or bad values."""
+    known = {f.name for f in dataclasses.fields(SamplingParams)}
+    unknown = set(body) - known
+    if unknown:
+        raise ValueError(f"sampling: unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
+    fields = dict(body)
+    if "stop_token_ids" in fields:
+        fields["stop_token_ids"] = tuple(int(t) for t in fields["stop_token_ids"] or ())
+    return SamplingParams(**fields)
+
+
+def output_to_json(out: GenerateOutput) -> dict[str, Any]:
+    return {
+        "token_ids": list(out.token_ids), "logprobs": list(out.logprobs), "finish_reason": str(out.finish_reason),
+        "policy_version": out.policy_version, "cached_prompt_tokens": out.cached_prompt_tokens,
+    }
+
+
+def output_from_json(body: Any, where: str) -> GenerateOutput:
+    try:
+        return GenerateOutput(
+            token_ids=[int(t) for t in body["token_ids"]],
+            logprobs=[float(lp) for lp in body["logprobs"]],
+            finish_reason=FinishReason(body["finish_reason"]),
+            policy_version=int(body.get("policy_version", 0)),
+            cached_prompt_tokens=int(body.get("cached_prompt_tokens", 0)),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise EngineError(f"{where}: malformed generate response ({type(e).__name__}: {e}): {_excerpt(body)}") from None
+
+
+def encode_image(image: Any) -> str:
+    """A path, URL or data URI stays as it is; a PIL image becomes a PNG data URI."""
+    if isinstance(image, str):
+        return image
+    if hasattr(image, "save"):
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    raise EngineError(f"cannot send an image of type {type(image).__name__}: pass a path, URL, data URI or PIL image")
+
+
+def safetensors_bytes(named_tensors: NamedTensors) -> bytes:
+    """Serialise name -> tensor as a safetensors file. Tensors that share storage (tied embeddings) are
+    copied, since the format refuses shared storage."""
+    items = named_tensors.items() if hasattr(named_tensors, "items") else named_tensors
+    out: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+    for name, tensor in items:
+        t = tensor.detach().to("cpu").contiguous()
+        if t.numel() and t.untyped_storage().data_ptr() in storages:
+            t = t.clone()
+        storages.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    return save_safetensors_bytes(out)
+
+
+def tensors_from_safetensors_bytes(payload: bytes) -> dict[str, torch.Tensor]:
+    return load_safetensors_bytes(payload)
+
+
+def _excerpt(body: Any, limit: int = 300) -> str:
+    text = body if isinstance(body, str) else repr(body)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The client
+# ---------------------------------------------------------------------------------------------------
+class HttpEngine:
+    """The Engine protocol against a `turnrl serve` server (wire format in the module docstring).
+
+    Args:
+        base_url: e.g. `http://10.0.0.5:8000` (the server root, not a session URL).
+        token: bearer token; defaults to the `TURNRL_SERVE_TOKEN` environment variable.
+        timeout_s: limit of one request (a long generation included); None waits forever.
+        connect_timeout_s: limit of opening the connection, so a dead host fails fast.
+    """
+
+    def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float | None = 600.0,
+                 connect_timeout_s: float = 10.0):
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"HttpEngine.base_url must start with http:// or https://, got {base_url!r}")
+        self.base_url = base_url.rstrip("/")
+        self.token = token if token is not None else os.environ.get(TOKEN_ENV)
+        self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        # An httpx client belongs to the event loop that opened its connections; the trainer may run
+        # several loops one after another (asyncio.run per phase), so there is one client per loop.
+        self._client: httpx.AsyncClient | None = None
+        self._client_loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- Engine protocol -------------------------------------------------------------------------
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, *, request_id: str, images: list[Any] | None = None
+    ) -> GenerateOutput:
+        body: dict[str, Any] = {"prompt_ids": list(prompt_ids), "sampling": sampling_to_json(params),
+                                "request_id": request_id}
+        if images:
+            body["images"] = [encode_image(im) for im in images]
+        data = await self._request("POST", "/generate", json=body)
+        return output_from_json(data, f"POST {self.base_url}/generate")
+
+    async def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> int:
+        payload = safetensors_bytes(named_tensors)
+        data = await self._request("POST", "/update_weights", content=payload,
+                                   headers={"content-type": "application/octet-stream"},
+                                   params=None if version is None else {"version": version})
+        return self._version(data)
+
+    async def update_weights_from_path(self, path: str, version: int | None = None) -> int:
+        """Load weights from a safetensors file (or a folder of them) on the *server's* filesystem."""
+        data = await self._request("POST", "/update_weights", json={"path": path, "version": version})
+        return self._version(data)
+
+    async def sleep(self) -> None:
+        await self._request("POST", "/sleep")
+
+    async def wake_up(self) -> None:
+        await self._request("POST", "/wake_up")
+
+    async def release(self, request_id: str) -> None:
+        await self._request("POST", "/release", json={"request_id": request_id})
+
+    # ---- extras ----------------------------------------------------------------------------------
+    async def health(self) -> dict[str, Any]:
+        return await self._request("GET", "/health")
+
+    async def aclose(self) -> None:
+        if self._client is not None and self._client_loop is asyncio.get_running_loop():
+            await self._client.aclose()
+        self._client = self._client_loop = None
+
+    # ---- internals -------------------------------------------------------------------------------
+    def _http(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._client_loop is not loop:
+            headers = {"authorization": f"Bearer {self.token}"} if self.token else {}
+            self._client = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=self.timeout)
+            self._client_loop = loop
+        return self._client
+
+    async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        where = f"{method} {self.base_url}{path}"
+        try:
+            response = await self._http().request(method, path, **kwargs)
+        except httpx.HTTPError as e:
+            raise EngineError(f"{where} failed: {type(e).__name__}: {e or 'no details'}") from e
+        if response.status_code >= 400:
+            hint = " (set the server's token: HttpEngine(token=...) or TURNRL_SERVE_TOKEN)" \
+                if response.status_code == 401 else ""
+            raise EngineError(f"{where} returned HTTP {response.status_code}{hint}: {_excerpt(response.text)}")
+        try:
+            return response.json()
+        except ValueError:
+            raise EngineError(f"{where} returned a body that is not JSON: {_excerpt(response.text)}") from None
+
+    def _version(self, data: Any) -> int:
+        try:
+            return int(data["policy_version"])
+        except (KeyError, TypeError, ValueError):
+            raise EngineError(f"POST {self.base_url}/update_weights: no policy_version in {_excerpt(data)}") from None

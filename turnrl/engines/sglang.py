@@ -1,0 +1,233 @@
+"""`SGLangEngine`: the Engine protocol over a running SGLang server's native HTTP API.
+
+Start the server yourself (GPU), e.g. `python -m sglang.launch_server --model-path Qwen/Qwen3-4B --port 30000
+--enable-memory-saver`, then `SGLangEngine("http://localhost:30000", weights_dir="/shared/turnrl-weights")`.
+`scripts/check_sglang.py URL` runs this adapter's checks against a real server.
+
+What is used, as documented by SGLang (docs.sglang.io: basic_usage/native_api and sampling_params; source:
+python/sglang/srt/entrypoints/http_server.py, managers/io_struct.py, sampling/sampling_params.py,
+managers/tokenizer_manager.py, managers/detokenizer_manager.py, managers/schedule_batch.py):
+
+- `POST /generate` with a `GenerateReqInput`:
+  `{"input_ids": [...], "sampling_params": {...}, "return_logprob": true, "logprob_start_len": -1,
+  "rid": "...", "image_data": [...]?}`. `sampling_params` fields used: `temperature` (0 = greedy; SGLang turns
+  it into top_k=1), `top_p`, `top_k` (-1 = whole vocabulary), `max_new_tokens`, `stop_token_ids`,
+  `sampling_seed` (honoured only under `--enable-deterministic-inference`), `skip_special_tokens: false`, and
+  `no_stop_trim: true`: without it the detokenizer trims a matched stop token from `output_ids`
+  (`trim_matched_stop`), while turnrl's contract keeps the stop token in the output.
+  The response is `{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
+  "completion_tokens", "cached_tokens", "weight_version", "output_token_logprobs"}}`, where
+  `output_token_logprobs` is a list of `[logprob, token_id, text_or_null]`, one per generated token, and
+  `finish_reason` is `{"type": "stop", "matched": id_or_str}`, `{"type": "length", "length": n}` or
+  `{"type": "abort", "message": ...}`. Token ids and logprobs are both read from `output_token_logprobs`
+  (every sampled token, never trimmed); `output_ids`, when present, must agree with them (or lack only a
+  trailing stop token, as a server that ignores `no_stop_trim` returns it).
+- `POST /update_weights_from_disk` `{"model_path", "weight_version"}` -> `{"success", "message",
+  "num_paused_requests"}`: `update_weights` writes the tensors as `model.safetensors` in `weights_dir`, a
+  folder that the SGLang server must see at the same path (same machine or a shared filesystem), and asks
+  the server to load it; SGLang flushes its radix cache after loading. Without `weights_dir`,
+  `update_weights` raises: in-memory transfers (`/update_weights_from_tensor`, `/update_weights_from_distributed`)
+  need a process on the GPU node and are not wired here.
+- `POST /release_memory_occupation` / `POST /resume_memory_occupation` `{"tags": [...] | null}` for
+  `sleep` / `wake_up` (the server needs `--enable-memory-saver`). Releasing the `weights` tag discards them:
+  call `update_weights` after `wake_up`, as colocated trainers do.
+- `POST /abort_request` `{"rid"}` when a generate call is cancelled; `POST /flush_cache`; `GET /health`.
+
+`rid`: SGLang refuses two live requests with one rid, and its radix cache reuses a conversation's KV by prefix,
+not by id, so each call gets `"<request_id>#<n>"` (the trajectory id stays readable in SGLang's logs).
+`release` is a no-op for the same reason.
+
+Logprobs: SGLang reports `log_softmax(logits / temperature)` *before* top-k/top-p filtering (unless the server
+sets `SGLANG_RETURN_ORIGINAL_LOGPROB`, which gives the raw distribution: leave it unset). With top_k/top_p off,
+as turnrl's trainer assumes, that is exactly the sampling distribution; a request with top_k or top_p set logs
+a warning once. Greedy requests return the unscaled logprob, as the Engine contract says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from turnrl.engines.base import EngineError, NamedTensors
+from turnrl.engines.http import _excerpt, encode_image, safetensors_bytes
+from turnrl.types import FinishReason, GenerateOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+
+
+class SGLangEngine:
+    """An Engine backed by an SGLang server (API and its sources in the module docstring).
+
+    Args:
+        base_url: the server root, e.g. `http://localhost:30000`.
+        api_key: sent as `Authorization: Bearer` (SGLang's `--api-key`).
+        weights_dir: a folder both this process and the server can read at this path; `update_weights`
+            writes `model.safetensors` there. None: `update_weights` raises.
+        sleep_tags: memory regions released by `sleep` ("weights", "kv_cache"); None releases all.
+        timeout_s / connect_timeout_s: per request / to open a connection.
+    """
+
+    def __init__(self, base_url: str, *, api_key: str | None = None, weights_dir: str | os.PathLike | None = None,
+                 sleep_tags: list[str] | None = None, timeout_s: float | None = 600.0, connect_timeout_s: float = 10.0):
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"SGLangEngine.base_url must start with http:// or https://, got {base_url!r}")
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.weights_dir = Path(weights_dir) if weights_dir is not None else None
+        self.sleep_tags = sleep_tags
+        self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        self.policy_version = 0
+        self._rid_counter = itertools.count()
+        self._warned_filters = False
+        self._client: httpx.AsyncClient | None = None
+        self._client_loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- Engine protocol -------------------------------------------------------------------------
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, *, request_id: str, images: list[Any] | None = None
+    ) -> GenerateOutput:
+        if not prompt_ids:
+            raise EngineError(f"request {request_id!r}: empty prompt")
+        rid = f"{request_id}#{next(self._rid_counter)}"
+        body: dict[str, Any] = {
+            "input_ids": list(prompt_ids), "sampling_params": self._sampling_params(params),
+            "return_logprob": True, "logprob_start_len": -1, "rid": rid,
+        }
+        if images:
+            body["image_data"] = [encode_image(im) for im in images]
+        try:
+            data = await self._request("POST", "/generate", json=body)
+        except asyncio.CancelledError:
+            await self._abort(rid)
+            raise
+        return self._parse_output(data, rid)
+
+    async def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> int:
+        if self.weights_dir is None:
+            raise EngineError(
+                "SGLangEngine.update_weights needs weights_dir: a folder the SGLang server can read at the same "
+                "path (its /update_weights_from_disk loads safetensors from there)"
+            )
+        new_version = self.policy_version + 1 if version is None else int(version)
+        self.weights_dir.mkdir(parents=True, exist_ok=True)
+        payload = await asyncio.to_thread(safetensors_bytes, named_tensors)
+        tmp = self.weights_dir / "model.safetensors.tmp"
+        await asyncio.to_thread(tmp.write_bytes, payload)
+        os.replace(tmp, self.weights_dir / "model.safetensors")  # never a half-written file under the real name
+        data = await self._request("POST", "/update_weights_from_disk", json={
+            "model_path": str(self.weights_dir), "weight_version": str(new_version),
+        })
+        if not (isinstance(data, dict) and data.get("success")):
+            raise EngineError(f"POST {self.base_url}/update_weights_from_disk did not succeed: {_excerpt(data)}")
+        self.policy_version = new_version
+        return new_version
+
+    async def sleep(self) -> None:
+        await self._request("POST", "/release_memory_occupation", json={"tags": self.sleep_tags})
+
+    async def wake_up(self) -> None:
+        await self._request("POST", "/resume_memory_occupation", json={"tags": self.sleep_tags})
+
+    async def release(self, request_id: str) -> None:
+        return None  # the radix cache is shared by prefix and evicted by SGLang itself
+
+    # ---- extras ----------------------------------------------------------------------------------
+    async def flush_cache(self) -> None:
+        await self._request("POST", "/flush_cache", expect_json=False)
+
+    async def health(self) -> bool:
+        try:
+            await self._request("GET", "/health", expect_json=False)
+        except EngineError:
+            return False
+        return True
+
+    async def aclose(self) -> None:
+        if self._client is not None and self._client_loop is asyncio.get_running_loop():
+            await self._client.aclose()
+        self._client = self._client_loop = None
+
+    # ---- request and response --------------------------------------------------------------------
+    def _sampling_params(self, params: SamplingParams) -> dict[str, Any]:
+        if not params.greedy and (params.top_k > 0 or params.top_p < 1.0) and not self._warned_filters:
+            self._warned_filters = True
+            log.warning("SGLang reports logprobs before top-k/top-p filtering; with top_k=%s top_p=%s they are not "
+                        "the logprobs of the distribution sampled from", params.top_k, params.top_p)
+        sampling: dict[str, Any] = {
+            "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+            "max_new_tokens": params.max_new_tokens, "skip_special_tokens": False, "no_stop_trim": True,
+        }
+        if params.stop_token_ids:
+            sampling["stop_token_ids"] = list(params.stop_token_ids)
+        if params.seed is not None:
+            sampling["sampling_seed"] = params.seed
+        return sampling
+
+    def _parse_output(self, data: Any, rid: str) -> GenerateOutput:
+        where = f"POST {self.base_url}/generate (rid {rid!r})"
+        meta = data.get("meta_info") if isinstance(data, dict) else None
+        if not isinstance(meta, dict):
+            raise EngineError(f"{where}: response has no meta_info: {_excerpt(data)}")
+        try:
+            pairs = [(float(entry[0]), int(entry[1])) for entry in meta["output_token_logprobs"]]
+        except (KeyError, TypeError, ValueError, IndexError):
+            raise EngineError(f"{where}: meta_info.output_token_logprobs missing or malformed "
+                              f"(is return_logprob supported?): {_excerpt(meta)}") from None
+        token_ids = [t for _, t in pairs]
+        output_ids = data.get("output_ids")
+        trimmed_stop = output_ids is not None and list(output_ids) == token_ids[:-1]  # a server ignoring no_stop_trim
+        if output_ids is not None and list(output_ids) != token_ids and not trimmed_stop:
+            raise EngineError(f"{where}: output_ids {_excerpt(output_ids, 120)} disagree with the token ids of "
+                              f"output_token_logprobs {_excerpt(token_ids, 120)}")
+        finish = meta.get("finish_reason")
+        kind = finish.get("type") if isinstance(finish, dict) else finish
+        if kind not in _FINISH:
+            raise EngineError(f"{where}: unknown finish_reason {finish!r}")
+        return GenerateOutput(
+            token_ids=token_ids, logprobs=[lp for lp, _ in pairs], finish_reason=_FINISH[kind],
+            policy_version=self._weight_version(meta), cached_prompt_tokens=int(meta.get("cached_tokens") or 0),
+        )
+
+    def _weight_version(self, meta: dict[str, Any]) -> int:
+        try:
+            return int(meta["weight_version"])
+        except (KeyError, TypeError, ValueError):  # "default" before any update, or an older server
+            return self.policy_version
+
+    # ---- HTTP ------------------------------------------------------------------------------------
+    def _http(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._client_loop is not loop:  # one client per event loop
+            headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            self._client = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=self.timeout)
+            self._client_loop = loop
+        return self._client
+
+    async def _request(self, method: str, path: str, *, expect_json: bool = True, **kwargs: Any) -> Any:
+        where = f"{method} {self.base_url}{path}"
+        try:
+            response = await self._http().request(method, path, **kwargs)
+        except httpx.HTTPError as e:
+            raise EngineError(f"{where} failed: {type(e).__name__}: {e or 'no details'}") from e
+        if response.status_code >= 400:
+            raise EngineError(f"{where} returned HTTP {response.status_code}: {_excerpt(response.text)}")
+        if not expect_json or not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError:
+            raise EngineError(f"{where} returned a body that is not JSON: {_excerpt(response.text)}") from None
+
+    async def _abort(self, rid: str) -> None:
+        try:  # shielded: the caller is being cancelled, but the server should stop generating
+            await asyncio.shield(self._request("POST", "/abort_request", json={"rid": rid}, expect_json=False))
+        except (EngineError, asyncio.CancelledError) as e:
+            log.warning("SGLang abort of %s failed: %r", rid, e)
