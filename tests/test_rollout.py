@@ -274,3 +274,13 @@ async def test_ignore_strippable_accepts_qwen3_reasoning_history(qwen3_tokenizer
     engine = ScriptedEngine(qwen3_tokenizer, replies(think + "It is 5.", think + "It is 4."))
     traj = await drive(make_ctx(engine, qwen3_tokenizer, sanity_mode="ignore_strippable"), FeedbackEnv())
     assert traj.metrics["render_mismatch"] == 0.0 and "render_check" not in traj.info
+
+
+async def test_a_row_repeated_in_a_batch_gets_distinct_ids(qwen3_tokenizer):
+    # an epoch boundary can put the same row twice into one training batch
+    engine = ScriptedEngine(qwen3_tokenizer, replies("4"))
+    manager = _manager(engine, qwen3_tokenizer, lambda s, c: FeedbackEnv())
+    row = {"id": "r1", "prompt": "2+2?"}
+    groups = await manager.run_groups([row, {"id": "r0", "prompt": "x"}, row], n=2, id_prefix="s3-")
+    assert [[t.id for t in g] for g in groups] == [["s3-r1-0", "s3-r1-1"], ["s3-r0-0", "s3-r0-1"],
+                                                   ["s3-r1#1-0", "s3-r1#1-1"]]

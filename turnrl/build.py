@@ -49,33 +49,46 @@ def env_config(cfg: RolloutConfig) -> dict[str, Any]:
     return merged
 
 
-def build_engine(model: torch.nn.Module, cfg: EngineConfig, eos_token_ids: list[int] = ()) -> Engine:
+def build_engine(model: torch.nn.Module, cfg: EngineConfig, eos_token_ids: list[int] = (),
+                 image_processor: Any = None) -> Engine:
     if cfg.kind != "embedded":
         from turnrl.engines import build_server_engine
 
         return build_server_engine(cfg)
     from turnrl.engines.embedded import EmbeddedEngine
 
-    def one() -> EmbeddedEngine:
-        return EmbeddedEngine(model, eos_token_ids=eos_token_ids, max_batch_size=cfg.max_batch_size,
-                              prefix_cache_tokens=cfg.prefix_cache_tokens)
+    def one(weights: torch.nn.Module) -> EmbeddedEngine:
+        return EmbeddedEngine(weights, eos_token_ids=eos_token_ids, max_batch_size=cfg.max_batch_size,
+                              prefix_cache_tokens=cfg.prefix_cache_tokens, image_processor=image_processor)
 
     if cfg.replicas == 1:
-        return one()
+        return one(model)
     import copy
 
     from turnrl.engines.router import Router
 
-    replicas = {"embedded0": one()}
-    for i in range(1, cfg.replicas):  # each replica owns a copy of the weights, as a separate server would
-        replicas[f"embedded{i}"] = EmbeddedEngine(copy.deepcopy(model), eos_token_ids=eos_token_ids,
-                                                  max_batch_size=cfg.max_batch_size,
-                                                  prefix_cache_tokens=cfg.prefix_cache_tokens)
-    return Router(replicas)
+    # each replica owns a copy of the weights, as a separate server would
+    return Router({f"embedded{i}": one(model if i == 0 else copy.deepcopy(model)) for i in range(cfg.replicas)})
 
 
 def build_renderer(tokenizer: Any, cfg: RolloutConfig) -> ChatRenderer:
     return ChatRenderer(tokenizer, cfg.chat_template_kwargs)
+
+
+def build_policy_renderer(model_name: str, cfg: RolloutConfig) -> tuple[ChatRenderer, Any]:
+    """The renderer for a policy, and the image processor the engine needs (None for text models).
+    VLMs render through their processor (images expand into placeholder tokens)."""
+    from transformers import AutoConfig
+
+    from turnrl.models import load_tokenizer, resolve_model
+
+    where = resolve_model(model_name)
+    if hasattr(AutoConfig.from_pretrained(where), "vision_config"):
+        from turnrl.multimodal import VisionRenderer, build_processor
+
+        processor = build_processor(where)
+        return VisionRenderer(processor, cfg.chat_template_kwargs), processor.image_processor
+    return build_renderer(load_tokenizer(model_name), cfg), None
 
 
 def build_rollout_manager(

@@ -62,6 +62,8 @@ def rollout(
     max_batch_size: Annotated[int, Opt(help="Rows decoded together by the embedded engine.")] = 16,
     limit: Annotated[int | None, Opt(help="Use only the first N rows.")] = None,
     reward: Annotated[str | None, Opt(help="Reward function (env, env_last, math, file.py:fn).")] = None,
+    trace_uri: Annotated[str | None, Opt(help="MLflow tracking URI: one trace per trajectory (turnrl.tracing).")] = None,
+    max_traces: Annotated[int, Opt(help="Trajectories traced to MLflow (the first to finish).")] = 16,
     verbose: Annotated[bool, Opt("--verbose", "-v")] = False,
 ) -> None:
     """Roll out trajectories of a model in an environment and write them as JSONL."""
@@ -75,6 +77,7 @@ def rollout(
             tools=tools, tool_parser=tool_parser, scheduler=scheduler, plugins=plugin, n=n, max_turns=max_turns,
             max_new_tokens=max_new_tokens, token_budget=token_budget, concurrency=concurrency,
             sanity_check=sanity_check, chat_template_kwargs=json.loads(chat_template_kwargs or "{}"),
+            trace_uri=trace_uri, max_traces_per_step=max_traces,
             sampling=SamplingConfig(temperature=temperature, top_p=top_p, seed=seed),
         )
         rows = load_rows(data)[:limit]
@@ -84,22 +87,24 @@ def rollout(
 
 
 async def _rollout(model_name, cfg, engine_cfg, rows, out: Path, reward: str | None) -> None:
-    from turnrl.build import build_engine, build_renderer, build_rollout_manager
-    from turnrl.models import load_model, load_tokenizer
+    from turnrl.build import build_engine, build_policy_renderer, build_rollout_manager
+    from turnrl.models import load_model
     from turnrl.observe import RolloutStats, TrajectoryWriter
     from turnrl.rewards import load_reward_fn
+    from turnrl.tracing import TrajectoryTracer
 
     try:
         if cfg.env:  # fail on a bad env before spending time on the model
             from turnrl.envs.base import load_env_factory
 
             load_env_factory(cfg.env)
-        tokenizer = load_tokenizer(model_name)
-        renderer = build_renderer(tokenizer, cfg)
+        renderer, image_processor = build_policy_renderer(model_name, cfg)
         reward_fn = load_reward_fn(reward) if reward else None
+        tracer = TrajectoryTracer.from_config(cfg, renderer.tokenizer)
         with console.status(f"loading {model_name}"):
             model = load_model(model_name)
-        engine = build_engine(model, engine_cfg, eos_token_ids=sorted(renderer.end_of_turn_ids))
+        engine = build_engine(model, engine_cfg, eos_token_ids=sorted(renderer.end_of_turn_ids),
+                              image_processor=image_processor)
         manager = build_rollout_manager(cfg, engine, renderer, reward_fn)
     except (ValueError, FileNotFoundError, AttributeError, ModuleNotFoundError) as e:
         _fail(str(e))
@@ -108,6 +113,7 @@ async def _rollout(model_name, cfg, engine_cfg, rows, out: Path, reward: str | N
     with TrajectoryWriter(out) as writer, _progress() as progress:
         task = progress.add_task("rollout", total=total, info="")
         async for traj in manager.stream(rows, cfg.n):
+            tracer.export(traj)
             writer.write(traj)
             stats.add(traj)
             s = stats.summary()
@@ -115,7 +121,11 @@ async def _rollout(model_name, cfg, engine_cfg, rows, out: Path, reward: str | N
                                                   f"{s['rollout/tokens_per_s']:.0f} tok/s")
     if hasattr(engine, "close"):
         engine.close()
+    tracer.close()
     console.print(stats.table(f"rollout of {model_name} → {out}"))
+    if tracer.enabled:
+        console.print(f"traced {tracer.exported} trajectories to {cfg.trace_uri} (experiment {cfg.trace_experiment!r}, "
+                      f"{tracer.failures} failures)")
 
 
 def _progress() -> Progress:
@@ -127,6 +137,8 @@ def _progress() -> Progress:
 def train(
     config: Annotated[Path, typer.Argument(help="Training config YAML (turnrl.config.TrainConfig).")],
     overrides: Annotated[list[str] | None, typer.Argument(help="Dotted key=value overrides.")] = None,
+    scheduler: Annotated[str | None, Opt(help="ms-swift-style scheduler by name (overrides rollout.scheduler).")] = None,
+    plugin: Annotated[list[str], Opt(help="Python file imported at start-up (repeatable; extends rollout.plugins).")] = [],
     verbose: Annotated[bool, Opt("--verbose", "-v")] = False,
 ) -> None:
     """Train a policy with GRPO on multi-turn rollouts."""
@@ -135,6 +147,10 @@ def train(
 
     try:
         cfg = load_config(TrainConfig, config, overrides or [])
+        if scheduler is not None:
+            cfg.rollout.scheduler = scheduler
+        if plugin:
+            cfg.rollout.plugins = [*cfg.rollout.plugins, *plugin]
     except ConfigError as e:
         _fail(str(e))
     from turnrl.trainer import run_training
@@ -179,6 +195,35 @@ def view(
         console.print(f"wrote {html}")
         return
     print_trajectories(path, console, index=index, model=model)
+
+
+@app.command()
+def serve(
+    model: Annotated[str, Opt(help="Model (embedded engine) or tokenizer (remote engines): HF dir, hub id, built-in name.")],
+    host: Annotated[str, Opt(help="Bind address; anything but loopback requires --token.")] = "127.0.0.1",
+    port: Annotated[int, Opt(help="Port.")] = 8000,
+    token: Annotated[str | None, Opt(envvar="TURNRL_SERVE_TOKEN", help="Bearer token every request must carry.")] = None,
+    engine: Annotated[str, Opt(help="embedded | sglang | http (the last two need --url).")] = "embedded",
+    url: Annotated[list[str], Opt(help="Server URL of a remote engine (repeatable: one replica each).")] = [],
+    tool_parser: Annotated[str, Opt(help="Tool-call format of the model's text (hermes, qwen3_coder).")] = "hermes",
+    max_new_tokens: Annotated[int, Opt(help="Cap on one completion (a request's max_tokens may lower it).")] = 1024,
+    max_batch_size: Annotated[int, Opt(help="Rows decoded together by the embedded engine.")] = 16,
+    chat_template_kwargs: Annotated[str | None, Opt(help='JSON, e.g. \'{"enable_thinking": false}\'.')] = None,
+    verbose: Annotated[bool, Opt("--verbose", "-v")] = False,
+) -> None:
+    """Serve a token-level engine (for HttpEngine) and per-session OpenAI endpoints that record exact tokens."""
+    _setup_logging(verbose)
+    from turnrl.serve import BindError, check_bind, run_server
+    from turnrl.types import SamplingParams
+
+    try:
+        check_bind(host, token)
+        kwargs = json.loads(chat_template_kwargs or "{}")
+    except (BindError, ValueError) as e:
+        _fail(str(e))
+    run_server(model=model, host=host, port=port, token=token, engine_kind=engine, urls=url, tool_parser=tool_parser,
+               sampling=SamplingParams(max_new_tokens=max_new_tokens), max_batch_size=max_batch_size,
+               chat_template_kwargs=kwargs, log_level="info" if verbose else "warning")
 
 
 def main() -> None:  # pragma: no cover

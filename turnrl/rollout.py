@@ -35,6 +35,7 @@ from typing import Any
 from turnrl.data import prompt_messages
 from turnrl.engines.base import Engine
 from turnrl.envs.base import EnvFactory, as_messages, call, normalise_step, observation_messages
+from turnrl.multimodal import ImageBuffer, check_parity, image_ref
 from turnrl.render import ChatRenderer, SanityMode
 from turnrl.types import (
     FinishReason,
@@ -89,6 +90,8 @@ class TrajectoryBuilder:
         self.trajectory = trajectory
         self._ids = list(trajectory.prompt_ids)
         self._response_len = 0
+        self.images = ImageBuffer()
+        """Both image stores (inference list, training tensors per chunk) of a VLM trajectory."""
 
     @property
     def token_ids(self) -> list[int]:
@@ -216,7 +219,9 @@ async def drive(ctx: RolloutContext, env: Any, messages: list[Message] | None = 
             extra = await call(env.reset)
             if isinstance(extra, dict | list):  # slime's reset returns (obs, info), which it ignores
                 messages += as_messages(extra, "env.reset")
-        builder = ctx.new_trajectory(ctx.renderer.initial_ids(messages, tools), messages)
+        prompt = ctx.renderer.initial(messages, tools)
+        builder = ctx.new_trajectory(prompt.ids, messages)
+        builder.images.add(prompt)
         try:
             reason = await _turn_loop(ctx, env, builder, messages, tools, timing)
             traj = builder.finish(reason)
@@ -233,8 +238,23 @@ async def drive(ctx: RolloutContext, env: Any, messages: list[Message] | None = 
         await _cleanup(ctx, env)
         if builder is not None:
             _record(builder.trajectory, timing, t_start)
+    if builder is not None and builder.images.chunks:
+        _attach_images(ctx, builder)
     _sanity_check(ctx, traj, messages, tools)
     return traj
+
+
+def _attach_images(ctx: RolloutContext, b: TrajectoryBuilder) -> None:
+    """Merge the training tensors once per key and run the parity checks; a violation fails the trajectory."""
+    traj = b.trajectory
+    merged = b.images.merged()
+    problem = check_parity(b.token_ids, b.images, merged, ctx.renderer)
+    traj.images = [image_ref(im) for im in b.images.images]
+    if problem is not None:
+        log.warning("trajectory %s: multimodal parity check failed: %s", traj.id, problem)
+        traj.finish(TerminationReason.PARITY_ERROR, problem)
+        return
+    traj.mm_train_inputs = merged
 
 
 async def _turn_loop(
@@ -295,12 +315,14 @@ async def _turn_loop(
         if not observation:
             raise _End(TerminationReason.ENV_ERROR, "env.step returned done=False without an observation")
         closing = ctx.renderer.turn_closing_ids(b.trajectory.segments[-1].token_ids)
-        obs_ids = ctx.renderer.observation_ids(observation, tools)
+        rendered = ctx.renderer.observation(observation, tools)
+        obs_ids = rendered.ids
         if limits.token_budget is not None and b.response_len + len(closing) + len(obs_ids) >= limits.token_budget:
             return TerminationReason.TOKEN_BUDGET
         source = SegmentSource.TOOL if any(m.get("role") == "tool" for m in observation) else SegmentSource.ENV
         b.add_injected(closing, SegmentSource.TEMPLATE, turn)
         b.add_injected(obs_ids, source, turn)
+        b.images.add(rendered)
         record["observation_tokens"] = len(closing) + len(obs_ids)
         messages.extend(observation)
     return TerminationReason.MAX_TURNS
@@ -311,7 +333,8 @@ async def _generate(
 ) -> GenerateOutput:
     t0, start_ns = time.perf_counter(), time.time_ns()
     try:
-        out = await ctx.engine.generate(b.token_ids, params, request_id=ctx.trajectory_id)
+        out = await ctx.engine.generate(b.token_ids, params, request_id=ctx.trajectory_id,
+                                        images=list(b.images.images) or None)
     except asyncio.CancelledError:
         raise
     except Exception as e:
@@ -330,13 +353,14 @@ async def _generate(
     return out
 
 
-async def _env_step(env: Any, text: str, limits: RolloutLimits, timing: dict, record: dict) -> StepResult:
+async def _env_step(env: Any, text: str | Turn, limits: RolloutLimits, timing: dict, record: dict) -> StepResult:
     error: BaseException | None = None
     start_ns = time.time_ns()
     for attempt in range(limits.env_retries + 1):
         t0 = time.perf_counter()
         try:
-            step = normalise_step(await asyncio.wait_for(call(env.step, text), limits.env_timeout_s))
+            step_fn = env.step_turn if isinstance(text, Turn) else env.step  # turn-aware envs get the Turn
+            step = normalise_step(await asyncio.wait_for(call(step_fn, text), limits.env_timeout_s))
             record["env"] = {"start_ns": start_ns, "end_ns": time.time_ns(), "attempts": attempt + 1,
                              "reward": step.reward, "done": step.done, "info": step.info}
             return step
@@ -510,8 +534,8 @@ class RolloutManager:
         """Yield trajectories as they finish (rewards already computed)."""
         semaphore = asyncio.Semaphore(self.concurrency)
         contexts = [
-            self.context(row, f"{id_prefix}{_row_id(row, i)}-{k}", f"{id_prefix}{_row_id(row, i)}", k, sampling)
-            for i, row in enumerate(rows) for k in range(n)
+            self.context(row, f"{group}-{k}", group, k, sampling)
+            for row, group in zip(rows, group_ids(rows, id_prefix), strict=True) for k in range(n)
         ]
         tasks = [asyncio.create_task(self._run_one(ctx, semaphore)) for ctx in contexts]
         try:
@@ -533,8 +557,7 @@ class RolloutManager:
             groups.setdefault(traj.group_id, []).append(traj)
             if on_trajectory is not None:
                 on_trajectory(traj)
-        order = [f"{id_prefix}{_row_id(row, i)}" for i, row in enumerate(rows)]
-        return [sorted(groups.get(g, []), key=lambda t: (t.sample_index, t.id)) for g in order]
+        return [sorted(groups.get(g, []), key=lambda t: (t.sample_index, t.id)) for g in group_ids(rows, id_prefix)]
 
     async def _run_one(self, ctx: RolloutContext, semaphore: asyncio.Semaphore) -> list[Trajectory]:
         async with semaphore:
@@ -576,5 +599,12 @@ async def _maybe_await(value: Any) -> Any:
     return value
 
 
-def _row_id(row: dict[str, Any], index: int) -> str:
-    return str(row.get("id", index))
+def group_ids(rows: Sequence[dict[str, Any]], id_prefix: str = "") -> list[str]:
+    """One id per row: its `id` column (else its index), with `#k` added when a row repeats in a batch."""
+    seen: dict[str, int] = {}
+    out = []
+    for i, row in enumerate(rows):
+        base = f"{id_prefix}{row.get('id', i)}"
+        seen[base] = seen.get(base, 0) + 1
+        out.append(base if seen[base] == 1 else f"{base}#{seen[base] - 1}")
+    return out

@@ -42,13 +42,14 @@ import torch
 from rich.console import Console
 
 from turnrl import algos
-from turnrl.build import DTYPES, build_engine, build_renderer, build_reward_fn, build_rollout_manager
+from turnrl.build import DTYPES, build_engine, build_policy_renderer, build_reward_fn, build_rollout_manager
 from turnrl.config import TrainConfig
 from turnrl.data import load_rows
-from turnrl.models import load_model, load_tokenizer
+from turnrl.models import load_model
 from turnrl.observe import RolloutStats, TrajectoryWriter
 from turnrl.packing import pack_sequences, packed_token_logprobs, unpack_to_padded, use_varlen_attention
 from turnrl.rollout import RolloutManager
+from turnrl.tracing import TrajectoryTracer
 from turnrl.types import SamplingParams, Trajectory
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class TrainSample:
     loss_mask: list[int]
     rollout_logprobs: list[float] | None  # aligned with response_ids (0.0 at mask 0), None = not usable
     advantage: float
+    mm_inputs: dict[str, torch.Tensor] | None = None  # VLM processor tensors (pixel_values, image_grid_thw)
 
 
 def group_advantages(groups: list[list[Trajectory]], cfg: TrainConfig) -> tuple[list[tuple[Trajectory, float]], dict]:
@@ -133,7 +135,8 @@ def to_sample(traj: Trajectory, advantage: float) -> TrainSample:
     logprobs = traj.rollout_logprobs
     usable = logprobs is not None and len(logprobs) == len(traj.response_ids)
     return TrainSample(traj.prompt_ids, traj.response_ids, traj.loss_mask,
-                       [0.0 if lp is None else lp for lp in logprobs] if usable else None, advantage)
+                       [0.0 if lp is None else lp for lp in logprobs] if usable else None, advantage,
+                       traj.mm_train_inputs or None)
 
 
 class Trainer:
@@ -159,9 +162,11 @@ class Trainer:
         self.sampler = PromptSampler(len(train_rows), cfg.prompts_per_step, cfg.seed, cfg.shuffle)
         self.step = 0
         self.history: list[dict[str, float]] = []
+        self.tracer = TrajectoryTracer.from_config(cfg.rollout, manager.renderer.tokenizer if manager else None)
 
     # ---- the loop ---------------------------------------------------------------------------------
     async def train(self) -> list[dict[str, float]]:
+        self.tracer.log_params(self.cfg.model_dump())
         if self.cfg.resume and self.load_checkpoint():
             await self.engine.update_weights(self.policy.state_dict(), version=self.step)
         if self.step == 0 and self.eval_rows:
@@ -194,6 +199,7 @@ class Trainer:
         with TrajectoryWriter(self.out / "trajectories" / "last_step.jsonl") as writer:
             for group in groups:
                 for traj in group:
+                    self.tracer.export(traj, self.step, "train")
                     writer.write(traj)
         scored, adv_stats = group_advantages(groups, self.cfg)
         samples = [to_sample(t, a) for t, a in scored if a != 0.0 or self.reference is not None]
@@ -229,7 +235,8 @@ class Trainer:
                 denominator = algos.loss_denominator(mask_B_T, a.loss_agg)
                 self.optimizer.zero_grad(set_to_none=True)
                 rows = pack_sequences([(samples[i].prompt_ids, samples[i].response_ids, samples[i].loss_mask)
-                                       for i in mb], cfg.optim.micro_batch_tokens)
+                                       for i in mb], cfg.optim.micro_batch_tokens,
+                                      [samples[i].mm_inputs for i in mb])
                 for row in rows:
                     members = [mb[k] for k in row.sequence_index]
                     loss, m = self._row_loss(row, [samples[i] for i in members], members, old, temperature,
@@ -287,7 +294,7 @@ class Trainer:
         """Logprobs of the policy before this step's updates, per sample (needed when it takes >1 update)."""
         old: dict[int, torch.Tensor] = {}
         for row in pack_sequences([(s.prompt_ids, s.response_ids, s.loss_mask) for s in samples],
-                                  self.cfg.optim.micro_batch_tokens):
+                                  self.cfg.optim.micro_batch_tokens, [s.mm_inputs for s in samples]):
             logp_N = packed_token_logprobs(self.policy, row, temperature)
             for k, i in enumerate(row.sequence_index):
                 old[i] = logp_N[row.target_seq == k]
@@ -301,6 +308,7 @@ class Trainer:
             async for traj in self.manager.stream(self.eval_rows, self.cfg.eval_n, id_prefix=f"eval-{tag}-",
                                                   sampling=greedy):
                 stats.add(traj)
+                self.tracer.export(traj, self.step, "eval")
                 writer.write(traj)
         s = stats.summary()
         return {"step": float(self.step), "eval/reward_mean": s.get("rollout/reward_mean", float("nan")),
@@ -309,6 +317,7 @@ class Trainer:
 
     def _log(self, metrics: dict[str, Any]) -> None:
         self.history.append(metrics)
+        self.tracer.log_metrics(metrics, self.step)
         with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(metrics) + "\n")
         self.console.print(format_step_line(metrics, self.cfg.steps))
@@ -376,10 +385,10 @@ def setup(cfg: TrainConfig, checkpoint: Path | None = None):
     np.random.seed(cfg.seed)
     if cfg.rollout.sampling.seed is None:  # seeded samplers make runs (and resumes) reproducible
         cfg.rollout.sampling.seed = cfg.seed
-    tokenizer = load_tokenizer(cfg.model)
-    renderer = build_renderer(tokenizer, cfg.rollout)
+    renderer, image_processor = build_policy_renderer(cfg.model, cfg.rollout)
     policy = load_model(str(checkpoint) if checkpoint else cfg.model, dtype=DTYPES[cfg.dtype]).eval()
-    engine = build_engine(copy.deepcopy(policy), cfg.engine, eos_token_ids=sorted(renderer.end_of_turn_ids))
+    engine = build_engine(copy.deepcopy(policy), cfg.engine, eos_token_ids=sorted(renderer.end_of_turn_ids),
+                          image_processor=image_processor)
     manager = build_rollout_manager(cfg.rollout, engine, renderer, build_reward_fn(cfg.reward))
     train_rows = load_rows(cfg.train_data)
     eval_rows = load_rows(cfg.eval_data) if cfg.eval_data else []
@@ -395,6 +404,7 @@ def run_training(cfg: TrainConfig, console: Console | None = None) -> list[dict[
     try:
         history = asyncio.run(trainer.train())
     finally:
+        trainer.tracer.close()
         if hasattr(engine, "close"):
             engine.close()
     plot_curves(history, trainer.out / "curves.png")
@@ -414,6 +424,7 @@ def run_evaluation(cfg: TrainConfig, checkpoint: Path | None = None, out: Path |
     try:
         metrics = asyncio.run(trainer.evaluate("cli"))
     finally:
+        trainer.tracer.close()
         engine.close()
     trainer.console.print(format_step_line(metrics, 0))
     return metrics
