@@ -185,11 +185,29 @@ def sample_tokens(
         tokens_N[greedy] = logp_N_V[greedy].argmax(-1)
     shared = [i for i, p in enumerate(params) if not p.greedy and generators[i] is None]
     if shared:
-        tokens_N[shared] = torch.multinomial(logp_N_V[shared].exp(), 1, generator=default_generator)[:, 0]
+        tokens_N[shared] = draw(logp_N_V[shared], default_generator)
     for i, p in enumerate(params):
         if not p.greedy and generators[i] is not None:
-            tokens_N[i] = torch.multinomial(logp_N_V[i].exp(), 1, generator=generators[i])[0]
-    return tokens_N, logp_N_V.gather(1, tokens_N[:, None])[:, 0]
+            tokens_N[i] = draw(logp_N_V[i : i + 1], generators[i])[0]
+    logprobs_N = logp_N_V.gather(1, tokens_N[:, None])[:, 0]
+    if greedy:  # a greedy choice has no sampling distribution: report the model's own (unfiltered) logprob
+        logprobs_N[greedy] = logits_N_V[greedy].log_softmax(-1).gather(1, tokens_N[greedy, None])[:, 0]
+    return tokens_N, logprobs_N
+
+
+def draw(logp_N_V: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row by inverse-CDF sampling: one uniform per row, searched in the float64 CDF.
+
+    Not `torch.multinomial`: on CPU it draws an exponential per vocabulary entry, ~15 ms per step at batch
+    16 over a 49k vocabulary (10% of a SmolLM2-135M decode step), against ~1.5 ms here.
+    """
+    cdf_N_V = logp_N_V.exp().cumsum(-1, dtype=torch.float64)
+    total_N_1 = cdf_N_V[:, -1:]
+    if not torch.isfinite(total_N_1).all():
+        raise ValueError("sampling distribution is not finite (nan/inf logits)")
+    # u in (0, total]: the first column whose CDF reaches u has a positive probability
+    u_N_1 = (1 - torch.rand(total_N_1.shape, dtype=torch.float64, generator=generator)) * total_N_1
+    return torch.searchsorted(cdf_N_V, u_N_1)[:, 0]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -217,9 +235,10 @@ class EmbeddedEngine:
         cfg = getattr(model.config, "text_config", model.config)
         self.max_batch_size = max_batch_size
         self.max_context = max_context or getattr(cfg, "max_position_embeddings", 32_768)
+        # the model config's and the generation config's end tokens both stop (Qwen3: <|im_end|>, <|endoftext|>)
         gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        cfg_eos = cfg.eos_token_id if getattr(cfg, "eos_token_id", None) is not None else gen_eos
-        default_eos = [cfg_eos] if isinstance(cfg_eos, int) else list(cfg_eos or [])
+        default_eos = {t for ids in (getattr(cfg, "eos_token_id", None), gen_eos) if ids is not None
+                       for t in ([ids] if isinstance(ids, int) else ids)}
         self.eos_token_ids = frozenset(eos_token_ids) | frozenset(default_eos)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         dtype = next(model.parameters()).dtype
@@ -248,6 +267,11 @@ class EmbeddedEngine:
             raise EngineError("EmbeddedEngine over a text-only model got images; load a VLM policy for images")
         if not prompt_ids:
             raise EngineError(f"request {request_id!r}: empty prompt")
+        if self.is_vlm:  # refused here, not in the engine thread, where it would fail every request in the step
+            n_prompt = prompt_ids.count(self.model.config.vision_start_token_id)
+            if n_prompt != len(images or []):
+                raise EngineError(f"request {request_id!r}: the prompt has {n_prompt} images but "
+                                  f"{len(images or [])} were sent")
         if len(prompt_ids) >= self.max_context:
             raise EngineError(
                 f"request {request_id!r}: prompt of {len(prompt_ids)} tokens does not fit the context of "
@@ -334,6 +358,13 @@ class EmbeddedEngine:
                 self.stats["busy_s"] += time.perf_counter() - t0
         for r in self._active + self._waiting:
             self._resolve(r.loop, r.future, error=EngineError("engine closed"))
+        while True:  # submitted but never drained: fail them too, or their callers wait forever
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            loop, fut = (item[1].loop, item[1].future) if item[0] == "generate" else (item[2], item[3])
+            self._resolve(loop, fut, error=EngineError("engine closed"))
 
     def _drain_inbox(self) -> None:
         while True:
