@@ -22,7 +22,8 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: install
-	$(BIN)/turnrl train examples/countdown/config.yaml
+	$(BIN)/python examples/arithmetic/prepare_data.py --out data/arithmetic
+	$(BIN)/turnrl train examples/arithmetic/config.yaml
 
 test: install
 	$(BIN)/python -m pytest -q -m "not slow and not vllm"

@@ -112,7 +112,11 @@ def build_rollout_manager(
         from turnrl.agents.tool_agent import ToolAgentSettings
         from turnrl.tools import ToolSet
 
-        tools = ToolAgentSettings.build(ToolSet.from_sources(cfg.tools), cfg.tool_parser, cfg.tool_agent)
+        py_files = [t for t in cfg.tools if t.endswith(".py")]
+        configs = [t for t in cfg.tools if t.endswith((".yaml", ".yml"))]
+        if len(py_files) + len(configs) != len(cfg.tools):
+            raise ConfigError(f"rollout.tools: expected .py function-tool files or .yaml tool configs, got {cfg.tools}")
+        tools = ToolAgentSettings.build(ToolSet.from_sources(py_files, configs), cfg.tool_parser, cfg.tool_agent)
     if default_agent == "env_agent" and env_factory is None:
         raise ConfigError("rollout.env is required for the env_agent (or choose rollout.agent=single_turn|tool_agent)")
     return RolloutManager(

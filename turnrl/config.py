@@ -43,6 +43,12 @@ class EngineConfig(Strict):
     """Engine replicas behind the router (each a separate engine)."""
     urls: list[str] = []
     """Server URLs for kind sglang/http/vllm-server (one replica each)."""
+    distributed: Literal["none", "ray"] = "none"
+    """ray: each replica is a Ray actor and rollouts run in `ray_workers` Ray workers (turnrl.dist.ray)."""
+    ray_workers: int = Field(1, ge=1)
+    """Rollout worker actors with distributed=ray; each runs its shard of the rows with the same RolloutManager."""
+    ray_address: str | None = None
+    """Address of an existing Ray cluster ("auto", "ray://host:10001"); None starts a local one."""
 
 
 class RolloutConfig(Strict):
@@ -169,6 +175,8 @@ class TrainConfig(Strict):
     """Evaluate every K steps (0 = only before and after training)."""
     eval_n: int = Field(1, ge=1)
     """Greedy samples per eval prompt (1 unless the env is stochastic)."""
+    eval_sampled_n: int = Field(0, ge=0)
+    """Also evaluate the sampling policy: this many samples per eval prompt at the rollout's temperature."""
     save_every: int = Field(0, ge=0)
     """Checkpoint every K steps (0 = only at the end)."""
     resume: bool = False

@@ -302,18 +302,27 @@ class Trainer:
 
     # ---- evaluation, logging, checkpoints -----------------------------------------------------------
     async def evaluate(self, tag: str) -> dict[str, float]:
+        """Greedy on the held-out rows (and the sampling policy too when `eval_sampled_n` > 0)."""
         greedy = SamplingParams(temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens)
+        metrics = {"step": float(self.step), "eval/tag": tag,
+                   **await self._eval_pass(f"{tag}", greedy, self.cfg.eval_n, "eval/")}
+        if self.cfg.eval_sampled_n:
+            metrics.update(await self._eval_pass(f"{tag}-sampled", self.manager.sampling, self.cfg.eval_sampled_n,
+                                                 "eval/sampled_"))
+        return metrics
+
+    async def _eval_pass(self, tag: str, sampling: SamplingParams, n: int, prefix: str) -> dict[str, float]:
         stats = RolloutStats()
         with TrajectoryWriter(self.out / "trajectories" / f"eval_{tag}.jsonl") as writer:
-            async for traj in self.manager.stream(self.eval_rows, self.cfg.eval_n, id_prefix=f"eval-{tag}-",
-                                                  sampling=greedy):
+            async for traj in self.manager.stream(self.eval_rows, n, id_prefix=f"eval-{tag}-", sampling=sampling):
                 stats.add(traj)
                 self.tracer.export(traj, self.step, "eval")
                 writer.write(traj)
         s = stats.summary()
-        return {"step": float(self.step), "eval/reward_mean": s.get("rollout/reward_mean", float("nan")),
-                "eval/turns_mean": s["rollout/turns_mean"], "eval/trajectories": float(stats.count),
-                "eval/success": sum(r > 0 for r in stats.rewards) / max(len(stats.rewards), 1), "eval/tag": tag}
+        return {f"{prefix}reward_mean": s.get("rollout/reward_mean", float("nan")),
+                f"{prefix}success": sum(r > 0 for r in stats.rewards) / max(len(stats.rewards), 1),
+                f"{prefix}turns_mean": s["rollout/turns_mean"], f"{prefix}trajectories": float(stats.count),
+                f"{prefix}model_tokens_mean": s["rollout/model_tokens_mean"]}
 
     def _log(self, metrics: dict[str, Any]) -> None:
         self.history.append(metrics)
@@ -368,14 +377,19 @@ def _split(order: list[int], parts: int) -> list[list[int]]:
 
 def format_step_line(m: dict[str, Any], total: int) -> str:
     if "eval/reward_mean" in m:
-        return (f"[bold cyan]eval {m['eval/tag']}[/]: reward {m['eval/reward_mean']:.3f}  success "
-                f"{m['eval/success']:.0%}  turns {m['eval/turns_mean']:.2f}  ({m['eval/trajectories']:.0f} trajectories)")
+        line = (f"[bold cyan]eval {m['eval/tag']}[/]: greedy reward {m['eval/reward_mean']:.3f}  success "
+                f"{m['eval/success']:.0%}  turns {m['eval/turns_mean']:.2f}")
+        if "eval/sampled_reward_mean" in m:
+            line += (f"  |  sampled reward {m['eval/sampled_reward_mean']:.3f}  success {m['eval/sampled_success']:.0%}"
+                     f"  turns {m['eval/sampled_turns_mean']:.2f}")
+        return line + f"  ({m['eval/trajectories']:.0f} held-out prompts)"
     reasons = Counter({k.split("/")[-1]: v for k, v in m.items() if k.startswith("rollout/reason/")})
     reason_text = " ".join(f"{k} {v:.0%}" for k, v in reasons.most_common(3))
+    loss = f"loss {m['train/loss']:.4f}" if "train/loss" in m else "no trainable samples"
     return (f"step {m['step']:.0f}/{total}  reward {m.get('rollout/reward_mean', float('nan')):.3f}"
             f"±{m.get('rollout/reward_std', float('nan')):.2f}  turns {m['rollout/turns_mean']:.2f}  ({reason_text})  "
-            f"gen {m['rollout/tokens_per_s']:.0f} tok/s  train {m.get('train/tokens_per_s', 0):.0f} tok/s  "
-            f"loss {m.get('train/loss', float('nan')):.4f}  step {m['time/step_s']:.1f}s")
+            f"gen {m['rollout/tokens_per_s']:.0f} tok/s  train {m.get('train/tokens_per_s', 0):.0f} tok/s  {loss}  "
+            f"step {m['time/step_s']:.1f}s")
 
 
 # ---- entry points ----------------------------------------------------------------------------------
@@ -387,9 +401,17 @@ def setup(cfg: TrainConfig, checkpoint: Path | None = None):
         cfg.rollout.sampling.seed = cfg.seed
     renderer, image_processor = build_policy_renderer(cfg.model, cfg.rollout)
     policy = load_model(str(checkpoint) if checkpoint else cfg.model, dtype=DTYPES[cfg.dtype]).eval()
-    engine = build_engine(copy.deepcopy(policy), cfg.engine, eos_token_ids=sorted(renderer.end_of_turn_ids),
-                          image_processor=image_processor)
-    manager = build_rollout_manager(cfg.rollout, engine, renderer, build_reward_fn(cfg.reward))
+    if cfg.engine.distributed == "ray":  # engine replicas and rollout workers as Ray actors (turnrl.dist.ray)
+        from turnrl.dist.ray import RayRollout
+
+        manager = RayRollout.start(cfg.model, cfg.rollout, cfg.engine, renderer=renderer, reward=cfg.reward,
+                                   weights=str(checkpoint) if checkpoint else None, dtype=cfg.dtype,
+                                   image_processor=image_processor)
+        engine = manager.engine
+    else:
+        engine = build_engine(copy.deepcopy(policy), cfg.engine, eos_token_ids=sorted(renderer.end_of_turn_ids),
+                              image_processor=image_processor)
+        manager = build_rollout_manager(cfg.rollout, engine, renderer, build_reward_fn(cfg.reward))
     train_rows = load_rows(cfg.train_data)
     eval_rows = load_rows(cfg.eval_data) if cfg.eval_data else []
     return policy, engine, manager, train_rows, eval_rows

@@ -32,7 +32,7 @@ from turnrl.types import Message, StepResult, TerminationReason
 EnvFactory = Callable[[dict[str, Any], dict[str, Any]], Any]
 
 BUILTIN_ENVS: dict[str, str] = {
-    "countdown": "turnrl.envs.countdown",
+    "arithmetic": "turnrl.envs.arithmetic",
     "geo3k": "turnrl.envs.geo3k",
     "single_turn": "turnrl.envs.single_turn",
 }
