@@ -284,3 +284,44 @@ async def test_a_row_repeated_in_a_batch_gets_distinct_ids(qwen3_tokenizer):
     groups = await manager.run_groups([row, {"id": "r0", "prompt": "x"}, row], n=2, id_prefix="s3-")
     assert [[t.id for t in g] for g in groups] == [["s3-r1-0", "s3-r1-1"], ["s3-r0-0", "s3-r0-1"],
                                                    ["s3-r1#1-0", "s3-r1#1-1"]]
+
+
+async def test_real_engine_on_tiny_qwen3_spans_and_invariants(tiny_qwen3, qwen3_tokenizer):
+    """The same loop on the real embedded engine: mask-1 runs are exactly what the engine returned, mask-0
+    runs decode to exactly the template closing and the observation."""
+    import copy
+
+    from turnrl.engines.embedded import EmbeddedEngine
+
+    engine = EmbeddedEngine(copy.deepcopy(tiny_qwen3), max_batch_size=4)
+    outputs = []
+    real_generate = engine.generate
+
+    async def recording_generate(prompt_ids, params, *, request_id, images=None):
+        out = await real_generate(prompt_ids, params, request_id=request_id, images=images)
+        outputs.append(out)
+        return out
+
+    engine.generate = recording_generate
+    try:
+        ctx = make_ctx(engine, qwen3_tokenizer, limits=RolloutLimits(max_turns=3, max_new_tokens=12),
+                       sanity_mode="disable")
+        # a random model rarely emits <|im_end|>: let every token id stop a turn, so each turn is one sampled
+        # token and the closing is injected whole (a stop other than the end-of-turn token)
+        ctx.sampling = SamplingParams(seed=3, stop_token_ids=tuple(range(151936)))
+        traj = await drive(ctx, FeedbackEnv(answer="never-said"))
+    finally:
+        engine.close()
+    traj.validate()
+    assert (traj.termination_reason, traj.num_turns) == (TerminationReason.MAX_TURNS, 3)
+    model = [s for s in traj.segments if s.source == SegmentSource.MODEL]
+    assert [s.token_ids for s in model] == [o.token_ids for o in outputs]
+    assert [s.logprobs for s in model] == [o.logprobs for o in outputs]
+    for s in traj.segments:
+        if s.source == SegmentSource.ENV:
+            assert qwen3_tokenizer.decode(s.token_ids) == (
+                "<|im_start|>user\nWrong, try again.<|im_end|>\n<|im_start|>assistant\n")
+        if s.source == SegmentSource.TEMPLATE:
+            assert qwen3_tokenizer.decode(s.token_ids) in ("\n", "<|im_end|>\n")
+    # the second turn reused the first turn's KV: only the new tokens were prefilled
+    assert outputs[1].cached_prompt_tokens == len(traj.prompt_ids) + len(outputs[0].token_ids) - 1

@@ -1,0 +1,88 @@
+"""`turnrl rollout` end to end on tiny-qwen3, and the errors a user sees for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from turnrl.cli import app
+from turnrl.types import Trajectory
+
+runner = CliRunner()
+DOCUMENTED_FIELDS = {"format_version", "id", "group_id", "sample_index", "agent", "status", "termination_reason",
+                     "error", "num_turns", "reward", "turn_rewards", "prompt_ids", "response_ids", "loss_mask",
+                     "rollout_logprobs", "segments", "messages", "images", "info", "metrics", "sample"}
+
+
+def _data(tmp_path, rows):
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_rollout_writes_documented_jsonl(tmp_path):
+    data = _data(tmp_path, [{"id": "q1", "prompt": "What is 2 + 3?", "answer": 5},
+                            {"id": "q2", "prompt": [{"role": "user", "content": "What is 4 - 1?"}], "answer": 3}])
+    out = tmp_path / "out.jsonl"
+    result = runner.invoke(app, ["rollout", "--model", "tiny-qwen3", "--env", "arithmetic", "--data", str(data),
+                                 "--n", "2", "--max-turns", "2", "--max-new-tokens", "8", "--out", str(out),
+                                 "--seed", "1", "--reward", "env", "--sanity-check", "ignore_strippable"])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 4 and all(set(r) == DOCUMENTED_FIELDS for r in rows)
+    assert sorted(r["id"] for r in rows) == ["q1-0", "q1-1", "q2-0", "q2-1"]
+    for row in rows:
+        traj = Trajectory.from_json(row)
+        traj.validate()
+        assert traj.response_ids == row["response_ids"] and row["reward"] is not None
+        assert row["num_turns"] >= 1 and row["status"] in ("completed", "truncated")
+    assert "rollout summary" in result.output or "rollout of tiny-qwen3" in result.output
+
+
+def test_same_seed_same_trajectories(tmp_path):
+    data = _data(tmp_path, [{"id": "q", "prompt": "Say hi.", "answer": 1}])
+    outs = []
+    for k in range(2):
+        out = tmp_path / f"o{k}.jsonl"
+        result = runner.invoke(app, ["rollout", "--model", "tiny-qwen3", "--env", "single_turn", "--data", str(data),
+                                     "--n", "3", "--max-new-tokens", "6", "--out", str(out), "--seed", "7"])
+        assert result.exit_code == 0, result.output
+        outs.append(sorted((r["id"], tuple(r["response_ids"])) for r in map(json.loads, out.read_text().splitlines())))
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+    (["--env", "/nonexistent/env.py"], "environment file /nonexistent/env.py does not exist"),
+    (["--env", "ENVFILE_WITHOUT_BUILD_ENV"], "has no build_env(sample, config) function"),
+])
+def test_clear_errors(tmp_path, args, message):
+    data = _data(tmp_path, [{"prompt": "hi"}])
+    no_build = tmp_path / "nobuild.py"
+    no_build.write_text("class Env:\n    pass\n")
+    args = [str(no_build) if a == "ENVFILE_WITHOUT_BUILD_ENV" else a for a in args]
+    base = {"--model": "tiny-qwen3", "--env": "single_turn"}
+    for k in range(0, len(args), 2):
+        base[args[k]] = args[k + 1]
+    cli = ["rollout", "--data", str(data), "--out", str(tmp_path / "o.jsonl")]
+    for k, v in base.items():
+        cli += [k, v]
+    result = runner.invoke(app, cli)
+    assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ('{"prompt": "ok"}\n{"question": "no prompt"}\n', "row 2: missing field 'prompt'"),
+    ('{"prompt": "ok"}\n{not json\n', "line 2: invalid JSON"),
+    ('{"prompt": [{"role": "robot", "content": "x"}]}\n', "row 1: prompt[0] must be a message with 'role'"),
+    ('{"prompt": "<image> what?", "images": []}\n', "row 1: the prompt has 1 '<image>' placeholders but 'images' has 0"),
+    ('{"prompt": "<image> and <image>", "images": ["a.png"]}\n', "2 '<image>' placeholders but 'images' has 1"),
+])
+def test_malformed_rows_name_row_and_field(tmp_path, content, message):
+    data = tmp_path / "bad.jsonl"
+    data.write_text(content)
+    result = runner.invoke(app, ["rollout", "--model", "tiny-qwen3", "--env", "single_turn", "--data", str(data),
+                                 "--out", str(tmp_path / "o.jsonl")])
+    assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
