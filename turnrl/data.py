@@ -101,7 +101,7 @@ def _with_images(messages: list[Message], row: dict[str, Any], where: str) -> li
     """Rows with `images` (geo3k schema): each `<image>` placeholder in the text becomes an image part,
     consuming the images in order; the counts must match."""
     images = row.get("images")
-    if not images:
+    if images is None:  # an empty list still has to match the placeholders (zero of them)
         return messages
     if not isinstance(images, list):
         raise DataError(f"{where}: field 'images' must be a list of image paths or base64 strings")
@@ -111,6 +111,8 @@ def _with_images(messages: list[Message], row: dict[str, Any], where: str) -> li
     if placeholders != len(images):
         raise DataError(f"{where}: the prompt has {placeholders} '{IMAGE_PLACEHOLDER}' placeholders but 'images' "
                         f"has {len(images)} entries")
+    if not images:
+        return messages
     remaining = list(images)
     for m in messages:
         if isinstance(m["content"], str) and IMAGE_PLACEHOLDER in m["content"]:

@@ -124,6 +124,10 @@ class TrajectoryWriter:
 
 
 def _json_default(obj: Any) -> Any:
+    if hasattr(obj, "getpixel"):  # a PIL image in a message part: its ref, as in `Trajectory.images`
+        from turnrl.multimodal import image_ref
+
+        return image_ref(obj)
     if hasattr(obj, "tolist"):
         return obj.tolist()
     if isinstance(obj, set | tuple):

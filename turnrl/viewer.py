@@ -80,7 +80,7 @@ def _content_text(content: Any) -> str:
 def _image_src(ref: str, base: Path) -> str:
     if ref.startswith(("data:", "http://", "https://")):
         return ref
-    path = Path(ref) if Path(ref).is_absolute() else base / ref
+    path = Path(ref) if Path(ref).is_absolute() or Path(ref).exists() else base / ref  # as recorded, else beside the file
     if not path.exists():
         return ""
     mime = mimetypes.guess_type(path.name)[0] or "image/png"
