@@ -24,6 +24,7 @@ silently scored 0.0.
 from __future__ import annotations
 
 import inspect
+import logging
 import re
 import threading
 from collections.abc import Callable
@@ -58,8 +59,18 @@ def _normalise_answer(answer: str) -> str:
 
 def _timeout_s() -> int | None:
     # math-verify's timeouts use signal.alarm, which only works on the main thread; calls from worker
-    # threads (sync envs run in asyncio.to_thread) run without them.
+    # threads (sync envs run in asyncio.to_thread) run without them (and math-verify's warning about it is
+    # silenced below: it would fire on every call).
     return 5 if threading.current_thread() is threading.main_thread() else None
+
+
+class _NoDisabledTimeoutWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Timeout is disabled" not in record.getMessage()
+
+
+for _name in ("math_verify.grader", "math_verify.parser"):
+    logging.getLogger(_name).addFilter(_NoDisabledTimeoutWarning())
 
 
 def _parse(answer: str) -> list[Any]:

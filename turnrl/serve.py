@@ -22,6 +22,18 @@ goes to the same replica and reuses its KV cache.
     DELETE /sessions/{id}                     drop the session (and the engine's cache for it)
     GET  /sessions                            -> {sessions: [{id, calls}]}
 
+Rollout server (only when started with a rollout configuration: `--scheduler`, `--env`, `--agent`, `--plugin`,
+`--tools` or `--rollout-config`; ms-swift's `swift rollout --multi_turn_scheduler`). The server builds a
+RolloutManager over its engine with `turnrl.build.build_rollout_manager`, so plugins are imported and the
+scheduler resolved in this process; the client is `turnrl.remote.RemoteRollout`:
+    GET  /rollout           -> {model, policy_version, agent, agent_loop, agents, sampling, limits, concurrency,
+                            chat_template_kwargs}
+    POST /rollout           {rows: [...], n: 1, id_prefix: "", sampling?: {SamplingParams fields, over the
+                            server's}} -> application/x-ndjson: one Trajectory JSON per line as each finishes,
+                            blank heartbeat lines, then {"done": true, "trajectories": N}, or
+                            {"error": {message, type}} if the server failed mid-stream. No rewards here (the
+                            client scores); a failing trajectory arrives as a FAILED trajectory.
+
 Authentication: with a token (`--token` or TURNRL_SERVE_TOKEN) every request needs
 `Authorization: Bearer <token>` (401 otherwise; OpenAI clients send their api_key this way). Binding to an
 address other than loopback without a token is refused: the server runs the model for anyone who can reach it.
@@ -31,8 +43,10 @@ address other than loopback without a token is refused: the server runs the mode
 # inside the functions that build the app (fastapi stays an optional dependency: `turnrl[serve]`).
 
 import asyncio
+import dataclasses
 import hmac
 import ipaddress
+import json
 import logging
 import socket
 import threading
@@ -46,6 +60,7 @@ from turnrl.engines.http import (
     TOKEN_ENV,
     output_to_json,
     sampling_from_json,
+    sampling_to_json,
     tensors_from_safetensors_bytes,
 )
 from turnrl.proxy import ChatProxy, ChatRequestError, SessionNotFound
@@ -55,6 +70,10 @@ log = logging.getLogger(__name__)
 
 class BindError(ValueError):
     """The server must not start with these host/token settings."""
+
+
+class RolloutSetupError(ValueError):
+    """The server's rollout configuration cannot be built (bad plugin, unknown scheduler, missing env...)."""
 
 
 def is_loopback(host: str) -> bool:
@@ -80,9 +99,11 @@ def check_bind(host: str, token: str | None) -> None:
 # The app
 # ---------------------------------------------------------------------------------------------------
 def create_app(engine: Engine, proxy: ChatProxy | None = None, *, token: str | None = None,
-               model_name: str = "turnrl", token_level: bool = True) -> Any:
-    """The FastAPI app serving `engine` (token level, unless `token_level=False`) and `proxy` (OpenAI, per
-    session). Endpoints in the module docstring."""
+               model_name: str = "turnrl", token_level: bool = True, rollout: Any = None,
+               heartbeat_s: float = 15.0) -> Any:
+    """The FastAPI app serving `engine` (token level, unless `token_level=False`), `proxy` (OpenAI, per
+    session) and `rollout` (a RolloutManager over `engine`: `/rollout`, streaming a heartbeat line after each
+    `heartbeat_s` without a finished trajectory). Endpoints in the module docstring."""
     try:
         from fastapi import FastAPI
     except ImportError:
@@ -94,7 +115,7 @@ def create_app(engine: Engine, proxy: ChatProxy | None = None, *, token: str | N
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": model_name, "policy_version": getattr(engine, "policy_version", None),
-                "sessions": len(proxy.session_ids()) if proxy else 0}
+                "sessions": len(proxy.session_ids()) if proxy else 0, "rollout": rollout is not None}
 
     @app.get("/v1/models")
     async def models():
@@ -104,6 +125,8 @@ def create_app(engine: Engine, proxy: ChatProxy | None = None, *, token: str | N
         _add_token_routes(app, engine)
     if proxy is not None:
         _add_session_routes(app, engine, proxy, model_name)
+    if rollout is not None:
+        _add_rollout_routes(app, rollout, model_name, heartbeat_s)
     return app
 
 
@@ -226,6 +249,100 @@ def _add_session_routes(app: Any, engine: Engine, proxy: ChatProxy, model_name: 
         return {"ok": True, "calls": len(session.calls)}
 
 
+def _add_rollout_routes(app: Any, manager: Any, model_name: str, heartbeat_s: float) -> None:
+    from fastapi import Request
+    from fastapi.responses import StreamingResponse
+
+    @app.get("/rollout")
+    async def describe():
+        agent = manager.agents[manager.default_agent]
+        return {
+            "model": model_name, "policy_version": getattr(manager.engine, "policy_version", None),
+            "agent": manager.default_agent, "agent_loop": getattr(agent, "__name__", manager.default_agent),
+            "agents": sorted(manager.agents), "sampling": sampling_to_json(manager.sampling),
+            "limits": dataclasses.asdict(manager.limits), "concurrency": manager.concurrency,
+            "chat_template_kwargs": getattr(manager.renderer, "chat_template_kwargs", {}),
+        }
+
+    @app.post("/rollout")
+    async def rollout(request: Request):
+        rows, n, id_prefix, sampling = _rollout_request(await _json_body(request), manager)
+        return StreamingResponse(_rollout_lines(manager, rows, n, id_prefix, sampling, heartbeat_s),
+                                 media_type="application/x-ndjson")
+
+
+def _rollout_request(body: dict[str, Any], manager: Any) -> tuple[list[dict[str, Any]], int, str, Any]:
+    """Validate a /rollout body (ValueError -> 400 before anything streams)."""
+    from turnrl.rollout import group_ids
+
+    unknown = set(body) - {"rows", "n", "id_prefix", "sampling"}
+    if unknown:
+        raise ValueError(f"/rollout: unknown field(s) {sorted(unknown)}; known: id_prefix, n, rows, sampling")
+    rows, n, id_prefix = body.get("rows"), body.get("n", 1), body.get("id_prefix", "")
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ValueError("/rollout: rows must be a list of JSON objects (dataset rows)")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"/rollout: n must be an integer >= 1, got {n!r}")
+    if not isinstance(id_prefix, str):
+        raise ValueError(f"/rollout: id_prefix must be a string, got {id_prefix!r}")
+    given = body.get("sampling") or {}
+    if not isinstance(given, dict):
+        raise ValueError("/rollout: sampling must be a JSON object of SamplingParams fields")
+    sampling = sampling_from_json({**sampling_to_json(manager.sampling), **given})
+    for row, group in zip(rows, group_ids(rows, id_prefix), strict=True):
+        manager.context(row, f"{group}-0", group, 0)  # an unknown agent_name fails the request now, with a 400
+    return rows, n, id_prefix, sampling
+
+
+_STREAM_END = object()
+
+
+async def _rollout_lines(manager: Any, rows: list[dict[str, Any]], n: int, id_prefix: str, sampling: Any,
+                         heartbeat_s: float):
+    """NDJSON lines of `manager.stream` (module docstring). Leaving early (the client went away) cancels the
+    rollout: its trajectories are cancelled and their engine caches released."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump() -> None:
+        try:
+            async for traj in manager.stream(rows, n, id_prefix=id_prefix, sampling=sampling):
+                queue.put_nowait(traj)
+            queue.put_nowait(_STREAM_END)
+        except Exception as e:  # trajectories fail on their own; this is a bug or a dead engine
+            log.exception("/rollout failed after it started streaming")
+            queue.put_nowait(e)
+
+    task = asyncio.create_task(pump())
+    count = 0
+    try:
+        while True:
+            try:
+                item = await asyncio.wait_for(queue.get(), heartbeat_s)
+            except TimeoutError:
+                yield "\n"  # keeps proxies and the client's read timeout from closing an idle stream
+                continue
+            if item is _STREAM_END:
+                yield json.dumps({"done": True, "trajectories": count}) + "\n"
+                return
+            if isinstance(item, Exception):
+                error = {"message": f"{type(item).__name__}: {item}", "type": "server_error"}
+                yield json.dumps({"error": error}) + "\n"
+                return
+            count += 1
+            yield json.dumps(item.to_json(), ensure_ascii=False, default=_json_default) + "\n"
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def _json_default(obj: Any) -> Any:  # what TrajectoryWriter writes for values JSON has no type for
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    if isinstance(obj, set | tuple):
+        return list(obj)
+    return str(obj)
+
+
 def _models(model_name: str) -> dict[str, Any]:
     return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "turnrl"}]}
 
@@ -294,9 +411,11 @@ class ServerThread:
 def run_server(
     *, model: str, host: str = "127.0.0.1", port: int = 8000, token: str | None = None, engine_kind: str = "embedded",
     urls: Sequence[str] = (), tool_parser: str = "hermes", sampling: Any = None, max_batch_size: int = 16,
-    chat_template_kwargs: dict[str, Any] | None = None, log_level: str = "info",
+    chat_template_kwargs: dict[str, Any] | None = None, log_level: str = "info", rollout: Any = None,
 ) -> None:
-    """Load the tokenizer (and, for the embedded engine, the model) and serve until interrupted."""
+    """Load the tokenizer (and, for the embedded engine, the model) and serve until interrupted. With `rollout`
+    (a RolloutConfig) it is also a rollout server: plugins are imported and the agent or scheduler resolved here,
+    before the model loads (a bad configuration raises RolloutSetupError at once)."""
     import uvicorn
 
     from turnrl.config import EngineConfig
@@ -305,6 +424,15 @@ def run_server(
 
     check_bind(host, token)
     renderer = ChatRenderer(load_tokenizer(model), chat_template_kwargs)
+    manager = None
+    if rollout is not None:
+        from turnrl.build import build_rollout_manager
+
+        try:  # the engine is attached below: nothing uses it before the first trajectory
+            rollout_renderer = ChatRenderer(renderer.tokenizer, rollout.chat_template_kwargs)
+            manager = build_rollout_manager(rollout, None, rollout_renderer)
+        except (ValueError, FileNotFoundError, ModuleNotFoundError, AttributeError, ImportError) as e:
+            raise RolloutSetupError(f"rollout configuration: {e}") from e
     if engine_kind == "embedded":
         from turnrl.engines.embedded import EmbeddedEngine
 
@@ -315,8 +443,11 @@ def run_server(
 
         engine = build_server_engine(EngineConfig(kind=engine_kind, urls=list(urls)))
     proxy = ChatProxy(engine, renderer, model_name=model, tool_parser=tool_parser, sampling=sampling)
-    app = create_app(engine, proxy, token=token, model_name=model)
-    log.info("serving %s on http://%s:%d (sessions: /sessions/<id>/v1)", model, host, port)
+    if manager is not None:
+        manager.engine = engine
+    app = create_app(engine, proxy, token=token, model_name=model, rollout=manager)
+    log.info("serving %s on http://%s:%d (sessions: /sessions/<id>/v1%s)", model, host, port,
+             f"; rollouts: /rollout, agent {manager.default_agent}" if manager is not None else "")
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level)
     finally:

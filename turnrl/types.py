@@ -327,7 +327,8 @@ class Trajectory:
         response, mask = row["response_ids"], row["loss_mask"]
         logprobs = row.get("rollout_logprobs")
         segments = []
-        for s in row.get("segments") or [{"source": "model", "turn": 1, "start": 0, "length": len(response)}]:
+        listed = row.get("segments")  # [] is a trajectory without segments (one that failed before its first turn)
+        for s in listed if listed is not None else [{"source": "model", "turn": 1, "start": 0, "length": len(response)}]:
             a, b = s["start"], s["start"] + s["length"]
             segments.append(
                 Segment(
