@@ -50,7 +50,11 @@ def env_config(cfg: RolloutConfig) -> dict[str, Any]:
 
 
 def build_engine(model: torch.nn.Module, cfg: EngineConfig, eos_token_ids: list[int] = (),
-                 image_processor: Any = None) -> Engine:
+                 image_processor: Any = None, model_path: str | None = None) -> Engine:
+    """`model_path` (a model name or directory, as `turnrl.models.resolve_model` takes) is what an in-process
+    vLLM engine (`engine.kind: vllm` without `engine.urls`) loads; the embedded engine uses `model` itself."""
+    if cfg.kind == "vllm" and not cfg.urls:
+        return build_vllm_engine(cfg, model_path, eos_token_ids)
     if cfg.kind != "embedded":
         from turnrl.engines import build_server_engine
 
@@ -69,6 +73,18 @@ def build_engine(model: torch.nn.Module, cfg: EngineConfig, eos_token_ids: list[
 
     # each replica owns a copy of the weights, as a separate server would
     return Router({f"embedded{i}": one(model if i == 0 else copy.deepcopy(model)) for i in range(cfg.replicas)})
+
+
+def build_vllm_engine(cfg: EngineConfig, model_path: str | None, eos_token_ids: list[int] = ()) -> Engine:
+    from turnrl.engines.vllm import VLLMEngine
+    from turnrl.models import resolve_model
+
+    if model_path is None:
+        raise ConfigError("engine.kind=vllm without engine.urls runs vLLM in process: build_engine needs model_path")
+    if cfg.replicas != 1:
+        raise ConfigError("engine.kind=vllm runs one in-process vLLM engine; for replicas, start `vllm serve` "
+                          "servers and list them in engine.urls")
+    return VLLMEngine(resolve_model(model_path), eos_token_ids=eos_token_ids, max_num_seqs=cfg.max_batch_size)
 
 
 def build_renderer(tokenizer: Any, cfg: RolloutConfig) -> ChatRenderer:

