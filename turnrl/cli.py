@@ -60,14 +60,20 @@ def rollout(
     sanity_check: Annotated[str, Opt(help="strict | ignore_strippable | disable.")] = "strict",
     concurrency: Annotated[int, Opt(help="Trajectories in flight.")] = 64,
     max_batch_size: Annotated[int, Opt(help="Rows decoded together by the embedded engine.")] = 16,
+    ray_workers: Annotated[int, Opt(help="Rollout workers on Ray, the engine a Ray actor (0 = all in this process).")] = 0,
     limit: Annotated[int | None, Opt(help="Use only the first N rows.")] = None,
     reward: Annotated[str | None, Opt(help="Reward function (env, env_last, math, file.py:fn).")] = None,
     trace_uri: Annotated[str | None, Opt(help="MLflow tracking URI: one trace per trajectory (turnrl.tracing).")] = None,
     max_traces: Annotated[int, Opt(help="Trajectories traced to MLflow (the first to finish).")] = 16,
+    server: Annotated[str | None, Opt(help="Rollout server URL (turnrl serve --scheduler/--env/...): it runs the "
+                                           "turns with its own rollout settings; n, sampling and rewards stay here.")] = None,
     verbose: Annotated[bool, Opt("--verbose", "-v")] = False,
 ) -> None:
     """Roll out trajectories of a model in an environment and write them as JSONL."""
     _setup_logging(verbose)
+    if server and (env or scheduler or plugin or tools or agents or ray_workers):
+        _fail("--env, --scheduler, --plugin, --tools, --agent-path and --ray-workers configure where the turns run; "
+              "with --server the rollout server runs them: pass these to `turnrl serve` instead")
     from turnrl.config import ConfigError, EngineConfig, RolloutConfig, SamplingConfig
     from turnrl.data import DataError, load_rows
 
@@ -81,12 +87,14 @@ def rollout(
             sampling=SamplingConfig(temperature=temperature, top_p=top_p, seed=seed),
         )
         rows = load_rows(data)[:limit]
+        engine_cfg = EngineConfig(max_batch_size=max_batch_size, distributed="ray" if ray_workers else "none",
+                                  ray_workers=max(ray_workers, 1))
     except (ConfigError, DataError, ValueError, FileNotFoundError) as e:
         _fail(str(e))
-    asyncio.run(_rollout(model, cfg, EngineConfig(max_batch_size=max_batch_size), rows, out, reward))
+    asyncio.run(_rollout(model, cfg, engine_cfg, rows, out, reward, server=server))
 
 
-async def _rollout(model_name, cfg, engine_cfg, rows, out: Path, reward: str | None) -> None:
+async def _rollout(model_name, cfg, engine_cfg, rows, out: Path, reward: str | None, server: str | None = None) -> None:
     from turnrl.build import build_engine, build_policy_renderer, build_rollout_manager
     from turnrl.models import load_model
     from turnrl.observe import RolloutStats, TrajectoryWriter
@@ -101,11 +109,31 @@ async def _rollout(model_name, cfg, engine_cfg, rows, out: Path, reward: str | N
         renderer, image_processor = build_policy_renderer(model_name, cfg)
         reward_fn = load_reward_fn(reward) if reward else None
         tracer = TrajectoryTracer.from_config(cfg, renderer.tokenizer)
-        with console.status(f"loading {model_name}"):
-            model = load_model(model_name)
-        engine = build_engine(model, engine_cfg, eos_token_ids=sorted(renderer.end_of_turn_ids),
-                              image_processor=image_processor)
-        manager = build_rollout_manager(cfg, engine, renderer, reward_fn)
+        if server:  # the server's RolloutManager runs the turns (turnrl.remote)
+            from turnrl.build import sampling_params
+            from turnrl.engines.base import EngineError
+            from turnrl.remote import RemoteRollout
+
+            try:
+                manager = RemoteRollout(server, model=model_name, renderer=renderer, sampling=sampling_params(cfg),
+                                        reward_fn=reward_fn)
+            except EngineError as e:
+                _fail(str(e))
+            engine = manager.engine
+        elif engine_cfg.distributed == "ray":
+            from turnrl.config import RewardConfig
+            from turnrl.dist.ray import RayRollout
+
+            with console.status(f"starting Ray actors for {model_name}"):
+                manager = RayRollout.start(model_name, cfg, engine_cfg, renderer=renderer, image_processor=image_processor,
+                                           reward=RewardConfig(function=reward) if reward else None)
+            engine = manager.engine
+        else:
+            with console.status(f"loading {model_name}"):
+                model = load_model(model_name)
+            engine = build_engine(model, engine_cfg, eos_token_ids=sorted(renderer.end_of_turn_ids),
+                                  image_processor=image_processor)
+            manager = build_rollout_manager(cfg, engine, renderer, reward_fn)
     except (ValueError, FileNotFoundError, AttributeError, ModuleNotFoundError) as e:
         _fail(str(e))
     stats = RolloutStats()
@@ -206,24 +234,57 @@ def serve(
     engine: Annotated[str, Opt(help="embedded | sglang | http (the last two need --url).")] = "embedded",
     url: Annotated[list[str], Opt(help="Server URL of a remote engine (repeatable: one replica each).")] = [],
     tool_parser: Annotated[str, Opt(help="Tool-call format of the model's text (hermes, qwen3_coder).")] = "hermes",
-    max_new_tokens: Annotated[int, Opt(help="Cap on one completion (a request's max_tokens may lower it).")] = 1024,
+    max_new_tokens: Annotated[int | None, Opt(help="Cap on one completion (a request's max_tokens may lower it; "
+                                                    "default 1024); rollout server: tokens per model turn.")] = None,
     max_batch_size: Annotated[int, Opt(help="Rows decoded together by the embedded engine.")] = 16,
     chat_template_kwargs: Annotated[str | None, Opt(help='JSON, e.g. \'{"enable_thinking": false}\'.')] = None,
+    rollout_config: Annotated[Path | None, Opt(help="Rollout server: a YAML RolloutConfig (the flags below override it).")] = None,
+    env: Annotated[str | None, Opt(help="Rollout server: environment (built-in name, module, or .py file).")] = None,
+    agent: Annotated[str | None, Opt(help="Rollout server: default agent for rows without agent_name.")] = None,
+    scheduler: Annotated[str | None, Opt(help="Rollout server: ms-swift-style scheduler by name.")] = None,
+    plugin: Annotated[list[str], Opt(help="Rollout server: Python file imported by the server (repeatable).")] = [],
+    tools: Annotated[list[str], Opt(help="Rollout server: function-tool .py or tool-config .yaml (repeatable).")] = [],
+    max_turns: Annotated[int | None, Opt(help="Rollout server: model turns per trajectory.")] = None,
+    token_budget: Annotated[int | None, Opt(help="Rollout server: tokens after the prompt per trajectory.")] = None,
+    custom_config: Annotated[Path | None, Opt(help="Rollout server: YAML passed to build_env as `config`.")] = None,
+    concurrency: Annotated[int | None, Opt(help="Rollout server: trajectories in flight per request.")] = None,
     verbose: Annotated[bool, Opt("--verbose", "-v")] = False,
 ) -> None:
-    """Serve a token-level engine (for HttpEngine) and per-session OpenAI endpoints that record exact tokens."""
+    """Serve a token-level engine (for HttpEngine) and per-session OpenAI endpoints that record exact tokens; with
+    a rollout configuration (--scheduler, --env, --agent, --plugin, --tools or --rollout-config) also `/rollout`,
+    which runs whole trajectories here and streams them to `turnrl.remote.RemoteRollout`."""
     _setup_logging(verbose)
-    from turnrl.serve import BindError, check_bind, run_server
+    from turnrl.config import ConfigError, RolloutConfig, load_config
+    from turnrl.serve import BindError, RolloutSetupError, check_bind, run_server
     from turnrl.types import SamplingParams
 
+    rollout = None
     try:
         check_bind(host, token)
         kwargs = json.loads(chat_template_kwargs or "{}")
-    except (BindError, ValueError) as e:
+        flags = {"env": env, "agent": agent, "scheduler": scheduler, "max_turns": max_turns,
+                 "max_new_tokens": max_new_tokens, "token_budget": token_budget, "concurrency": concurrency,
+                 "custom_config": str(custom_config) if custom_config else None}
+        if rollout_config or env or agent or scheduler or plugin or tools:
+            rollout = load_config(RolloutConfig, rollout_config) if rollout_config else RolloutConfig()
+            for key, value in flags.items():
+                if value is not None:
+                    setattr(rollout, key, value)
+            rollout.plugins, rollout.tools = [*rollout.plugins, *plugin], [*rollout.tools, *tools]
+            if chat_template_kwargs is not None:
+                rollout.chat_template_kwargs = kwargs
+        elif max_turns or token_budget or custom_config or concurrency:
+            raise ConfigError("--max-turns, --token-budget, --custom-config and --concurrency configure a rollout "
+                              "server: add --scheduler, --env, --agent or --rollout-config")
+    except (BindError, ConfigError, ValueError) as e:
         _fail(str(e))
-    run_server(model=model, host=host, port=port, token=token, engine_kind=engine, urls=url, tool_parser=tool_parser,
-               sampling=SamplingParams(max_new_tokens=max_new_tokens), max_batch_size=max_batch_size,
-               chat_template_kwargs=kwargs, log_level="info" if verbose else "warning")
+    try:
+        run_server(model=model, host=host, port=port, token=token, engine_kind=engine, urls=url,
+                   tool_parser=tool_parser, sampling=SamplingParams(max_new_tokens=max_new_tokens or 1024),
+                   max_batch_size=max_batch_size, chat_template_kwargs=kwargs,
+                   log_level="info" if verbose else "warning", rollout=rollout)
+    except RolloutSetupError as e:
+        _fail(str(e))
 
 
 def main() -> None:  # pragma: no cover

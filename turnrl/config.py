@@ -183,6 +183,10 @@ class TrainConfig(Strict):
     """Continue from the latest checkpoint in output_dir (same data order, RNG, optimizer)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Training and engine dtype (fp32 on CPU: bf16 is ~25x slower without hardware support)."""
+    rollout_server: str | None = None
+    """URL of a rollout server (`turnrl serve ... --scheduler NAME`, docs/serving.md): it runs the turns with its
+    own rollout settings and engine; rollout.n, rollout.sampling and the reward stay here, and the weights are
+    pushed to its engine after each step. Token: TURNRL_SERVE_TOKEN. None = roll out in this process."""
     rollout: RolloutConfig = RolloutConfig()
     engine: EngineConfig = EngineConfig()
     algo: AlgoConfig = AlgoConfig()

@@ -529,13 +529,16 @@ class RolloutManager:
 
     async def stream(
         self, rows: Sequence[dict[str, Any]], n: int = 1, *, id_prefix: str = "",
-        sampling: SamplingParams | None = None,
+        sampling: SamplingParams | None = None, row_group_ids: Sequence[str] | None = None,
     ) -> AsyncIterator[Trajectory]:
-        """Yield trajectories as they finish (rewards already computed)."""
+        """Yield trajectories as they finish (rewards already computed). `row_group_ids` replaces the ids
+        derived from the rows: a Ray rollout worker gets its shard's ids from the driver, so trajectory ids
+        (and the sampling seeds derived from them) are those of a single-process run."""
         semaphore = asyncio.Semaphore(self.concurrency)
+        groups = group_ids(rows, id_prefix) if row_group_ids is None else list(row_group_ids)
         contexts = [
             self.context(row, f"{group}-{k}", group, k, sampling)
-            for row, group in zip(rows, group_ids(rows, id_prefix), strict=True) for k in range(n)
+            for row, group in zip(rows, groups, strict=True) for k in range(n)
         ]
         tasks = [asyncio.create_task(self._run_one(ctx, semaphore)) for ctx in contexts]
         try:

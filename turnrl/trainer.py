@@ -156,7 +156,9 @@ class Trainer:
         if cfg.optim.gradient_checkpointing:
             policy.gradient_checkpointing_enable()
         o = cfg.optim
-        self.optimizer = torch.optim.AdamW(policy.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+        # fused: one kernel over all parameters instead of a Python loop over each (~4x faster step on CPU)
+        self.optimizer = torch.optim.AdamW(policy.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay,
+                                           fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda k: min(1.0, (k + 1) / o.warmup_steps) if o.warmup_steps else 1.0)
         self.sampler = PromptSampler(len(train_rows), cfg.prompts_per_step, cfg.seed, cfg.shuffle)
@@ -401,7 +403,20 @@ def setup(cfg: TrainConfig, checkpoint: Path | None = None):
         cfg.rollout.sampling.seed = cfg.seed
     renderer, image_processor = build_policy_renderer(cfg.model, cfg.rollout)
     policy = load_model(str(checkpoint) if checkpoint else cfg.model, dtype=DTYPES[cfg.dtype]).eval()
-    if cfg.engine.distributed == "ray":  # engine replicas and rollout workers as Ray actors (turnrl.dist.ray)
+    if cfg.rollout_server:  # a `turnrl serve` rollout server runs the turns next to its engine (turnrl.remote)
+        from turnrl.build import sampling_params
+        from turnrl.remote import RemoteRollout
+
+        r = cfg.rollout
+        if r.scheduler or r.plugins or r.env or r.tools or r.agents:
+            log.warning("rollout_server is set: rollout.scheduler/plugins/env/tools/agents are not used here; "
+                        "the server runs the turns with its own (turnrl serve --scheduler/--plugin/...)")
+        manager = RemoteRollout(cfg.rollout_server, model=cfg.model, renderer=renderer,
+                                sampling=sampling_params(cfg.rollout), reward_fn=build_reward_fn(cfg.reward))
+        engine = manager.engine
+        if checkpoint:  # the server's engine holds its own weights: give it the checkpoint's
+            asyncio.run(engine.update_weights(policy.state_dict()))
+    elif cfg.engine.distributed == "ray":  # engine replicas and rollout workers as Ray actors (turnrl.dist.ray)
         from turnrl.dist.ray import RayRollout
 
         manager = RayRollout.start(cfg.model, cfg.rollout, cfg.engine, renderer=renderer, reward=cfg.reward,
@@ -410,7 +425,7 @@ def setup(cfg: TrainConfig, checkpoint: Path | None = None):
         engine = manager.engine
     else:
         engine = build_engine(copy.deepcopy(policy), cfg.engine, eos_token_ids=sorted(renderer.end_of_turn_ids),
-                              image_processor=image_processor)
+                              image_processor=image_processor, model_path=str(checkpoint) if checkpoint else cfg.model)
         manager = build_rollout_manager(cfg.rollout, engine, renderer, build_reward_fn(cfg.reward))
     train_rows = load_rows(cfg.train_data)
     eval_rows = load_rows(cfg.eval_data) if cfg.eval_data else []

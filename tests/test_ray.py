@@ -1,0 +1,196 @@
+"""Ray mode on a local 2-CPU cluster: engine actors and rollout workers around the single-process components.
+
+One cluster, two EngineActors on tiny-qwen3 and two RolloutWorkers are shared by the module (each actor is a
+process that imports torch; starting them dominates the runtime).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import textwrap
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from turnrl.build import build_engine, build_renderer, build_rollout_manager  # noqa: E402
+from turnrl.config import EngineConfig, RolloutConfig, SamplingConfig, TrainConfig  # noqa: E402
+from turnrl.dist.ray import EngineActor, RayEngineGroup, RayRollout, RolloutWorker  # noqa: E402
+from turnrl.models import load_model  # noqa: E402
+from turnrl.rollout import group_ids  # noqa: E402
+from turnrl.testing import LatencyDraw, latency_rows  # noqa: E402
+from turnrl.types import SamplingParams, TerminationReason  # noqa: E402
+
+MODEL = "tiny-qwen3"
+ENV_CFG = RolloutConfig(env="turnrl.testing", max_turns=6, max_new_tokens=8, sanity_check="disable",
+                        sampling=SamplingConfig(temperature=1.0, seed=3))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    previous = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # token auth would write ~/.ray/auth_token
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    yield
+    ray.shutdown()
+    if previous is None:
+        os.environ.pop("RAY_AUTH_MODE", None)
+    else:
+        os.environ["RAY_AUTH_MODE"] = previous
+
+
+@pytest.fixture(scope="module")
+def renderer(qwen3_tokenizer):
+    return build_renderer(qwen3_tokenizer, ENV_CFG)
+
+
+@pytest.fixture(scope="module")
+def engines(cluster, renderer):
+    eos = sorted(renderer.end_of_turn_ids)
+    actors = [EngineActor.remote(MODEL, EngineConfig(), eos_token_ids=eos) for _ in range(2)]
+    ray.get([a.ready.remote() for a in actors])
+    return actors
+
+
+def start_rollout(engines, renderer, cfg, workers=2):
+    handles = [RolloutWorker.remote(MODEL, cfg, engines) for _ in range(workers)]
+    ray.get([w.ready.remote() for w in handles])
+    return RayRollout(handles, RayEngineGroup(engines), renderer)
+
+
+@pytest.fixture(scope="module")
+def env_rollout(engines, renderer):
+    return start_rollout(engines, renderer, ENV_CFG)
+
+
+def flat(groups):
+    return [t for g in groups for t in g]
+
+
+def test_two_workers_two_engines_give_the_single_process_trajectories(env_rollout, engines, renderer):
+    rows = latency_rows(6, LatencyDraw(mean_s=0.0, seed=5))  # 1 to 6 turns, no tool latency
+    ray_groups = asyncio.run(env_rollout.run_groups(rows, n=2, id_prefix="s1-"))
+    local_engine = build_engine(load_model(MODEL), EngineConfig(), eos_token_ids=sorted(renderer.end_of_turn_ids))
+    try:
+        local = build_rollout_manager(ENV_CFG, local_engine, renderer)
+        local_groups = asyncio.run(local.run_groups(rows, n=2, id_prefix="s1-"))
+    finally:
+        local_engine.close()
+    assert [g[0].group_id for g in ray_groups] == group_ids(rows, "s1-")  # row order kept
+    assert [[t.sample_index for t in g] for g in ray_groups] == [[0, 1]] * 6
+
+    def key(trajs):
+        return {(t.group_id, t.id, tuple(t.response_ids), tuple(t.loss_mask), t.num_turns) for t in trajs}
+
+    assert key(flat(ray_groups)) == key(flat(local_groups))
+    assert [t.num_turns for t in flat(ray_groups)] == [len(r["latencies_s"]) for r in rows for _ in range(2)]
+    for a, b in zip(flat(ray_groups), flat(local_groups), strict=True):
+        assert a.rollout_logprobs == pytest.approx(b.rollout_logprobs, abs=1e-4)
+    served = [s["requests"] for s in ray.get([e.stats.remote() for e in engines])]
+    assert min(served) > 0, served  # both replicas took trajectories
+
+
+def test_a_failing_env_in_one_worker_fails_only_its_trajectory(env_rollout):
+    rows = latency_rows(4, LatencyDraw(mean_s=0.0, min_turns=3, max_turns=3, seed=1))
+    rows[1]["fail_on_turn"] = 2  # row 1 goes to worker 1 (round-robin), rows 0, 2 to worker 0
+    trajs = flat(asyncio.run(env_rollout.run_groups(rows, n=1)))
+    assert [t.status for t in trajs] == ["completed", "failed", "completed", "completed"]
+    assert trajs[1].termination_reason == TerminationReason.ENV_ERROR and "fail_on_turn" in trajs[1].error
+    assert trajs[1].num_turns == 2 and all(t.num_turns == 3 for t in trajs if t.status == "completed")
+
+
+def test_weight_update_reaches_every_engine_actor(engines, renderer):
+    prompt = renderer.initial([{"role": "user", "content": "Hello there"}]).ids
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+
+    def generate_on_each(tag):
+        return ray.get([e.generate.remote(prompt, greedy, f"{tag}-{i}") for i, e in enumerate(engines)])
+
+    before = generate_on_each("before")
+    policy = load_model(MODEL)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        for p in policy.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.5)
+    group = RayEngineGroup(engines)
+    try:
+        assert asyncio.run(group.update_weights(policy.state_dict(), version=7)) == 7
+        after = generate_on_each("after")
+        local = build_engine(policy, EngineConfig(), eos_token_ids=sorted(renderer.end_of_turn_ids))
+        try:
+            expected = asyncio.run(local.generate(prompt, greedy, request_id="local"))
+        finally:
+            local.close()
+    finally:  # the other tests expect the original weights
+        asyncio.run(group.update_weights(load_model(MODEL).state_dict(), version=0))
+    assert before[0].logprobs == before[1].logprobs and before[0].policy_version == 0
+    assert [o.policy_version for o in after] == [7, 7]
+    assert after[0].token_ids == after[1].token_ids == expected.token_ids
+    assert after[0].logprobs == after[1].logprobs  # identical weights on both actors
+    assert after[0].logprobs == pytest.approx(expected.logprobs, abs=1e-4)
+    assert after[0].logprobs != pytest.approx(before[0].logprobs, abs=1e-3)
+
+
+PLUGIN = """
+import os
+from turnrl.agents.scheduler import MultiTurnScheduler, multi_turns
+
+class PidScheduler(MultiTurnScheduler):
+    '''Two turns; records which process ran the hooks.'''
+
+    async def on_turn_end(self, request, response, turn):
+        return {"rollout_infos": {"pid": os.getpid()}}
+
+    def check_finished(self, request, response, turn):
+        return turn >= 2
+
+    def step(self, request, response, turn):
+        request.messages.append({"role": "user", "content": "Again."})
+        return {"infer_request": request}
+
+multi_turns["ray_pid_plugin"] = PidScheduler
+"""
+
+
+def test_a_plugin_scheduler_is_registered_in_the_worker_processes(engines, renderer, tmp_path):
+    from turnrl.agents.scheduler import multi_turns
+
+    plugin = tmp_path / "pid_plugin.py"
+    plugin.write_text(textwrap.dedent(PLUGIN))
+    cfg = RolloutConfig(scheduler="ray_pid_plugin", plugins=[str(plugin)], max_turns=4, max_new_tokens=4,
+                        sanity_check="disable")
+    rollout = start_rollout(engines, renderer, cfg)
+    try:
+        assert all("scheduler" in names for names in ray.get([w.agents.remote() for w in rollout.workers]))
+        trajs = flat(asyncio.run(rollout.run_groups([{"prompt": f"q{i}"} for i in range(4)], n=1)))
+    finally:
+        for w in rollout.workers:
+            ray.kill(w)
+    assert "ray_pid_plugin" not in multi_turns  # never imported by the driver
+    assert [t.num_turns for t in trajs] == [2, 2, 2, 2]
+    pids = {t.info["rollout_infos"]["pid"] for t in trajs}
+    assert len(pids) == 2 and os.getpid() not in pids  # ran in both worker processes
+
+
+def test_trainer_setup_builds_the_ray_rollout_when_configured(cluster, tmp_path):
+    from turnrl.trainer import Trainer, setup
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in latency_rows(2, LatencyDraw(mean_s=0.0, seed=2))))
+    cfg = TrainConfig(model=MODEL, train_data=str(data), output_dir=str(tmp_path / "run"), prompts_per_step=2,
+                      steps=1, rollout=ENV_CFG.model_copy(update={"n": 2}),
+                      engine=EngineConfig(distributed="ray", ray_workers=1))
+    policy, engine, manager, train_rows, eval_rows = setup(cfg)
+    try:
+        assert isinstance(manager, RayRollout) and engine is manager.engine
+        trainer = Trainer(cfg, policy, engine, manager, train_rows, eval_rows)
+        trainer.step = 1
+        metrics = asyncio.run(trainer.train_step())
+        version = ray.get(engine.actors[0].generate.remote([1, 2, 3], SamplingParams(max_new_tokens=1), "v"))
+    finally:
+        manager.close()
+    assert metrics["rollout/trajectories"] == 4.0 and metrics["rollout/reward_mean"] == 1.0
+    assert metrics["train/policy_version"] == 1.0 and version.policy_version == 1

@@ -1,0 +1,237 @@
+"""A CPU harness for rollout scheduling: an accelerator and tools whose latencies you control.
+
+- `LatencyEngine`: an `Engine` that models a continuous-batching server without computing anything.
+- `LatencyToolEnv` (+ `build_env`, `latency_rows`): an episode of 1 to 6 turns whose tool answers after a
+  heavy-tailed latency drawn in advance, so two schedules can be compared on the same draws.
+- `LockstepEngine`: wraps any engine so that concurrent trajectories run in the *synchronous batched*
+  schedule of TRL and ms-swift's colocate mode (every live trajectory's turn is generated as one batch,
+  then that turn's tools run, then the next turn). Same turn loop, same tokens, only the schedule differs.
+
+`bench/async_rollout.py` and `tests/test_async_harness.py` use them; `turnrl.testing` is also an env module
+(`--env turnrl.testing`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from turnrl.engines.base import Engine, NamedTensors
+from turnrl.types import FinishReason, GenerateOutput, SamplingParams, StepResult, TerminationReason, Turn
+
+
+# ---------------------------------------------------------------------------------------------------
+# A fake accelerator
+# ---------------------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class _Pending:
+    remaining: int
+    done: asyncio.Future
+
+
+class LatencyEngine:
+    """An engine whose cost is time, modelled like a continuous-batching server on an accelerator.
+
+    Decoding proceeds in steps of `per_token_s` seconds. Each step gives one token to every running request,
+    up to `max_batch` of them (decode is memory-bound: a batch costs what one row costs); requests beyond
+    that wait in FIFO order and join as rows finish. So one call of k tokens takes k * per_token_s, B <=
+    max_batch concurrent calls of k tokens take the same, and 2 * max_batch calls take twice as long.
+    Prefill is free. Every call returns `reply_ids` cut at `params.max_new_tokens` (finish `length` when
+    cut, else `stop`) with logprob -0.5 per token.
+    """
+
+    def __init__(self, reply_ids: Sequence[int], *, per_token_s: float = 0.01, max_batch: int = 64):
+        if not reply_ids:
+            raise ValueError("LatencyEngine.reply_ids must not be empty")
+        if per_token_s <= 0 or max_batch < 1:
+            raise ValueError(f"LatencyEngine: per_token_s must be > 0 and max_batch >= 1, got {per_token_s}, {max_batch}")
+        self.reply_ids, self.per_token_s, self.max_batch = list(reply_ids), per_token_s, max_batch
+        self.policy_version = 0
+        self.stats = {"steps": 0, "tokens": 0, "requests": 0, "max_running": 0}
+        self._queue: list[_Pending] = []
+        self._stepper: asyncio.Task | None = None
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str,
+                       images: list[Any] | None = None) -> GenerateOutput:
+        ids = self.reply_ids[: params.max_new_tokens]
+        pending = _Pending(len(ids), asyncio.get_running_loop().create_future())
+        self._queue.append(pending)
+        self.stats["requests"] += 1
+        if self._stepper is None or self._stepper.done():
+            self._stepper = asyncio.create_task(self._run())
+        await pending.done
+        finish = FinishReason.LENGTH if len(ids) < len(self.reply_ids) else FinishReason.STOP
+        return GenerateOutput(list(ids), [-0.5] * len(ids), finish, policy_version=self.policy_version)
+
+    async def _run(self) -> None:
+        while self._queue:
+            await asyncio.sleep(self.per_token_s)
+            running = self._queue[: self.max_batch]
+            self.stats["steps"] += 1
+            self.stats["tokens"] += len(running)
+            self.stats["max_running"] = max(self.stats["max_running"], len(running))
+            for p in running:
+                p.remaining -= 1
+            for p in [p for p in running if p.remaining <= 0]:
+                self._queue.remove(p)
+                if not p.done.done():  # a cancelled caller
+                    p.done.set_result(None)
+
+    async def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> int:
+        self.policy_version = self.policy_version + 1 if version is None else version
+        return self.policy_version
+
+    async def sleep(self) -> None:
+        return None
+
+    async def wake_up(self) -> None:
+        return None
+
+    async def release(self, request_id: str) -> None:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# The synchronous batched schedule, as a wrapper
+# ---------------------------------------------------------------------------------------------------
+class _Barrier:
+    """Every live party waits until all live parties arrived; a party that leaves stops counting."""
+
+    def __init__(self, parties: int):
+        self.parties, self.arrived = parties, 0
+        self.sizes: list[int] = []
+        """Parties let through at each opening."""
+        self._open = asyncio.Event()
+
+    async def wait(self) -> None:
+        self.arrived += 1
+        opened = self._open
+        if self.arrived >= self.parties:
+            self._release()
+        else:
+            await opened.wait()
+
+    def leave(self) -> None:
+        self.parties -= 1
+        if self.arrived and self.arrived >= self.parties:
+            self._release()
+
+    def _release(self) -> None:
+        self.sizes.append(self.arrived)
+        self._open.set()
+        self._open, self.arrived = asyncio.Event(), 0
+
+
+class LockstepEngine:
+    """Runs `parties` concurrent trajectories in lockstep, the synchronous batched turn loop:
+
+        for turn in 1, 2, ...:
+            outputs = generate(every live trajectory's prompt, submitted together, awaited together)
+            await asyncio.gather(every live trajectory's tool step)
+
+    A generate call waits until every live trajectory has asked (so the inner engine gets them as one batch)
+    and returns when every one of them has its answer; the next turn's calls therefore wait for the slowest
+    tool of this turn. A trajectory stops counting when the driver releases it (`drive` always does).
+    The RolloutManager's concurrency must be >= `parties`, or the first barrier never opens.
+    """
+
+    def __init__(self, inner: Engine, parties: int):
+        self.inner, self.parties = inner, parties
+        self._submitted, self._answered = _Barrier(parties), _Barrier(parties)
+        self._released: set[str] = set()
+
+    @property
+    def batches(self) -> list[int]:
+        """Trajectories in each generate batch (the live count at each turn)."""
+        return self._submitted.sizes
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str,
+                       images: list[Any] | None = None) -> GenerateOutput:
+        await self._submitted.wait()
+        try:
+            return await self.inner.generate(prompt_ids, params, request_id=request_id, images=images)
+        finally:
+            await self._answered.wait()
+
+    async def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> int:
+        return await self.inner.update_weights(named_tensors, version)
+
+    async def sleep(self) -> None:
+        await self.inner.sleep()
+
+    async def wake_up(self) -> None:
+        await self.inner.wake_up()
+
+    async def release(self, request_id: str) -> None:
+        if request_id not in self._released:
+            self._released.add(request_id)
+            self._submitted.leave()
+            self._answered.leave()
+        await self.inner.release(request_id)
+
+
+# ---------------------------------------------------------------------------------------------------
+# A tool env with controlled latency and episode length
+# ---------------------------------------------------------------------------------------------------
+class LatencyToolEnv:
+    """An episode of `len(latencies_s)` turns; the tool of turn t answers after `latencies_s[t - 1]` seconds.
+
+    Turn-aware (`step_turn`): the episode length does not depend on what the model wrote or whether its
+    turn was cut at max_new_tokens, so every schedule and every model does the same number of turns.
+    `fail_on_turn` makes that turn's tool raise (the trajectory ends FAILED / env_error).
+    """
+
+    def __init__(self, latencies_s: Sequence[float], fail_on_turn: int | None = None):
+        if not latencies_s:
+            raise ValueError("LatencyToolEnv needs at least one turn (latencies_s is empty)")
+        self.latencies_s, self.fail_on_turn = list(latencies_s), fail_on_turn
+
+    async def step_turn(self, turn: Turn) -> StepResult:
+        await asyncio.sleep(self.latencies_s[turn.turn - 1])
+        if turn.turn == self.fail_on_turn:
+            raise RuntimeError(f"tool failed on turn {turn.turn} (fail_on_turn)")
+        if turn.turn >= len(self.latencies_s):  # done whatever the model did: COMPLETED even after a cut turn
+            return StepResult(reward=1.0, done=True, termination_reason=TerminationReason.ENV_DONE)
+        return StepResult(f"Tool result {turn.turn}: {len(turn.token_ids)} tokens received. Continue.")
+
+
+def build_env(sample: dict[str, Any], config: dict[str, Any]) -> LatencyToolEnv:
+    """`sample["latencies_s"]` (one per turn, see `latency_rows`), optional `sample["fail_on_turn"]`."""
+    if "latencies_s" not in sample:
+        raise ValueError("turnrl.testing env: the row needs `latencies_s` (a list, one tool latency per turn)")
+    return LatencyToolEnv(sample["latencies_s"], sample.get("fail_on_turn"))
+
+
+@dataclass
+class LatencyDraw:
+    """How `latency_rows` draws tool latencies."""
+
+    mean_s: float = 0.5
+    """Mean tool latency."""
+    sigma: float = 1.0
+    """Log-space std of the lognormal (1.0: the slowest of 64 calls is ~6x the mean); 0 = every call takes mean_s."""
+    min_turns: int = 1
+    max_turns: int = 6
+    seed: int = 0
+    prompts: list[str] = field(default_factory=lambda: ["Look up the answer with the tool, then report it."])
+
+
+def latency_rows(n: int, draw: LatencyDraw) -> list[dict[str, Any]]:
+    """`n` rows with a uniform turn count and per-turn lognormal latencies of mean `draw.mean_s`.
+
+    The turn counts and the underlying normal draws depend only on the seed, so rows drawn with different
+    means (or sigma 0, fixed latency) have the same episode lengths and the same ranking of slow calls.
+    """
+    rng = random.Random(draw.seed)
+    mu = math.log(draw.mean_s) - draw.sigma**2 / 2 if draw.mean_s > 0 else 0.0  # E[exp(mu + sigma z)] = mean
+    rows = []
+    for i in range(n):
+        turns = rng.randint(draw.min_turns, draw.max_turns)
+        z = [rng.gauss(0.0, 1.0) for _ in range(draw.max_turns)][:turns]
+        latencies = [0.0 if draw.mean_s <= 0 else math.exp(mu + draw.sigma * zi) for zi in z]
+        rows.append({"id": f"r{i}", "prompt": draw.prompts[i % len(draw.prompts)], "latencies_s": latencies})
+    return rows
