@@ -420,3 +420,29 @@ async def test_rejects_images_empty_and_too_long_prompts(fresh_engine):
         await eng.generate(list(range(40)), GREEDY, request_id="l")
     out = await eng.generate(list(range(1, 29)), SamplingParams(temperature=0.0, max_new_tokens=100), request_id="c")
     assert len(out.token_ids) == 4 and out.finish_reason == FinishReason.LENGTH  # capped by the context
+
+
+async def test_batched_prefill_mixes_cached_and_fresh_requests_exactly(model, prompts, qwen3_tokenizer):
+    """Waiting requests are prefilled together (left-padded, one forward): second turns that reuse their
+    trajectory's KV and a fresh first turn in one group give exactly what one-at-a-time serving gives."""
+    batched = EmbeddedEngine(model, max_batch_size=MAX_BATCH)
+    alone = EmbeddedEngine(model, max_batch_size=1)
+    observation = qwen3_tokenizer.encode(" Now tell me more about it, briefly.")
+    try:
+        results = []
+        for eng in (batched, alone):
+            first = await serve_all(eng, prompts[:2], GREEDY, prefix="t")
+            second_prompts = [p + o.token_ids + observation for p, o in zip(prompts[:2], first, strict=True)]
+            tasks = [eng.generate(p, GREEDY, request_id=f"t{k}") for k, p in enumerate(second_prompts)]
+            tasks.append(eng.generate(prompts[2], GREEDY, request_id="fresh"))
+            results.append((first, await asyncio.gather(*tasks)))
+        (first_b, second_b), (first_a, second_a) = results
+        assert [o.token_ids for o in first_b] == [o.token_ids for o in first_a]
+        assert [o.token_ids for o in second_b] == [o.token_ids for o in second_a]
+        for b, a in zip(second_b, second_a, strict=True):
+            assert torch.allclose(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4)
+        assert [o.cached_prompt_tokens > 0 for o in second_b] == [True, True, False]
+        assert batched.stats["requests"] == 5 and batched.stats["prefill_forwards"] <= 5
+    finally:
+        batched.close()
+        alone.close()

@@ -94,12 +94,22 @@ class SlotKVCache:
             t[slot, :, : p.shape[1]].copy_(p)
 
     # -- plans ------------------------------------------------------------------------------------
-    def plan_prefill(self, slot: int, start: int, q: int) -> torch.Tensor:
-        """Returns the 4-D causal mask [1, 1, q, start + q] for this prefill."""
-        self._plan = ("prefill", slot, start, q)
-        cols = torch.arange(start + q)
-        rows = torch.arange(start, start + q)
-        return (cols[None, :] <= rows[:, None])[None, None]
+    def plan_prefill(self, first_slot: int, starts: list[int], qs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill of slots first_slot.. first_slot+m-1: row i adds qs[i] tokens at columns starts[i]...
+
+        Queries are left-padded to Q = max(qs), so every row's last query is its last token (`logits_to_keep=1`
+        gives each row's next-token logits). Returns the 4-D mask [m, 1, Q, W] and the positions [m, Q]."""
+        m, q_max = len(qs), max(qs)
+        width = max(s + q for s, q in zip(starts, qs, strict=True))
+        rel_M_Q = torch.arange(q_max)[None, :] - torch.tensor([q_max - q for q in qs])[:, None]  # < 0: padding
+        valid_M_Q = rel_M_Q >= 0
+        col_M_Q = torch.tensor(starts)[:, None] + rel_M_Q  # the column each query token is written to
+        cols_W = torch.arange(width)
+        mask = (cols_W <= col_M_Q[:, :, None]) & valid_M_Q[:, :, None]
+        mask |= ~valid_M_Q[:, :, None] & (cols_W == 0)  # padding queries look at one real key (no NaN rows)
+        ii, jj = valid_M_Q.nonzero(as_tuple=True)
+        self._plan = ("prefill", first_slot, m, width, ii, jj, first_slot + ii, col_M_Q[ii, jj])
+        return mask[:, None], col_M_Q.clamp(min=0)
 
     def plan_decode(self, lens: torch.Tensor) -> torch.Tensor:
         """Returns the 4-D mask [n, 1, 1, max(lens) + 1]: row i sees columns 0..lens[i]."""
@@ -112,10 +122,10 @@ class SlotKVCache:
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         k, v = self.k[layer_idx], self.v[layer_idx]
         if self._plan[0] == "prefill":
-            _, slot, start, q = self._plan
-            k[slot, :, start : start + q] = key_states[0]
-            v[slot, :, start : start + q] = value_states[0]
-            return k[slot : slot + 1, :, : start + q], v[slot : slot + 1, :, : start + q]
+            _, first, m, width, ii, jj, rows, cols = self._plan
+            k[rows, :, cols] = key_states[ii, :, jj]
+            v[rows, :, cols] = value_states[ii, :, jj]
+            return k[first : first + m, :, :width], v[first : first + m, :, :width]
         _, rows, cols, width = self._plan
         k[rows, :, cols] = key_states[:, :, 0]
         v[rows, :, cols] = value_states[:, :, 0]
@@ -210,6 +220,21 @@ def draw(logp_N_V: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return torch.searchsorted(cdf_N_V, u_N_1)[:, 0]
 
 
+def _prefill_groups(admitted: list[tuple[_Request, int]], max_group: int) -> list[list[tuple[_Request, int]]]:
+    """Split consecutive admitted requests into prefill groups whose left padding wastes little: a group grows
+    while padded tokens (max length × rows) stay within 1.5× the real ones plus a small slack."""
+    groups: list[list[tuple[_Request, int]]] = []
+    for item in admitted:
+        q = len(item[0].prompt_ids) - item[1]
+        if groups and len(groups[-1]) < max_group:
+            lengths = [len(r.prompt_ids) - s for r, s in groups[-1]] + [q]
+            if max(lengths) * len(lengths) <= 1.5 * sum(lengths) + 32:
+                groups[-1].append(item)
+                continue
+        groups.append([item])
+    return groups
+
+
 # ---------------------------------------------------------------------------------------------------
 # The engine
 # ---------------------------------------------------------------------------------------------------
@@ -254,8 +279,8 @@ class EmbeddedEngine:
         self._active: list[_Request] = []
         self._wake = threading.Event()
         self._stopped = False
-        self.stats = {"decode_steps": 0, "prefill_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0,
-                      "requests": 0, "busy_s": 0.0}
+        self.stats = {"decode_steps": 0, "prefill_forwards": 0, "prefill_tokens": 0, "cached_prompt_tokens": 0,
+                      "generated_tokens": 0, "requests": 0, "busy_s": 0.0}
         self._thread = threading.Thread(target=self._run, name="turnrl-engine", daemon=True)
         self._thread.start()
 
@@ -436,44 +461,61 @@ class EmbeddedEngine:
 
     # ---- scheduling ------------------------------------------------------------------------------
     def _admit(self) -> None:
+        """Move waiting requests into free slots and prefill them, several per forward where lengths allow."""
         self._waiting = [r for r in self._waiting if not r.aborted]
+        admitted: list[tuple[_Request, int]] = []
         while self._waiting and len(self._active) < self.max_batch_size:
             req = self._waiting.pop(0)
             slot = len(self._active)
             self._active.append(req)
-            self._prefill(req, slot)
+            admitted.append((req, self._reuse_prefix(req, slot)))
+        for group in _prefill_groups(admitted, 1 if self.is_vlm else self.max_batch_size):
+            self._prefill(group)
+        self._retire([req for req, _ in admitted if self._finished(req)])
 
-    def _prefill(self, req: _Request, slot: int) -> None:
-        start, start_pos = 0, 0
-        parked = self._unpark(req.request_id)
-        if parked is not None:
-            tokens, kv, parked_pos = parked
-            n = len(tokens)
-            if 0 < n < len(req.prompt_ids) and req.prompt_ids[:n] == tokens:
-                self.cache.ensure_capacity(len(req.prompt_ids) + req.max_new)
-                self.cache.import_row(slot, kv)
-                start, start_pos = n, parked_pos
+    def _reuse_prefix(self, req: _Request, slot: int) -> int:
+        """Copy this trajectory's parked KV into the slot when the prompt extends it; returns the tokens reused."""
         self.cache.ensure_capacity(len(req.prompt_ids) + req.max_new)
-        new_ids = req.prompt_ids[start:]
-        mask = self.cache.plan_prefill(slot, start, len(new_ids))
-        if self.is_vlm:
+        parked = self._unpark(req.request_id)
+        if parked is None:
+            return 0
+        tokens, kv, parked_pos = parked
+        if not 0 < len(tokens) < len(req.prompt_ids) or req.prompt_ids[: len(tokens)] != tokens:
+            return 0
+        self.cache.import_row(slot, kv)
+        req.next_pos = parked_pos
+        return len(tokens)
+
+    def _prefill(self, group: list[tuple[_Request, int]]) -> None:
+        """One forward over the new tokens of a group of requests in consecutive slots."""
+        first_slot = self._active.index(group[0][0])
+        starts = [start for _, start in group]
+        new_ids = [req.prompt_ids[start:] for req, start in group]
+        mask, positions = self.cache.plan_prefill(first_slot, starts, [len(ids) for ids in new_ids])
+        q_max = positions.shape[1]
+        input_ids = torch.tensor([[0] * (q_max - len(ids)) + ids for ids in new_ids])  # left-padded
+        if self.is_vlm:  # one request per group: its images and M-RoPE positions
+            req, start = group[0]
             pixels = self._new_image_inputs(req, start)
             from turnrl.multimodal import vl_positions
 
-            positions, req.next_pos = vl_positions(self.model, new_ids, pixels.get("image_grid_thw"), start_pos)
-            logits = self._forward(torch.tensor([new_ids]), positions, mask, **pixels)
+            positions, req.next_pos = vl_positions(self.model, new_ids[0], pixels.get("image_grid_thw"), req.next_pos)
+            logits = self._forward(input_ids, positions, mask, **pixels)
         else:
-            logits = self._forward(torch.tensor([new_ids]), torch.arange(start, len(req.prompt_ids))[None], mask)
-            req.next_pos = len(req.prompt_ids)
-        req.length = len(req.prompt_ids)
-        req.cached_prompt_tokens = start
-        self.stats["prefill_tokens"] += len(new_ids)
-        self.stats["cached_prompt_tokens"] += start
-        self.stats["requests"] += 1
-        tokens, logps = sample_tokens(logits[:, -1], [req.params], [req.generator], self._generator)
-        self._append(req, int(tokens[0]), float(logps[0]))
-        if self._finished(req):
-            self._retire([req])
+            logits = self._forward(input_ids, positions, mask)
+        self.stats["prefill_forwards"] += 1
+        reqs = [req for req, _ in group]
+        tokens, logps = sample_tokens(logits[:, -1], [r.params for r in reqs], [r.generator for r in reqs],
+                                      self._generator)
+        for (req, start), ids, token, logp in zip(group, new_ids, tokens.tolist(), logps.tolist(), strict=True):
+            req.length = len(req.prompt_ids)
+            if not self.is_vlm:
+                req.next_pos = len(req.prompt_ids)
+            req.cached_prompt_tokens = start
+            self.stats["prefill_tokens"] += len(ids)
+            self.stats["cached_prompt_tokens"] += start
+            self.stats["requests"] += 1
+            self._append(req, token, logp)
 
     def _new_image_inputs(self, req: _Request, start: int) -> dict[str, torch.Tensor]:
         """Pixels of the images in the part of the prompt not served from the cache (stream order)."""
