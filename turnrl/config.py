@@ -42,6 +42,9 @@ class EngineConfig(Strict):
     replicas: int = Field(1, ge=1)
     """Engine replicas behind the router (each a separate engine)."""
     urls: list[str] = []
+    weights_dir: str | None = None
+    """A folder the trainer and the servers share: server engines (sglang, vllm server) load pushed weights
+    from there (`update_weights_from_disk`); one sub-folder per replica."""
     """Server URLs for kind sglang/http/vllm-server (one replica each)."""
     distributed: Literal["none", "ray"] = "none"
     """ray: each replica is a Ray actor and rollouts run in `ray_workers` Ray workers (turnrl.dist.ray)."""

@@ -6,9 +6,9 @@ from typing import Any
 
 
 def build_server_engine(cfg: Any) -> Any:
-    """An Engine for `engine.kind` http, sglang or vllm (with urls): one client per URL in `engine.urls`, behind a Router when
-    there are several. `cfg` is a turnrl.config.EngineConfig (`weights_dir`, if the config has it, is where
-    SGLangEngine writes weights for the server to load)."""
+    """An Engine for `engine.kind` http, sglang or vllm (with urls): one client per URL in `engine.urls`, behind a
+    Router when there are several. `cfg` is a turnrl.config.EngineConfig; `weights_dir` is where SGLang and vLLM
+    server clients write pushed weights for their servers to load (a sub-folder per replica)."""
     from turnrl.engines.router import Router
 
     if not cfg.urls:
@@ -20,16 +20,18 @@ def build_server_engine(cfg: Any) -> Any:
     elif cfg.kind == "sglang":
         from turnrl.engines.sglang import SGLangEngine
 
-        weights_dir = getattr(cfg, "weights_dir", None)
-        replicas = [  # a folder per replica: they write concurrently when the router broadcasts an update
-            SGLangEngine(url, weights_dir=None if weights_dir is None else
-                         weights_dir if len(cfg.urls) == 1 else f"{weights_dir}/replica{i}")
-            for i, url in enumerate(cfg.urls)
-        ]
+        replicas = [SGLangEngine(url, weights_dir=_replica_dir(cfg, i)) for i, url in enumerate(cfg.urls)]
     elif cfg.kind == "vllm":
         from turnrl.engines.vllm import VLLMServerEngine
 
-        replicas = [VLLMServerEngine(url) for url in cfg.urls]
+        replicas = [VLLMServerEngine(url, weights_dir=_replica_dir(cfg, i)) for i, url in enumerate(cfg.urls)]
     else:
         raise ValueError(f"engine.kind={cfg.kind!r} has no server client here; use http, sglang or vllm")
     return replicas[0] if len(replicas) == 1 else Router(replicas)
+
+
+def _replica_dir(cfg: Any, index: int) -> str | None:
+    """A folder per replica: they write concurrently when the router broadcasts an update."""
+    if cfg.weights_dir is None:
+        return None
+    return cfg.weights_dir if len(cfg.urls) == 1 else f"{cfg.weights_dir}/replica{index}"
