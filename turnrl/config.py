@@ -186,6 +186,9 @@ class TrainConfig(Strict):
     """Continue from the latest checkpoint in output_dir (same data order, RNG, optimizer)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Training and engine dtype (fp32 on CPU: bf16 is ~25x slower without hardware support)."""
+    device: str = "cpu"
+    """Where the policy trains: cpu, cuda, cuda:1... (the embedded engine keeps a CPU copy; GPU runs use
+    engine.kind vllm or sglang for rollouts)."""
     rollout_server: str | None = None
     """URL of a rollout server (`turnrl serve ... --scheduler NAME`, docs/serving.md): it runs the turns with its
     own rollout settings and engine; rollout.n, rollout.sampling and the reward stay here, and the weights are

@@ -9,6 +9,7 @@ the head is most of the cost of a small model, and prompt/observation positions 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -64,6 +65,14 @@ class PackedRow:
     target_seq: torch.Tensor  # [N] packed-sequence number of each target (0..n_seqs-1)
     target_pos: torch.Tensor  # [N] index of the target inside its sequence's response
     mm_inputs: list[dict[str, torch.Tensor] | None] | None = None  # per packed sequence (VLM), in row order
+
+    def to(self, device: torch.device | str) -> PackedRow:
+        """The same row with every tensor on `device` (the policy's)."""
+        moved = {f: getattr(self, f).to(device) for f in ("input_ids", "position_ids", "predict_at", "targets",
+                                                          "target_seq", "target_pos")}
+        mm = None if self.mm_inputs is None else [
+            None if m is None else {k: v.to(device) for k, v in m.items()} for m in self.mm_inputs]
+        return dataclasses.replace(self, **moved, mm_inputs=mm)
 
 
 def pack_sequences(

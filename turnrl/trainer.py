@@ -143,6 +143,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, policy: torch.nn.Module, engine: Any, manager: RolloutManager,
                  train_rows: list[dict], eval_rows: list[dict], console: Console | None = None):
         self.cfg, self.policy, self.engine, self.manager = cfg, policy, engine, manager
+        self.device = next(policy.parameters()).device
         self.train_rows, self.eval_rows = train_rows, eval_rows
         self.console = console or Console()
         self.out = Path(cfg.output_dir)
@@ -234,12 +235,13 @@ class Trainer:
             for mb in _split(order, cfg.optim.mini_batches):
                 masks = [torch.tensor(samples[i].loss_mask) for i in mb]
                 mask_B_T = torch.nn.utils.rnn.pad_sequence(masks, batch_first=True)
-                denominator = algos.loss_denominator(mask_B_T, a.loss_agg)
+                denominator = algos.loss_denominator(mask_B_T, a.loss_agg).to(self.device)
                 self.optimizer.zero_grad(set_to_none=True)
                 rows = pack_sequences([(samples[i].prompt_ids, samples[i].response_ids, samples[i].loss_mask)
                                        for i in mb], cfg.optim.micro_batch_tokens,
                                       [samples[i].mm_inputs for i in mb])
                 for row in rows:
+                    row = row.to(self.device)
                     members = [mb[k] for k in row.sequence_index]
                     loss, m = self._row_loss(row, [samples[i] for i in members], members, old, temperature,
                                              denominator)
@@ -267,14 +269,15 @@ class Trainer:
         mask_B_T = unpack_to_padded(torch.ones_like(logp_N), row, lengths)
         old_B_T = logp_B_T.detach() if old is None else unpack_to_padded(
             torch.cat([old[i] for i in members]), row, lengths)
-        adv_B = torch.tensor([s.advantage for s in batch], dtype=logp_N.dtype)
+        adv_B = torch.tensor([s.advantage for s in batch], dtype=logp_N.dtype, device=logp_N.device)
         loss_B_T, pg = algos.policy_loss(logp_B_T, old_B_T, adv_B, mask_B_T, clip_low=a.clip_low,
                                          clip_high=a.clip_high, dual_clip=a.dual_clip, ratio_level=a.ratio_level)
         metrics = {f"train/{k}": float(v) for k, v in pg.items()}
         if a.is_mode != "none":
-            valid_B = torch.tensor([s.rollout_logprobs is not None for s in batch])
+            valid_B = torch.tensor([s.rollout_logprobs is not None for s in batch], device=logp_N.device)
             rollout_B_T = torch.nn.utils.rnn.pad_sequence(
-                [torch.tensor(s.rollout_logprobs or [0.0] * len(s.response_ids)) for s in batch], batch_first=True)
+                [torch.tensor(s.rollout_logprobs or [0.0] * len(s.response_ids)) for s in batch], batch_first=True,
+            ).to(logp_N.device)
             weights_B_T, ism = algos.rollout_is_weights(old_B_T, rollout_B_T.to(old_B_T.dtype), mask_B_T,
                                                         valid_B=valid_B, mode=a.is_mode, level=a.is_level,
                                                         threshold=a.is_threshold)
@@ -297,6 +300,7 @@ class Trainer:
         old: dict[int, torch.Tensor] = {}
         for row in pack_sequences([(s.prompt_ids, s.response_ids, s.loss_mask) for s in samples],
                                   self.cfg.optim.micro_batch_tokens, [s.mm_inputs for s in samples]):
+            row = row.to(self.device)
             logp_N = packed_token_logprobs(self.policy, row, temperature)
             for k, i in enumerate(row.sequence_index):
                 old[i] = logp_N[row.target_seq == k]
@@ -429,7 +433,8 @@ def setup(cfg: TrainConfig, checkpoint: Path | None = None):
         manager = build_rollout_manager(cfg.rollout, engine, renderer, build_reward_fn(cfg.reward))
     train_rows = load_rows(cfg.train_data)
     eval_rows = load_rows(cfg.eval_data) if cfg.eval_data else []
-    return policy, engine, manager, train_rows, eval_rows
+    # the embedded engine above kept its own CPU copy; the policy moves to where it trains
+    return policy.to(cfg.device), engine, manager, train_rows, eval_rows
 
 
 def run_training(cfg: TrainConfig, console: Console | None = None) -> list[dict[str, float]]:
