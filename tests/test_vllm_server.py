@@ -43,7 +43,7 @@ def scripted(engine: VLLMServerEngine, handler) -> list[httpx.Request]:
         return handler(request)
 
     client = httpx.AsyncClient(base_url=engine.base_url, transport=httpx.MockTransport(record))
-    engine._http = lambda: client
+    engine.http.client = lambda: client
     return seen
 
 

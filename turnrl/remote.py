@@ -43,7 +43,7 @@ import httpx
 
 from turnrl.engines.base import EngineError
 from turnrl.engines.http import TOKEN_ENV, HttpEngine, _excerpt, sampling_from_json, sampling_to_json
-from turnrl.rollout import RewardFn, _maybe_await, group_ids
+from turnrl.rollout import RewardFn, _maybe_await, collect_groups, group_ids
 from turnrl.types import SamplingParams, Trajectory
 
 log = logging.getLogger(__name__)
@@ -140,12 +140,8 @@ class RemoteRollout:
         sampling: SamplingParams | None = None, on_trajectory: Callable[[Trajectory], None] | None = None,
     ) -> list[list[Trajectory]]:
         """All trajectories grouped by prompt, in row order (each group sorted by sample index)."""
-        groups: dict[str, list[Trajectory]] = {}
-        async for traj in self.stream(rows, n, id_prefix=id_prefix, sampling=sampling):
-            groups.setdefault(traj.group_id, []).append(traj)
-            if on_trajectory is not None:
-                on_trajectory(traj)
-        return [sorted(groups.get(g, []), key=lambda t: (t.sample_index, t.id)) for g in group_ids(rows, id_prefix)]
+        return await collect_groups(self.stream(rows, n, id_prefix=id_prefix, sampling=sampling), rows, id_prefix,
+                                    on_trajectory)
 
     def close(self) -> None:
         self.engine.close()

@@ -30,7 +30,7 @@ import traceback
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from turnrl.data import prompt_messages
 from turnrl.engines.base import Engine
@@ -555,12 +555,8 @@ class RolloutManager:
         sampling: SamplingParams | None = None, on_trajectory: Callable[[Trajectory], None] | None = None,
     ) -> list[list[Trajectory]]:
         """All trajectories grouped by prompt, in row order (each group sorted by sample index)."""
-        groups: dict[str, list[Trajectory]] = {}
-        async for traj in self.stream(rows, n, id_prefix=id_prefix, sampling=sampling):
-            groups.setdefault(traj.group_id, []).append(traj)
-            if on_trajectory is not None:
-                on_trajectory(traj)
-        return [sorted(groups.get(g, []), key=lambda t: (t.sample_index, t.id)) for g in group_ids(rows, id_prefix)]
+        return await collect_groups(self.stream(rows, n, id_prefix=id_prefix, sampling=sampling), rows, id_prefix,
+                                    on_trajectory)
 
     async def _run_one(self, ctx: RolloutContext, semaphore: asyncio.Semaphore) -> list[Trajectory]:
         async with semaphore:
@@ -600,6 +596,35 @@ async def _maybe_await(value: Any) -> Any:
     if asyncio.iscoroutine(value) or isinstance(value, asyncio.Future):
         return await value
     return value
+
+
+class Rollout(Protocol):
+    """What the trainer needs from whatever runs its rollouts: a local RolloutManager, a RayRollout
+    (turnrl.dist.ray) or a RemoteRollout (turnrl.remote, a `turnrl serve` rollout server)."""
+
+    engine: Engine
+    renderer: ChatRenderer
+    sampling: SamplingParams
+
+    def stream(self, rows: Sequence[dict[str, Any]], n: int = 1, *, id_prefix: str = "",
+               sampling: SamplingParams | None = None) -> AsyncIterator[Trajectory]: ...
+
+    async def run_groups(self, rows: Sequence[dict[str, Any]], n: int = 1, *, id_prefix: str = "",
+                         sampling: SamplingParams | None = None,
+                         on_trajectory: Callable[[Trajectory], None] | None = None) -> list[list[Trajectory]]: ...
+
+
+async def collect_groups(
+    stream: AsyncIterator[Trajectory], rows: Sequence[dict[str, Any]], id_prefix: str = "",
+    on_trajectory: Callable[[Trajectory], None] | None = None,
+) -> list[list[Trajectory]]:
+    """Trajectories of a stream grouped by prompt, in row order, each group sorted by sample index."""
+    groups: dict[str, list[Trajectory]] = {}
+    async for traj in stream:
+        groups.setdefault(traj.group_id, []).append(traj)
+        if on_trajectory is not None:
+            on_trajectory(traj)
+    return [sorted(groups.get(g, []), key=lambda t: (t.sample_index, t.id)) for g in group_ids(rows, id_prefix)]
 
 
 def group_ids(rows: Sequence[dict[str, Any]], id_prefix: str = "") -> list[str]:

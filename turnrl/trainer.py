@@ -48,7 +48,7 @@ from turnrl.data import load_rows
 from turnrl.models import load_model
 from turnrl.observe import RolloutStats, TrajectoryWriter
 from turnrl.packing import pack_sequences, packed_token_logprobs, unpack_to_padded, use_varlen_attention
-from turnrl.rollout import RolloutManager
+from turnrl.rollout import Rollout
 from turnrl.tracing import TrajectoryTracer
 from turnrl.types import SamplingParams, Trajectory
 
@@ -140,7 +140,7 @@ def to_sample(traj: Trajectory, advantage: float) -> TrainSample:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, policy: torch.nn.Module, engine: Any, manager: RolloutManager,
+    def __init__(self, cfg: TrainConfig, policy: torch.nn.Module, engine: Any, manager: Rollout,
                  train_rows: list[dict], eval_rows: list[dict], console: Console | None = None):
         self.cfg, self.policy, self.engine, self.manager = cfg, policy, engine, manager
         self.device = next(policy.parameters()).device

@@ -35,7 +35,7 @@ import ray
 from turnrl.config import ConfigError, EngineConfig, RewardConfig, RolloutConfig
 from turnrl.engines.base import NamedTensors
 from turnrl.engines.router import Router
-from turnrl.rollout import RewardFn, group_ids
+from turnrl.rollout import RewardFn, collect_groups, group_ids
 from turnrl.types import GenerateOutput, SamplingParams, Trajectory
 
 log = logging.getLogger(__name__)
@@ -257,12 +257,8 @@ class RayRollout:
         sampling: SamplingParams | None = None, on_trajectory: Callable[[Trajectory], None] | None = None,
     ) -> list[list[Trajectory]]:
         """All trajectories grouped by prompt, in row order (each group sorted by sample index)."""
-        groups: dict[str, list[Trajectory]] = {}
-        async for traj in self.stream(rows, n, id_prefix=id_prefix, sampling=sampling):
-            groups.setdefault(traj.group_id, []).append(traj)
-            if on_trajectory is not None:
-                on_trajectory(traj)
-        return [sorted(groups.get(g, []), key=lambda t: (t.sample_index, t.id)) for g in group_ids(rows, id_prefix)]
+        return await collect_groups(self.stream(rows, n, id_prefix=id_prefix, sampling=sampling), rows, id_prefix,
+                                    on_trajectory)
 
     def close(self) -> None:
         """Stop the workers and the engine actors."""

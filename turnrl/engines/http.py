@@ -29,6 +29,7 @@ import base64
 import dataclasses
 import io
 import os
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -119,6 +120,62 @@ def _excerpt(body: Any, limit: int = 300) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------
+# HTTP plumbing shared by every server client (HttpEngine, SGLangEngine, VLLMServerEngine)
+# ---------------------------------------------------------------------------------------------------
+class JsonHttp:
+    """JSON requests to one server whose failures are EngineErrors naming the URL, the status and the body.
+
+    An httpx client belongs to the event loop that opened its connections, and a trainer may run several
+    loops one after another (asyncio.run per phase), so there is one client per loop.
+    """
+
+    def __init__(self, base_url: str, *, owner: str, token: str | None = None, timeout_s: float | None = 600.0,
+                 connect_timeout_s: float = 10.0, hint: Callable[[int, str], str] | None = None):
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"{owner}.base_url must start with http:// or https://, got {base_url!r}")
+        self.base_url = base_url.rstrip("/")
+        self.token = token
+        self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        self.hint = hint  # (status, path) -> extra text for an error message
+        self._client: httpx.AsyncClient | None = None
+        self._client_loop: asyncio.AbstractEventLoop | None = None
+
+    def client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._client_loop is not loop:
+            headers = {"authorization": f"Bearer {self.token}"} if self.token else {}
+            self._client = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=self.timeout)
+            self._client_loop = loop
+        return self._client
+
+    async def request(self, method: str, path: str, *, expect_json: bool = True, **kwargs: Any) -> Any:
+        """The decoded JSON body (None for an empty one, or when `expect_json` is false)."""
+        where = f"{method} {self.base_url}{path}"
+        try:
+            response = await self.client().request(method, path, **kwargs)
+        except httpx.HTTPError as e:
+            raise EngineError(f"{where} failed: {type(e).__name__}: {e or 'no details'}") from e
+        if response.status_code >= 400:
+            hint = self.hint(response.status_code, path) if self.hint else ""
+            raise EngineError(f"{where} returned HTTP {response.status_code}{hint}: {_excerpt(response.text)}")
+        if not expect_json or not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError:
+            raise EngineError(f"{where} returned a body that is not JSON: {_excerpt(response.text)}") from None
+
+    async def aclose(self) -> None:
+        if self._client is not None and self._client_loop is asyncio.get_running_loop():
+            await self._client.aclose()
+        self._client = self._client_loop = None
+
+
+def _token_hint(status: int, path: str) -> str:
+    return " (set the server's token: HttpEngine(token=...) or TURNRL_SERVE_TOKEN)" if status == 401 else ""
+
+
+# ---------------------------------------------------------------------------------------------------
 # The client
 # ---------------------------------------------------------------------------------------------------
 class HttpEngine:
@@ -133,15 +190,10 @@ class HttpEngine:
 
     def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float | None = 600.0,
                  connect_timeout_s: float = 10.0):
-        if not base_url.startswith(("http://", "https://")):
-            raise ValueError(f"HttpEngine.base_url must start with http:// or https://, got {base_url!r}")
-        self.base_url = base_url.rstrip("/")
         self.token = token if token is not None else os.environ.get(TOKEN_ENV)
-        self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
-        # An httpx client belongs to the event loop that opened its connections; the trainer may run
-        # several loops one after another (asyncio.run per phase), so there is one client per loop.
-        self._client: httpx.AsyncClient | None = None
-        self._client_loop: asyncio.AbstractEventLoop | None = None
+        self.http = JsonHttp(base_url, owner="HttpEngine", token=self.token, timeout_s=timeout_s,
+                             connect_timeout_s=connect_timeout_s, hint=_token_hint)
+        self.base_url = self.http.base_url
 
     # ---- Engine protocol -------------------------------------------------------------------------
     async def generate(
@@ -180,33 +232,10 @@ class HttpEngine:
         return await self._request("GET", "/health")
 
     async def aclose(self) -> None:
-        if self._client is not None and self._client_loop is asyncio.get_running_loop():
-            await self._client.aclose()
-        self._client = self._client_loop = None
-
-    # ---- internals -------------------------------------------------------------------------------
-    def _http(self) -> httpx.AsyncClient:
-        loop = asyncio.get_running_loop()
-        if self._client is None or self._client_loop is not loop:
-            headers = {"authorization": f"Bearer {self.token}"} if self.token else {}
-            self._client = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=self.timeout)
-            self._client_loop = loop
-        return self._client
+        await self.http.aclose()
 
     async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
-        where = f"{method} {self.base_url}{path}"
-        try:
-            response = await self._http().request(method, path, **kwargs)
-        except httpx.HTTPError as e:
-            raise EngineError(f"{where} failed: {type(e).__name__}: {e or 'no details'}") from e
-        if response.status_code >= 400:
-            hint = " (set the server's token: HttpEngine(token=...) or TURNRL_SERVE_TOKEN)" \
-                if response.status_code == 401 else ""
-            raise EngineError(f"{where} returned HTTP {response.status_code}{hint}: {_excerpt(response.text)}")
-        try:
-            return response.json()
-        except ValueError:
-            raise EngineError(f"{where} returned a body that is not JSON: {_excerpt(response.text)}") from None
+        return await self.http.request(method, path, **kwargs)
 
     def _version(self, data: Any) -> int:
         try:

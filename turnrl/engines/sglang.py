@@ -52,10 +52,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from turnrl.engines.base import EngineError, NamedTensors
-from turnrl.engines.http import _excerpt, encode_image, safetensors_bytes
+from turnrl.engines.http import JsonHttp, _excerpt, encode_image, safetensors_bytes
 from turnrl.types import FinishReason, GenerateOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -77,18 +75,14 @@ class SGLangEngine:
 
     def __init__(self, base_url: str, *, api_key: str | None = None, weights_dir: str | os.PathLike | None = None,
                  sleep_tags: list[str] | None = None, timeout_s: float | None = 600.0, connect_timeout_s: float = 10.0):
-        if not base_url.startswith(("http://", "https://")):
-            raise ValueError(f"SGLangEngine.base_url must start with http:// or https://, got {base_url!r}")
-        self.base_url = base_url.rstrip("/")
-        self.api_key = api_key
+        self.http = JsonHttp(base_url, owner="SGLangEngine", token=api_key, timeout_s=timeout_s,
+                             connect_timeout_s=connect_timeout_s)
+        self.base_url, self.api_key = self.http.base_url, api_key
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
         self.sleep_tags = sleep_tags
-        self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self.policy_version = 0
         self._rid_counter = itertools.count()
         self._warned_filters = False
-        self._client: httpx.AsyncClient | None = None
-        self._client_loop: asyncio.AbstractEventLoop | None = None
 
     # ---- Engine protocol -------------------------------------------------------------------------
     async def generate(
@@ -151,9 +145,7 @@ class SGLangEngine:
         return True
 
     async def aclose(self) -> None:
-        if self._client is not None and self._client_loop is asyncio.get_running_loop():
-            await self._client.aclose()
-        self._client = self._client_loop = None
+        await self.http.aclose()
 
     # ---- request and response --------------------------------------------------------------------
     def _sampling_params(self, params: SamplingParams) -> dict[str, Any]:
@@ -203,28 +195,8 @@ class SGLangEngine:
             return self.policy_version
 
     # ---- HTTP ------------------------------------------------------------------------------------
-    def _http(self) -> httpx.AsyncClient:
-        loop = asyncio.get_running_loop()
-        if self._client is None or self._client_loop is not loop:  # one client per event loop
-            headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-            self._client = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=self.timeout)
-            self._client_loop = loop
-        return self._client
-
     async def _request(self, method: str, path: str, *, expect_json: bool = True, **kwargs: Any) -> Any:
-        where = f"{method} {self.base_url}{path}"
-        try:
-            response = await self._http().request(method, path, **kwargs)
-        except httpx.HTTPError as e:
-            raise EngineError(f"{where} failed: {type(e).__name__}: {e or 'no details'}") from e
-        if response.status_code >= 400:
-            raise EngineError(f"{where} returned HTTP {response.status_code}: {_excerpt(response.text)}")
-        if not expect_json or not response.content:
-            return None
-        try:
-            return response.json()
-        except ValueError:
-            raise EngineError(f"{where} returned a body that is not JSON: {_excerpt(response.text)}") from None
+        return await self.http.request(method, path, expect_json=expect_json, **kwargs)
 
     async def _abort(self, rid: str) -> None:
         try:  # shielded: the caller is being cancelled, but the server should stop generating

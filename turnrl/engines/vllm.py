@@ -57,10 +57,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from turnrl.engines.base import EngineError, NamedTensors
-from turnrl.engines.http import _excerpt, safetensors_bytes
+from turnrl.engines.http import JsonHttp, _excerpt, safetensors_bytes
 from turnrl.types import FinishReason, GenerateOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -303,6 +301,12 @@ def _settle(future: asyncio.Future, result: Any, error: BaseException | None) ->
         future.set_result(result)
 
 
+def _dev_mode_hint(status: int, path: str) -> str:
+    if status == 404 and path in ("/collective_rpc", "/reset_prefix_cache"):
+        return " (start the server with VLLM_SERVER_DEV_MODE=1 for weight pushes)"
+    return ""
+
+
 class VLLMServerEngine:
     """An Engine backed by `vllm serve` through its OpenAI-compatible `/v1/completions`.
 
@@ -323,17 +327,14 @@ class VLLMServerEngine:
     def __init__(self, base_url: str, *, model: str | None = None, api_key: str | None = None,
                  weights_dir: str | os.PathLike | None = None, eos_token_ids: Iterable[int] = (),
                  timeout_s: float | None = 600.0, connect_timeout_s: float = 10.0):
-        if not base_url.startswith(("http://", "https://")):
-            raise ValueError(f"VLLMServerEngine.base_url must start with http:// or https://, got {base_url!r}")
-        self.base_url = base_url.rstrip("/")
+        self.http = JsonHttp(base_url, owner="VLLMServerEngine", token=api_key, timeout_s=timeout_s,
+                             connect_timeout_s=connect_timeout_s, hint=_dev_mode_hint)
+        self.base_url = self.http.base_url
         self.model, self.api_key = model, api_key
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self.policy_version = 0
         self._rid_counter = itertools.count()
-        self._client: httpx.AsyncClient | None = None
-        self._client_loop: asyncio.AbstractEventLoop | None = None
         self._warned_sleep = False
 
     async def generate(
@@ -408,37 +409,13 @@ class VLLMServerEngine:
         return None
 
     async def aclose(self) -> None:
-        if self._client is not None and self._client_loop is asyncio.get_running_loop():
-            await self._client.aclose()
-        self._client = self._client_loop = None
+        await self.http.aclose()
 
     def _log_sleep_once(self) -> None:
         if not self._warned_sleep:
             self._warned_sleep = True
             log.info("VLLMServerEngine: sleep/wake_up are no-ops")
 
-    def _http(self) -> httpx.AsyncClient:
-        loop = asyncio.get_running_loop()
-        if self._client is None or self._client_loop is not loop:  # one client per event loop
-            headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-            self._client = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=self.timeout)
-            self._client_loop = loop
-        return self._client
-
     async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
-        where = f"{method} {self.base_url}{path}"
-        try:
-            response = await self._http().request(method, path, **kwargs)
-        except httpx.HTTPError as e:
-            raise EngineError(f"{where} failed: {type(e).__name__}: {e or 'no details'}") from e
-        if response.status_code == 404 and path in ("/collective_rpc", "/reset_prefix_cache"):
-            raise EngineError(f"{where} returned 404: start the server with VLLM_SERVER_DEV_MODE=1 for weight pushes")
-        if response.status_code >= 400:
-            raise EngineError(f"{where} returned HTTP {response.status_code}: {_excerpt(response.text)}")
-        if not response.content:
-            return None
-        try:
-            return response.json()
-        except ValueError:
-            raise EngineError(f"{where} returned a body that is not JSON: {_excerpt(response.text)}") from None
+        return await self.http.request(method, path, **kwargs)
 
