@@ -23,11 +23,16 @@ def plot_curves(history: list[dict[str, Any]], out: str | Path) -> Path | None:
         mean = [m["rollout/reward_mean"] for m in train]
         std = [m.get("rollout/reward_std", 0.0) for m in train]
         ax_r.plot(steps, mean, label="train reward (sampled)")
-        ax_r.fill_between(steps, [a - b for a, b in zip(mean, std, strict=True)], [a + b for a, b in zip(mean, std, strict=True)], alpha=0.15)
+        ax_r.fill_between(steps, [a - b for a, b in zip(mean, std, strict=True)],
+                          [a + b for a, b in zip(mean, std, strict=True)], alpha=0.15, label="± std")
         ax_l.plot(steps, [m["rollout/model_tokens_mean"] for m in train], label="model tokens / trajectory")
         ax_l.plot(steps, [m["rollout/turns_mean"] * 10 for m in train], label="turns × 10", linestyle="--")
     if evals:
         ax_r.plot([m["step"] for m in evals], [m["eval/reward_mean"] for m in evals], "o-", label="eval reward (greedy)")
+        sampled = [m for m in evals if "eval/sampled_reward_mean" in m]
+        if sampled:
+            ax_r.plot([m["step"] for m in sampled], [m["eval/sampled_reward_mean"] for m in sampled], "s--",
+                      label="eval reward (sampled)")
     ax_r.set_xlabel("step")
     ax_r.set_ylabel("reward")
     ax_r.legend()

@@ -180,10 +180,9 @@ class Trainer:
             task = progress.add_task("training", total=self.cfg.steps, completed=self.step)
             while self.step < self.cfg.steps:
                 self.step += 1
-                metrics = await self.train_step()
+                self._log(await self.train_step())
                 if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.step < self.cfg.steps:
-                    metrics.update(await self.evaluate(f"step{self.step}"))
-                self._log(metrics)
+                    self._log(await self.evaluate(f"step{self.step}"))
                 if self.cfg.save_every and self.step % self.cfg.save_every == 0:
                     self.save_checkpoint()
                 progress.update(task, completed=self.step)
