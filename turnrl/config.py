@@ -1,6 +1,6 @@
 """Typed configuration: one pydantic model per entry point, defaults in the schema, YAML + dotted overrides.
 
-    cfg = load_config(TrainConfig, "examples/countdown/config.yaml", ["algo.clip_high=0.28", "steps=10"])
+    cfg = load_config(TrainConfig, "examples/arithmetic/config.yaml", ["algo.clip_high=0.28", "steps=10"])
 
 Unknown keys and wrong types fail at once with the dotted path of the field, what was given, what was
 expected, and a suggestion for misspelt keys. Components never see these objects: `turnrl.build` turns
@@ -56,7 +56,7 @@ class EngineConfig(Strict):
 
 class RolloutConfig(Strict):
     env: str | None = None
-    """Environment: a built-in name (countdown, geo3k, single_turn), a dotted module or a .py file with build_env."""
+    """Environment: a built-in name (arithmetic, geo3k, single_turn), a dotted module or a .py file with build_env."""
     env_config: dict[str, Any] = {}
     """Passed to build_env(sample, config) as `config` (merged over --custom-config YAML)."""
     custom_config: str | None = None

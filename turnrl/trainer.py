@@ -340,6 +340,10 @@ class Trainer:
         path = self.out / "checkpoints" / f"step_{self.step:06d}"
         path.mkdir(parents=True, exist_ok=True)
         self.policy.save_pretrained(path / "model")
+        renderer = getattr(self.manager, "renderer", None)  # a self-contained model dir: tokenizer/processor too
+        saver = getattr(renderer, "processor", None) or getattr(renderer, "tokenizer", None)
+        if saver is not None:
+            saver.save_pretrained(path / "model")
         torch.save({
             "step": self.step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
             "sampler": self.sampler.state_dict(), "history": self.history,

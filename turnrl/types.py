@@ -11,7 +11,7 @@ re-rendering text.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -434,7 +434,3 @@ class Turn:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
-
-
-def as_dict(obj: Any) -> dict[str, Any]:
-    return asdict(obj)
