@@ -340,10 +340,7 @@ class Trainer:
         path = self.out / "checkpoints" / f"step_{self.step:06d}"
         path.mkdir(parents=True, exist_ok=True)
         self.policy.save_pretrained(path / "model")
-        renderer = getattr(self.manager, "renderer", None)  # a self-contained model dir: tokenizer/processor too
-        saver = getattr(renderer, "processor", None) or getattr(renderer, "tokenizer", None)
-        if saver is not None:
-            saver.save_pretrained(path / "model")
+        self._save_tokenizer(path / "model")
         torch.save({
             "step": self.step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
             "sampler": self.sampler.state_dict(), "history": self.history,
@@ -351,6 +348,17 @@ class Trainer:
         }, path / "trainer_state.pt")
         (self.out / "checkpoints" / "latest").write_text(path.name)
         return path
+
+    def _save_tokenizer(self, where: Path) -> None:
+        """Tokenizer (and a VLM's image processor and chat template) beside the weights: a self-contained dir.
+        The processor is saved piecewise: without a video processor its own save_pretrained fails."""
+        renderer = getattr(self.manager, "renderer", None)
+        if getattr(renderer, "tokenizer", None) is not None:
+            renderer.tokenizer.save_pretrained(where)
+        processor = getattr(renderer, "processor", None)
+        if processor is not None:
+            processor.image_processor.save_pretrained(where)
+            (where / "chat_template.jinja").write_text(processor.chat_template)
 
     def load_checkpoint(self) -> bool:
         """Restore model, optimizer, scheduler, data position, RNG and history from the latest checkpoint."""
