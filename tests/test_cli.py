@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -11,9 +13,14 @@ from turnrl.cli import app
 from turnrl.types import Trajectory
 
 runner = CliRunner()
-DOCUMENTED_FIELDS = {"format_version", "id", "group_id", "sample_index", "agent", "status", "termination_reason",
-                     "error", "num_turns", "reward", "turn_rewards", "prompt_ids", "response_ids", "loss_mask",
-                     "rollout_logprobs", "segments", "messages", "images", "info", "metrics", "sample"}
+def _documented_fields() -> set[str]:
+    """The field names of docs/trajectory-format.md's Fields table (so the docs cannot drift from the writer)."""
+    text = (Path(__file__).parent.parent / "docs" / "trajectory-format.md").read_text()
+    table = text.split("## Fields", 1)[1].split("###", 1)[0]
+    return set(re.findall(r"^\| `(\w+)` \|", table, flags=re.M))
+
+
+DOCUMENTED_FIELDS = _documented_fields()
 
 
 def _data(tmp_path, rows):

@@ -171,7 +171,7 @@ def test_a_plugin_scheduler_is_registered_in_the_worker_processes(engines, rende
             ray.kill(w)
     assert "ray_pid_plugin" not in multi_turns  # never imported by the driver
     assert [t.num_turns for t in trajs] == [2, 2, 2, 2]
-    pids = {t.info["rollout_infos"]["pid"] for t in trajs}
+    pids = {t.rollout_infos["pid"] for t in trajs}
     assert len(pids) == 2 and os.getpid() not in pids  # ran in both worker processes
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
 import pytest
 from fakes import ScriptedEngine
@@ -10,7 +12,15 @@ from fakes import ScriptedEngine
 from turnrl.agents import AGENTS, agent_registry
 from turnrl.render import ChatRenderer
 from turnrl.rollout import RolloutContext, RolloutLimits, RolloutManager, drive
-from turnrl.types import RolloutStatus, SamplingParams, SegmentSource, StepResult, TerminationReason
+from turnrl.types import (
+    FinishReason,
+    RolloutStatus,
+    SamplingParams,
+    SegmentSource,
+    StepResult,
+    TerminationReason,
+    Trajectory,
+)
 
 
 class FeedbackEnv:
@@ -173,8 +183,8 @@ async def test_slime_tuple_and_env_given_reason(qwen3_tokenizer):
     engine = ScriptedEngine(qwen3_tokenizer, replies("nope", "4"))
     traj = await drive(make_ctx(engine, qwen3_tokenizer), FeedbackEnv(slime_tuple=True))
     assert traj.termination_reason == TerminationReason.ENV_DONE and traj.num_turns == 2
-    assert traj.info["turns"][1]["env"]["info"] == {"correct": True}
-    assert traj.info["turns"][1]["generate"]["finish_reason"] == "stop"
+    assert traj.turns[1].env.info == {"correct": True}
+    assert traj.turns[1].generate.finish_reason == "stop"
 
     class NoToolCall:
         def step(self, text):
@@ -250,7 +260,7 @@ async def test_rewards_are_streamed_and_errors_are_not_zero(qwen3_tokenizer):
     manager = _manager(engine, qwen3_tokenizer, lambda s, c: FeedbackEnv(), reward_fn=reward_fn)
     groups = await manager.run_groups([{"id": "r0", "prompt": "a"}, {"id": "r1", "prompt": "b"}], n=2)
     assert [t.reward for t in groups[0]] == [1.0, 1.0]
-    assert [t.reward for t in groups[1]] == [None, None] and "KeyError" in groups[1][0].info["reward_error"]
+    assert [t.reward for t in groups[1]] == [None, None] and "KeyError" in groups[1][0].reward_error
     assert len(seen) == 4
 
 
@@ -325,3 +335,43 @@ async def test_real_engine_on_tiny_qwen3_spans_and_invariants(tiny_qwen3, qwen3_
             assert qwen3_tokenizer.decode(s.token_ids) in ("\n", "<|im_end|>\n")
     # the second turn reused the first turn's KV: only the new tokens were prefilled
     assert outputs[1].cached_prompt_tokens == len(traj.prompt_ids) + len(outputs[0].token_ids) - 1
+
+
+# ---- the trajectory format: typed turn records, named fields, version-1 files --------------------------------
+V1_FILE = Path(__file__).parent / "data" / "trajectories_v1.jsonl"
+"""Written by `turnrl rollout` at commit 6e72bcd (format version 1): an arithmetic env run whose reward function
+raised, and a math_tip_trick scheduler run (episode ids, rollout infos)."""
+
+
+def test_version_1_files_load_with_their_info_keys_as_fields():
+    rows = [json.loads(line) for line in V1_FILE.read_text().splitlines()]
+    assert {r["format_version"] for r in rows} == {1}
+    trajs = [Trajectory.from_json(r) for r in rows]
+    for row, traj in zip(rows, trajs, strict=True):
+        traj.validate()
+        assert "turns" not in traj.info and len(traj.turns) == len(row["info"]["turns"]) == traj.num_turns
+        first = row["info"]["turns"][0]
+        assert traj.turns[0].generate.tokens == first["generate"]["tokens"]
+        assert traj.turns[0].generate.finish_reason == FinishReason(first["generate"]["finish_reason"])
+    env_run, sched_run = trajs[:2], trajs[2:]
+    assert all(t.reward is None and "missing_column" in t.reward_error for t in env_run)
+    assert all(t.episode_id == t.id and t.rollout_infos["num_turns"] == t.num_turns for t in sched_run)
+    again = Trajectory.from_json(json.loads(json.dumps(trajs[0].to_json())))  # and v2 round-trips
+    assert again.to_json() == trajs[0].to_json() and again.to_json()["format_version"] == 2
+
+
+async def test_turn_records_round_trip_as_the_documented_shape(qwen3_tokenizer):
+    engine = ScriptedEngine(qwen3_tokenizer, replies("It is 5.", "It is 4."))
+    traj = await drive(make_ctx(engine, qwen3_tokenizer), FeedbackEnv())
+    row = traj.to_json()
+    assert [sorted(t) for t in row["turns"]] == [["env", "generate", "observation_tokens", "turn"]] * 2
+    assert row["turns"][0]["generate"]["finish_reason"] == "stop" and row["turns"][0]["env"]["attempts"] == 1
+    assert Trajectory.from_json(row).turns == traj.turns
+
+
+def test_a_trajectory_keeps_its_first_error_and_appends_later_ones():
+    traj = Trajectory(id="t", group_id="g", sample_index=0, prompt_ids=[1])
+    traj.finish(TerminationReason.ENV_ERROR, "ValueError: the real cause")
+    traj.finish(TerminationReason.ENV_ERROR, "RuntimeError: cleanup failed afterwards")
+    assert traj.error == "ValueError: the real cause"
+    assert traj.warnings == ["RuntimeError: cleanup failed afterwards"]

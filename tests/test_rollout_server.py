@@ -211,7 +211,7 @@ def test_turnrl_serve_imports_the_plugin_and_takes_weight_updates(tmp_path, tiny
     for traj in before:
         traj.validate()
         assert traj.num_turns == 2 and traj.status != RolloutStatus.FAILED
-        infos = traj.info["rollout_infos"]
+        infos = traj.rollout_infos
         assert infos["imported_by_run_server"] and infos["hook_thread"].startswith("turnrl-http-")
         assert traj.policy_versions == [0]
     assert [t.reward for t in before] == [2.0] * 4 and set(reward_threads) == {threading.main_thread().name}
@@ -324,7 +324,7 @@ def test_client_side_reward_errors_are_recorded_not_scored(qwen3_tokenizer):
     rows = [{"id": "good", "prompt": "a", "answer": "4"}, {"id": "bad", "prompt": "b"}]
     good, bad = remote_rollout(qwen3_tokenizer, scenarios.replies("It is 4."), "test_retry", rows, reward=reward)[0]
     assert good.reward == 1.0 and "reward_error" not in good.info
-    assert bad.reward is None and bad.info["reward_error"] == "KeyError: 'answer'"
+    assert bad.reward is None and bad.reward_error == "KeyError: 'answer'"
     assert good.sample is rows[0]  # the caller's own row object
 
 

@@ -206,7 +206,7 @@ def test_default_loop_appends_observations_token_exactly(qwen3_tokenizer):
         (ENV, 0, "<|im_start|>user\nWrong, try again.<|im_end|>\n<|im_start|>assistant\n"),
         (MODEL, 1, "It is 4.<|im_end|>")]
     assert engine.calls[1].prompt_ids == traj.prompt_ids + traj.response_ids[: -len(traj.segments[-1])]
-    assert traj.info["episode_id"] == traj.id and traj.info["rollout_infos"] == {"num_turns": 2}
+    assert traj.episode_id == traj.id and traj.rollout_infos == {"num_turns": 2}
     assert traj.messages[-1] == {"role": "assistant", "content": "It is 4."}
 
 
@@ -215,7 +215,7 @@ def test_max_turns_safety_net(qwen3_tokenizer):
     [traj], _ = rollout(qwen3_tokenizer, replies("no"), "test_endless", max_turns=3)
     assert (traj.termination_reason, traj.num_turns) == (TerminationReason.MAX_TURNS, 3)
     assert Endless.steps == [1, 2]  # no step() after the last allowed turn
-    assert traj.info["rollout_infos"]["num_turns"] == 3
+    assert traj.rollout_infos["num_turns"] == 3
     # a scheduler's own cap is honoured too: the smaller one wins
     [traj], _ = rollout(qwen3_tokenizer, replies("no"), type("Short", (Endless,), {"max_turns": 2}), max_turns=3)
     assert (traj.termination_reason, traj.num_turns) == (TerminationReason.MAX_TURNS, 2)
@@ -224,7 +224,7 @@ def test_max_turns_safety_net(qwen3_tokenizer):
 def test_done_from_on_turn_end_overrides_check_finished_and_length(qwen3_tokenizer):
     [traj], _ = rollout(qwen3_tokenizer, replies("word " * 30, "ok"), "test_done", max_new_tokens=6)
     assert (traj.termination_reason, traj.num_turns) == (TerminationReason.ENV_DONE, 2)
-    assert traj.info["rollout_infos"] == {"finish_1": "length", "finish_2": "stop", "num_turns": 2}
+    assert traj.rollout_infos == {"finish_1": "length", "finish_2": "stop", "num_turns": 2}
     # the truncated turn never emitted <|im_end|>: the template's whole closing is added, masked
     assert [s.source for s in traj.segments] == [MODEL, TEMPLATE, ENV, MODEL]
     assert qwen3_tokenizer.decode(traj.segments[1].token_ids) == "<|im_end|>\n"
@@ -242,7 +242,7 @@ def test_token_edits_continue_one_segment_with_masked_tool_output(qwen3_tokenize
     n2 = len(traj.response_ids) - n1 - n_tool
     assert traj.rollout_logprobs == engine_logprobs(n1) + [None] * n_tool + engine_logprobs(n2)
     assert traj.messages[-1]["content"] == "Action: add 2 2\nObservation: 4\n The answer is 4."
-    assert traj.info["rollout_infos"] == {"tool_calls": 1, "num_turns": 2} and "logprob_issues" not in traj.info
+    assert traj.rollout_infos == {"tool_calls": 1, "num_turns": 2} and not traj.warnings
 
 
 def test_mask_length_mismatch_fails_the_trajectory_loudly(qwen3_tokenizer):
@@ -250,7 +250,7 @@ def test_mask_length_mismatch_fails_the_trajectory_loudly(qwen3_tokenizer):
     assert (traj.status, traj.termination_reason) == (RolloutStatus.FAILED, TerminationReason.INVALID_OUTPUT)
     n = len(qwen3_tokenizer("It is 5.", add_special_tokens=False)["input_ids"]) + 1
     assert f"trajectory '{traj.id}'" in traj.error and f"{n} tokens" in traj.error
-    assert "response_loss_mask 1 values" in traj.error
+    assert "(response_loss_mask) 1 values" in traj.error
 
 
 def test_logprob_count_mismatch_turns_correction_off_for_that_trajectory_only(qwen3_tokenizer):
@@ -258,7 +258,7 @@ def test_logprob_count_mismatch_turns_correction_off_for_that_trajectory_only(qw
     good, bad = rollout(qwen3_tokenizer, replies("It is 5.", "It is 4."), "test_logprobs", rows, max_turns=2)[0]
     assert bad.status == good.status == RolloutStatus.COMPLETED
     assert bad.rollout_logprobs is None and bad.metrics["logprob_issues"] == 1
-    assert bad.info["logprob_issues"] == ["turn 1: rollout_logprobs has 4 values for 5 mask-1 tokens"]
+    assert bad.warnings == ["turn 1: rollout_logprobs has 4 values for 5 mask-1 tokens"]
     assert good.rollout_logprobs is not None and "logprob_issues" not in good.info
 
 
@@ -296,7 +296,7 @@ def test_on_trajectory_end_runs_once_also_after_failures(qwen3_tokenizer):
     assert str(ends["start-0"]) == "start failed"
     # a failing cleanup hook is recorded but does not hide the rollout's own error
     assert by["endfail"].termination_reason == TerminationReason.ENGINE_ERROR
-    assert by["endfail"].info["trajectory_end_error"] == "RuntimeError: cleanup failed"
+    assert by["endfail"].warnings == ["on_trajectory_end raised RuntimeError: cleanup failed"]
 
 
 class SlowTwice(Lifecycle):
@@ -339,8 +339,8 @@ def test_history_rewrite_splits_the_episode(qwen3_tokenizer):
     assert (first.id, second.id) == ("0-0", "0-0.1")
     assert first.termination_reason == TerminationReason.SPLIT and first.status == RolloutStatus.COMPLETED
     assert second.termination_reason == TerminationReason.ENV_DONE
-    assert first.info["episode_id"] == second.info["episode_id"] == "0-0"
-    assert first.info["rollout_infos"] == second.info["rollout_infos"] == {"num_turns": 2}
+    assert first.episode_id == second.episode_id == "0-0"
+    assert first.rollout_infos == second.rollout_infos == {"num_turns": 2}
     prompt = tok.decode(second.prompt_ids)  # rendered afresh from the rewritten history
     assert "Summary: you said 5." in prompt and "It is 5." not in prompt
     assert [s.source for s in second.segments] == [MODEL] and second.segments[0].turn == 1
@@ -352,7 +352,7 @@ def test_run_override_with_a_growing_history_stays_one_sample(qwen3_tokenizer):
     assert traj.termination_reason == TerminationReason.ENV_DONE and traj.num_turns == 2
     assert [s.source for s in traj.segments] == [MODEL, TEMPLATE, ENV, MODEL]
     assert engine.calls[1].prompt_ids == traj.prompt_ids + traj.response_ids[: -len(traj.segments[-1])]
-    assert traj.info["rollout_infos"] == {"first": "It is 4.", "num_turns": 2}
+    assert traj.rollout_infos == {"first": "It is 4.", "num_turns": 2}
     # the edit dropped the stop token of turn 1, so the template's whole closing is added (masked)
     assert tok.decode(traj.segments[0].token_ids) == "It is 4." and tok.decode(traj.segments[1].token_ids) == "<|im_end|>\n"
     assert traj.rollout_logprobs[: len(traj.segments[0])] == engine_logprobs(len(traj.segments[0]))
@@ -367,7 +367,7 @@ def test_thinking_tips_one_sample_per_turn_and_split_rewards(qwen3_tokenizer):
     assert [t.id for t in trajs] == ["0-0", "0-0.1", "0-1", "0-1.1"]
     first, second = trajs[:2]
     assert first.termination_reason == TerminationReason.SPLIT and second.termination_reason == TerminationReason.ENV_DONE
-    assert first.info["rollout_infos"] == second.info["rollout_infos"] == {
+    assert first.rollout_infos == second.rollout_infos == {
         "correct": True, "final_response": answers["0-0.1"], "tip_given": True, "num_turns": 2}
     prompt = tok.decode(second.prompt_ids)  # the second turn sees its history without the earlier reasoning
     assert "It is \\boxed{5}." in prompt and "Hmm." not in prompt and "Your answer is not correct." in prompt
@@ -413,7 +413,7 @@ def test_gym_frozenlake_reaches_the_goal(qwen3_tokenizer):
     # the row's env name beats the global one
     [traj], _ = rollout(qwen3_tokenizer, script, "gym", [row], max_turns=8, env_config={"gym_env": "nope"})
     assert (traj.termination_reason, traj.num_turns) == (TerminationReason.ENV_DONE, 6)
-    infos = traj.info["rollout_infos"]
+    infos = traj.rollout_infos
     assert infos["total_reward"] == 1.0 and infos["step_rewards"] == [0.0] * 5 + [1.0] and infos["gym_done"]
     assert traj.turn_rewards == infos["step_rewards"]
     assert traj.messages[0]["role"] == "system" and "frozen lake" in traj.messages[0]["content"]
@@ -425,8 +425,8 @@ def test_gym_length_stop_does_not_end_the_episode_and_unknown_env_fails(qwen3_to
     moves = ["down " * 20] + FROZENLAKE_PATH[1:]
     [traj], _ = rollout(qwen3_tokenizer, replies(*moves), "gym", [{"prompt": "Play."}], max_turns=8,
                         max_new_tokens=8, env_config={"gym_env": "frozenlake"})
-    assert traj.info["turns"][0]["generate"]["finish_reason"] == "length"
-    assert traj.termination_reason == TerminationReason.ENV_DONE and traj.info["rollout_infos"]["total_reward"] == 1.0
+    assert traj.turns[0].generate.finish_reason == "length"
+    assert traj.termination_reason == TerminationReason.ENV_DONE and traj.rollout_infos["total_reward"] == 1.0
     [traj], _ = rollout(qwen3_tokenizer, replies("down"), "gym", [{"prompt": "Play."}], env_config={"gym_env": "nope"})
     assert traj.termination_reason == TerminationReason.ENV_ERROR
     assert "unknown gym env 'nope'; registered text envs: FrozenLake-v1, frozenlake" in traj.error
@@ -503,7 +503,7 @@ def test_remote_env_over_http(qwen3_tokenizer, remote_env):
     trajs, _ = rollout(qwen3_tokenizer, script, "test_board_env", [{"prompt": "Play.", "env_config": {"seed": 0}}],
                        n=4, max_turns=8, env_config={"base_url": url, "max_concurrent_envs": 2})
     assert [t.termination_reason for t in trajs] == [TerminationReason.ENV_DONE] * 4
-    assert all(t.info["rollout_infos"]["total_reward"] == 1.0 and t.num_turns == 6 for t in trajs)
+    assert all(t.rollout_infos["total_reward"] == 1.0 and t.num_turns == 6 for t in trajs)
     assert trajs[0].messages[0]["content"].startswith("PFFF\nFHFH")  # format_observation override
     assert len(stats["opened"]) == 4 and stats["fail_resets"] == 0  # the 503 was retried
     assert stats["max_live"] <= 2  # the session cap held

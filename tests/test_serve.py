@@ -169,7 +169,7 @@ async def test_openai_tool_loop_records_exact_tokens_and_splits_on_divergence(sc
     body = httpx.get(f"{url}/sessions/ep-1/trajectories").json()
     trajectories = [Trajectory.from_json(row) for row in body["trajectories"]]
     assert [t.id for t in trajectories] == ["ep-1", "ep-1.1"]
-    assert all(t.info["episode_id"] == "ep-1" for t in trajectories)
+    assert all(t.episode_id == "ep-1" for t in trajectories)
     assert [c.request_id for c in engine.calls] == ["ep-1"] * 3  # the session id: sticky routing, KV reuse
 
     main, split = trajectories
@@ -248,7 +248,7 @@ async def test_openai_agent_trains_the_unmodified_example(qwen3_tokenizer):
     [group] = await _manager(engine, qwen3_tokenizer, f"{EXAMPLE}:run").run_groups([{"id": "q", **QUESTION}], n=2)
     assert [t.id for t in group] == ["q-0", "q-1"]
     for traj in group:
-        assert (traj.reward, traj.status, traj.num_turns, traj.info["episode_id"]) == (1.0, RolloutStatus.COMPLETED,
+        assert (traj.reward, traj.status, traj.num_turns, traj.episode_id) == (1.0, RolloutStatus.COMPLETED,
                                                                                       2, traj.id)
         outputs = [o for c, o in zip(engine.calls, engine.outputs, strict=True) if c.request_id == traj.id]
         model = [s.token_ids for s in traj.segments if s.source == SegmentSource.MODEL]
@@ -263,7 +263,7 @@ async def test_openai_agent_split_episode_shares_one_reward(qwen3_tokenizer):
     [group] = await _manager(engine, qwen3_tokenizer, spec, reward_fn=reward).run_groups([{"id": "q", **QUESTION}])
     assert [t.id for t in group] == ["q-0", "q-0.1"]
     assert [t.reward for t in group] == [1.0, 1.0]
-    assert {t.info["episode_id"] for t in group} == {"q-0"}
+    assert {t.episode_id for t in group} == {"q-0"}
     assert [m["role"] for m in group[0].info["trajectory_messages"]] == ["user", "assistant"]  # its own part
     cfg = TrainConfig(model="m", train_data="d")
     pairs, stats = group_advantages([group], cfg)

@@ -127,7 +127,7 @@ def test_tool_round_trip_masks_ids_and_strict_render(qwen3_tokenizer):
     assert '"name": "add"' in qwen3_tokenizer.decode(traj.prompt_ids)
     # one user query followed by tool rounds: Qwen3 keeps every reasoning block, so the strict check passes
     assert traj.metrics["render_mismatch"] == 0.0
-    assert traj.info["turns"][0]["env"]["info"]["tool_calls"][0]["ok"] is True
+    assert traj.turns[0].env.info["tool_calls"][0]["ok"] is True
 
 
 def test_model_supplied_call_ids_round_trip(qwen3_tokenizer):
@@ -167,8 +167,8 @@ def test_too_many_parallel_calls_are_reported_not_dropped(qwen3_tokenizer):
 def test_parallel_calls_run_concurrently(qwen3_tokenizer):
     reply = call("slow", x="a") + call("slow", x="b")
     [traj], _ = run(qwen3_tokenizer, scripted(reply, "ok"), options={"tool_timeout_s": 0.3})
-    env = traj.info["turns"][0]["env"]
-    assert (env["end_ns"] - env["start_ns"]) / 1e9 < 0.55  # two 0.3 s timeouts in parallel, not 0.6 s in series
+    env = traj.turns[0].env
+    assert (env.end_ns - env.start_ns) / 1e9 < 0.55  # two 0.3 s timeouts in parallel, not 0.6 s in series
 
 
 def test_invalid_call_limit_ends_the_episode(qwen3_tokenizer):
@@ -219,7 +219,7 @@ def test_stateful_lifecycle_and_tool_rewards(qwen3_tokenizer):
     [traj], _ = run(qwen3_tokenizer, scripted(call("counter"), call("counter"), "done"), rows=rows,
                     reward=bind_reward(reward))
     assert EVENTS == ["create:10", "execute", "execute", "calc_reward", "release"]
-    assert traj.info["tool_rewards"] == {"counter": 12.0} and traj.reward == 12.0 and seen == [{"counter": 12.0}]
+    assert traj.tool_rewards == {"counter": 12.0} and traj.reward == 12.0 and seen == [{"counter": 12.0}]
 
 
 def test_release_runs_when_the_trajectory_fails(qwen3_tokenizer):

@@ -100,7 +100,7 @@ def test_trajectory_becomes_a_span_tree_with_real_timings(mlflow_server, qwen3_t
     assert (turn1["turn"].span_type, turn1["generate"].span_type, turn1["env.step"].span_type) == (
         "CHAIN", "LLM", "CHAIN")  # env.step wraps tool calls
     assert turn2["env.step"].span_type == "TOOL"  # a step without tool calls: the final answer
-    assert turn1["generate"].attributes["tokens"] == traj.info["turns"][0]["generate"]["tokens"]
+    assert turn1["generate"].attributes["tokens"] == traj.turns[0].generate.tokens
     assert turn1["generate"].attributes["finish_reason"] == "stop"
     assert "<tool_call>" in turn1["generate"].outputs["text"]
     assert "<tool_response>\n5\n</tool_response>" in turn1["env.step"].outputs["observation"]
@@ -111,7 +111,7 @@ def test_trajectory_becomes_a_span_tree_with_real_timings(mlflow_server, qwen3_t
     assert tool.outputs["ok"] is True and tool.outputs["latency_s"] > 0
 
     # the recorded times: spans nest, and turn 2 generates only after turn 1's tool call returned
-    recorded_tool = traj.info["turns"][0]["env"]["info"]["tool_calls"][0]
+    recorded_tool = traj.turns[0].env.info["tool_calls"][0]
     assert (tool.start_time_ns, tool.end_time_ns) == (recorded_tool["start_ns"], recorded_tool["end_ns"])
     assert turn1["generate"].end_time_ns <= turn1["env.step"].start_time_ns <= tool.start_time_ns
     assert tool.end_time_ns <= turn1["env.step"].end_time_ns <= turn2["generate"].start_time_ns
@@ -120,7 +120,7 @@ def test_trajectory_becomes_a_span_tree_with_real_timings(mlflow_server, qwen3_t
 
 def test_broken_trajectory_record_is_counted_not_raised(mlflow_server, qwen3_tokenizer, caplog):
     [traj], _ = run(qwen3_tokenizer, scripted("No tools needed."))
-    traj.info["turns"] = [{"generate": {}}]  # no "turn" key: the tracer cannot convert it
+    traj.turns = [None]  # a corrupt record: the tracer cannot convert it
     tracer = TrajectoryTracer(mlflow_server, "test-tracing")
     with caplog.at_level(logging.WARNING, logger="turnrl.tracing"):
         assert tracer.export(traj) is None

@@ -18,7 +18,7 @@ from turnrl.types import RolloutStatus, SamplingParams, TerminationReason, Traje
 def _traj(tid, group, reward, status=RolloutStatus.COMPLETED, episode=None):
     t = Trajectory(id=tid, group_id=group, sample_index=0, prompt_ids=[1], reward=reward, status=status)
     if episode:
-        t.info["episode_id"] = episode
+        t.episode_id = episode
     return t
 
 

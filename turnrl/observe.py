@@ -50,7 +50,7 @@ class RolloutStats:
         for key in ("gen_time_s", "env_time_s", "env_retries", "render_mismatch", "cached_prompt_tokens",
                     "logprob_issues"):
             self.totals[key] += traj.metrics.get(key, 0.0)
-        self.totals["reward_errors"] += "reward_error" in traj.info
+        self.totals["reward_errors"] += traj.reward_error is not None
         for name, n in traj.info.get("tool_stats", {}).get("calls", {}).items():
             self.tool_calls[name] += n
 

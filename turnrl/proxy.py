@@ -20,7 +20,7 @@ A call whose prompt extends an open trajectory's token stream (prompt + everythi
 appended to it: the tokens between the stream and the prompt become mask-0 segments (template closing,
 then tool/env observation), the completion a mask-1 model segment with its logprobs. A call that extends no
 open trajectory starts a new one. So an agent that keeps its history yields one trajectory; one that drops
-or rewrites history yields several, which share `info["episode_id"]` (the session id) and the episode's
+or rewrites history yields several, which share `episode_id` (the session id) and the episode's
 reward.
 
 Replies: tool calls are parsed from the completion text (`tool_parser`, hermes by default) into OpenAI
@@ -54,11 +54,13 @@ from turnrl.tools.parsers import get_parser, split_reasoning
 from turnrl.types import (
     FinishReason,
     GenerateOutput,
+    GenerateSpan,
     Message,
     SamplingParams,
     SegmentSource,
     TerminationReason,
     Trajectory,
+    TurnRecord,
 )
 
 log = logging.getLogger(__name__)
@@ -100,6 +102,8 @@ class RecordedCall:
     """How `prompt_ids[base_len:]` splits by source (template closing, then the observation)."""
     cached_prompt_tokens: int = 0
     gen_time_s: float = 0.0
+    start_ns: int = 0
+    """When the engine call started (ns since the epoch), for the turn's trace span."""
     notes: dict[str, Any] = field(default_factory=dict)
     """Tool-call parse errors, request sampling fields that were ignored, ..."""
 
@@ -185,7 +189,7 @@ class ChatProxy:
                                    "(rollout.max_turns)", code="turn_limit")
         prompt_ids, base_len, delta_sources = self._prompt(session, messages, tools)
         params, notes = self._sampling(session, request)
-        t0 = time.perf_counter()
+        t0, start_ns = time.perf_counter(), time.time_ns()
         out = await _on_loop(session.loop, self.engine.generate(prompt_ids, params, request_id=session.id))
         reply, finish, parse_notes = self._reply(out, tools, request.get("tool_choice"), len(session.calls))
         call = RecordedCall(
@@ -194,7 +198,7 @@ class ChatProxy:
             # copies: an in-process caller goes on appending to its lists, and the record must not change
             messages=copy.deepcopy(messages), tools=copy.deepcopy(tools), reply=reply, base_len=base_len,
             delta_sources=delta_sources,
-            cached_prompt_tokens=out.cached_prompt_tokens, gen_time_s=time.perf_counter() - t0,
+            cached_prompt_tokens=out.cached_prompt_tokens, gen_time_s=time.perf_counter() - t0, start_ns=start_ns,
             notes={**notes, **parse_notes},
         )
         session.calls.append(call)
@@ -408,7 +412,7 @@ def assemble_trajectories(
     """Merge the session's calls into validated trajectories (rule in the module docstring).
 
     The first trajectory's id is the session id, later ones `<session id>.<k>`; all carry
-    `info["episode_id"] = session.id`. Each ends by its last call (length → TRUNCATED/length, abort →
+    `episode_id = session.id`. Each ends by its last call (length → TRUNCATED/length, abort →
     ABORTED/cancelled, a reply with tool calls → COMPLETED/env_done: the agent stopped, else
     COMPLETED/no_tool_call) unless `end` gives the episode's (reason, error) for all of them.
     """
@@ -420,7 +424,7 @@ def assemble_trajectories(
             k = len(builders)
             traj = Trajectory(id=session.id if k == 0 else f"{session.id}.{k}", group_id=group_id or session.id,
                               sample_index=sample_index, prompt_ids=list(call.prompt_ids), sample=sample or {},
-                              agent=agent, info={"episode_id": session.id, "split_index": k})
+                              agent=agent, episode_id=session.id, info={"split_index": k})
             builders.append(TrajectoryBuilder(traj))
         else:
             _add_observation(builders[k], call)
@@ -472,12 +476,11 @@ def _add_call(builder: TrajectoryBuilder, call: RecordedCall) -> None:
         builder.add_model(out, traj.num_turns + 1)
     traj.num_turns += 1
     traj.messages = [*call.messages, call.reply]
-    traj.info.setdefault("turns", []).append({
-        "turn": traj.num_turns, "call": call.index, "prompt_tokens": len(call.prompt_ids),
-        "cached_prompt_tokens": call.cached_prompt_tokens, "tokens": len(call.completion_ids),
-        "finish_reason": str(call.finish_reason), "policy_version": call.policy_version,
-        "continued": call.base_len is not None, **call.notes,
-    })
+    traj.turns.append(TurnRecord(traj.num_turns, GenerateSpan(
+        call.start_ns, call.start_ns + int(call.gen_time_s * 1e9), prompt_tokens=len(call.prompt_ids),
+        cached_prompt_tokens=call.cached_prompt_tokens, tokens=len(call.completion_ids),
+        finish_reason=call.finish_reason, policy_version=call.policy_version,
+    ), extra={"call": call.index, "continued": call.base_len is not None, **call.notes}))
     m = traj.metrics
     m["gen_time_s"] = m.get("gen_time_s", 0.0) + call.gen_time_s
     m["cached_prompt_tokens"] = m.get("cached_prompt_tokens", 0) + call.cached_prompt_tokens

@@ -225,13 +225,13 @@ class RemoteRollout:
 
 async def score(traj: Trajectory, reward_fn: RewardFn | None) -> None:
     """RolloutManager's scoring: a reward the agent set is kept; a raising reward function leaves the reward
-    None and records `info["reward_error"]` (a crash is never scored 0.0)."""
+    None and records `reward_error` (a crash is never scored 0.0)."""
     if reward_fn is None or traj.reward is not None:
         return
     try:
         traj.reward = await _maybe_await(reward_fn(traj))
     except Exception as e:
-        traj.info["reward_error"] = f"{type(e).__name__}: {e}"
+        traj.reward_error = f"{type(e).__name__}: {e}"
         log.warning("reward function raised on %s: %r", traj.id, e)
 
 

@@ -135,11 +135,11 @@ BUILTIN_REWARDS: dict[str, RewardFunction] = {
 def reward_kwargs(traj: Trajectory) -> dict[str, Any]:
     """Everything a reward function may ask for by name (see the module docstring)."""
     responses = [m["content"] for m in traj.messages if m.get("role") == "assistant" and isinstance(m.get("content"), str)]
-    rollout_infos = dict(traj.info.get("rollout_infos", {}))
+    rollout_infos = dict(traj.rollout_infos)
     named = {
         "trajectory": traj, "messages": traj.messages, "responses": responses,
         "response": responses[-1] if responses else "", "sample": traj.sample, "info": traj.info,
-        "turn_rewards": traj.turn_rewards, "tool_rewards": traj.info.get("tool_rewards", {}),
+        "turn_rewards": traj.turn_rewards, "tool_rewards": traj.tool_rewards,
         "num_turns": traj.num_turns, "status": str(traj.status),
         "termination_reason": None if traj.termination_reason is None else str(traj.termination_reason),
         "rollout_infos": rollout_infos,

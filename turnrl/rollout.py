@@ -1,10 +1,10 @@
 """The turn loop (`drive`), the trajectory builder that enforces the invariants, and the RolloutManager.
 
 `drive` is THE turn loop: every agent style (slime env, verl tool agent, ms-swift scheduler, custom
-agent) goes through it or through the same `TrajectoryBuilder`. One turn:
+agent) goes through it or through the same `Episode` and `TrajectoryBuilder`. One turn:
 
     generate(prompt + response so far)  → model segment (mask 1, sampling logprobs)
-    env.step(reply text)                → observation messages, reward, done
+    env.step(reply text)                → observation messages, reward, done   (token-aware envs: the Turn)
     closing + observation delta tokens  → template/env segments (mask 0)
 
 Limits and how a trajectory ends (status / termination reason):
@@ -16,8 +16,10 @@ Limits and how a trajectory ends (status / termination reason):
 - env.step raised (after `env_retries` retries)  → FAILED / env_error, message kept
 - env.step exceeded `env_timeout_s`              → FAILED / timeout
 - engine raised                                  → FAILED / engine_error
+- token edits that break the invariants          → FAILED / invalid_output
 - cancelled (shutdown)                           → ABORTED / cancelled
-Each ends only its own trajectory; the batch goes on.
+Each ends only its own trajectory; the batch goes on. Inside an episode every ending is an `EpisodeEnd`
+raised by the step that found it and caught once, in `drive`.
 """
 
 from __future__ import annotations
@@ -34,20 +36,24 @@ from typing import Any, Protocol
 
 from turnrl.data import prompt_messages
 from turnrl.engines.base import Engine
-from turnrl.envs.base import EnvFactory, as_messages, call, normalise_step, observation_messages
+from turnrl.envs.base import EnvFactory, EnvStepError, EpisodeEnv
 from turnrl.multimodal import ImageBuffer, check_parity, image_ref
 from turnrl.render import ChatRenderer, SanityMode
 from turnrl.types import (
+    EnvSpan,
     FinishReason,
     GenerateOutput,
+    GenerateSpan,
     Message,
     SamplingParams,
     Segment,
     SegmentSource,
     StepResult,
     TerminationReason,
+    TokenEdit,
     Trajectory,
     Turn,
+    TurnRecord,
     validate_segment,
 )
 
@@ -83,6 +89,10 @@ class RolloutLimits:
 # ---------------------------------------------------------------------------------------------------
 # Building a trajectory
 # ---------------------------------------------------------------------------------------------------
+class TokenEditError(ValueError):
+    """Token edits that break the invariants (ids and mask of unequal length, mask values outside {0, 1})."""
+
+
 class TrajectoryBuilder:
     """Appends segments to a trajectory, checking each one as it arrives (masks are born with tokens)."""
 
@@ -111,59 +121,90 @@ class TrajectoryBuilder:
 
     def add_model(self, out: GenerateOutput, turn: int, *, extend: bool = False) -> Segment:
         """Append the engine's tokens (mask 1, its logprobs); `extend` continues the last model segment."""
-        last = self.trajectory.segments[-1] if self.trajectory.segments else None
-        if extend and last is not None and last.source == SegmentSource.MODEL:
-            last.token_ids.extend(out.token_ids)
-            last.loss_mask.extend([1] * len(out.token_ids))
-            if last.logprobs is not None:
-                last.logprobs.extend(out.logprobs)
-            last.policy_version = out.policy_version
-            self._ids.extend(out.token_ids)
-            self._response_len += len(out.token_ids)
-            return last
-        return self.add(Segment(
-            SegmentSource.MODEL, list(out.token_ids), [1] * len(out.token_ids), list(out.logprobs), turn,
-            out.policy_version,
-        ))
-
-    def replace_last_model_tokens(self, n_old: int, token_ids: list[int], loss_mask: list[int],
-                                  logprobs: list[float | None] | None) -> None:
-        """Swap the last `n_old` tokens of the last model segment for edited ones (a scheduler's `step`)."""
-        last = self.trajectory.segments[-1]
-        if last.source != SegmentSource.MODEL or n_old > len(last.token_ids):
-            raise ValueError(f"trajectory {self.trajectory.id!r}: no model turn of {n_old} tokens to replace")
-        keep = len(last.token_ids) - n_old
-        old_logprobs = last.logprobs
-        last.token_ids[keep:] = token_ids
-        last.loss_mask[keep:] = loss_mask
-        last.logprobs = None if logprobs is None or old_logprobs is None else old_logprobs[:keep] + list(logprobs)
-        validate_segment(last, f"trajectory {self.trajectory.id!r} edited model segment")
-        del self._ids[len(self._ids) - n_old:]
-        self._ids.extend(token_ids)
-        self._response_len += len(token_ids) - n_old
+        last = self._last_model()
+        if not extend or last is None:
+            return self.add(Segment(SegmentSource.MODEL, list(out.token_ids), [1] * len(out.token_ids),
+                                    list(out.logprobs), turn, out.policy_version))
+        self._extend(last, out.token_ids, 1, out.logprobs)
+        last.policy_version = out.policy_version
+        return last
 
     def add_injected(self, token_ids: Sequence[int], source: SegmentSource, turn: int) -> Segment | None:
         if not token_ids:
             return None
         return self.add(Segment(source, list(token_ids), [0] * len(token_ids), [None] * len(token_ids), turn))
 
-    def extend_model_segment(self, token_ids: Sequence[int], turn: int) -> None:
-        """Continuation: injected tokens (mask 0) appended to the current model segment, e.g. a tip."""
-        last = self.trajectory.segments[-1] if self.trajectory.segments else None
-        if last is None or last.source != SegmentSource.MODEL:
+    def continue_model(self, token_ids: Sequence[int], turn: int) -> None:
+        """A continuation: injected tokens (mask 0) inside the current model segment, e.g. a tip the model reads
+        and then goes on after, in the same assistant message."""
+        last = self._last_model()
+        if last is None:
             self.add_injected(token_ids, SegmentSource.TEMPLATE, turn)
-            return
-        last.token_ids.extend(token_ids)
-        last.loss_mask.extend([0] * len(token_ids))
-        if last.logprobs is not None:
-            last.logprobs.extend([None] * len(token_ids))
-        self._ids.extend(token_ids)
-        self._response_len += len(token_ids)
+        else:
+            self._extend(last, token_ids, 0, [None] * len(token_ids))
+
+    def apply_edit(self, edit: TokenEdit, out: GenerateOutput) -> list[int]:
+        """Replace the turn `out` produced (the tail of the last model segment) by `edit`; returns the new ids.
+        Raises TokenEditError on ids/mask that break the invariants; unusable logprobs only switch importance
+        correction off for this trajectory (the segment gets None logprobs, and `warnings` says why)."""
+        traj = self.trajectory
+        ids = list(edit.token_ids if edit.token_ids is not None else out.token_ids)
+        mask = list(edit.loss_mask if edit.loss_mask is not None else [1] * len(ids))
+        if len(mask) != len(ids) or any(m not in (0, 1) for m in mask):
+            raise TokenEditError(
+                f"trajectory {traj.id!r} turn {traj.num_turns}: the token edit (response_token_ids) has {len(ids)} "
+                f"tokens and its loss mask (response_loss_mask) {len(mask)} values {sorted(set(mask))}; they must "
+                "have equal length and values in {0, 1}")
+        logprobs, issue = _edit_logprobs(edit, out, ids, mask)
+        if issue is not None:
+            log.warning("trajectory %s turn %d: %s; importance-sampling correction is off for this trajectory",
+                        traj.id, traj.num_turns, issue)
+            traj.warnings.append(f"turn {traj.num_turns}: {issue}")
+            traj.metrics["logprob_issues"] = traj.metrics.get("logprob_issues", 0) + 1
+        last = self._last_model()
+        n_old = len(out.token_ids)
+        if last is None or n_old > len(last.token_ids) or last is not traj.segments[-1]:
+            raise TokenEditError(f"trajectory {traj.id!r}: no model turn of {n_old} tokens to replace")
+        keep = len(last.token_ids) - n_old
+        last.token_ids[keep:], last.loss_mask[keep:] = ids, mask
+        last.logprobs = None if logprobs is None or last.logprobs is None else last.logprobs[:keep] + logprobs
+        validate_segment(last, f"trajectory {traj.id!r} edited model segment")
+        self._ids[len(self._ids) - n_old:] = ids
+        self._response_len += len(ids) - n_old
+        return ids
 
     def finish(self, reason: TerminationReason, error: str | None = None) -> Trajectory:
         self.trajectory.finish(reason, error)
         self.trajectory.validate()
         return self.trajectory
+
+    def _last_model(self) -> Segment | None:
+        segments = self.trajectory.segments
+        return segments[-1] if segments and segments[-1].source == SegmentSource.MODEL else None
+
+    def _extend(self, seg: Segment, token_ids: Sequence[int], mask: int, logprobs: Sequence[float | None]) -> None:
+        seg.token_ids.extend(token_ids)
+        seg.loss_mask.extend([mask] * len(token_ids))
+        if seg.logprobs is not None:
+            seg.logprobs.extend(logprobs)
+        self._ids.extend(token_ids)
+        self._response_len += len(token_ids)
+
+
+def _edit_logprobs(edit: TokenEdit, out: GenerateOutput, ids: list[int], mask: list[int]
+                   ) -> tuple[list[float | None] | None, str | None]:
+    """Logprobs aligned with an edit's ids (None at mask 0), or None and why they cannot be had."""
+    n_trained = sum(mask)
+    if edit.logprobs is not None:
+        if len(edit.logprobs) != n_trained:
+            return None, f"rollout_logprobs has {len(edit.logprobs)} values for {n_trained} mask-1 tokens"
+        trained: list[float] = list(edit.logprobs)
+    elif ids[:n_trained] == out.token_ids[:n_trained] and all(mask[:n_trained]):
+        trained = list(out.logprobs[:n_trained])  # a cut of the engine's own tokens keeps their logprobs
+    else:
+        return None, f"{n_trained} mask-1 tokens are not the engine's own tokens and no rollout_logprobs were given"
+    it = iter(trained)
+    return [next(it) if m else None for m in mask], None
 
 
 @dataclass
@@ -195,13 +236,13 @@ class RolloutContext:
         self.partial = traj
         return TrajectoryBuilder(traj)
 
-
-class _End(Exception):
-    """Ends the turn loop with a reason (raised from helpers deep in a turn)."""
-
-    def __init__(self, reason: TerminationReason, message: str | None = None):
-        super().__init__(message or reason)
-        self.reason, self.message = reason, message
+    def failed(self, reason: TerminationReason, error: BaseException | str) -> Trajectory:
+        """A trajectory that failed before it had a prompt (the agent or env factory raised)."""
+        message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        traj = Trajectory(id=self.trajectory_id, group_id=self.group_id, sample_index=self.sample_index,
+                          prompt_ids=[], sample=self.sample, agent=self.agent_name)
+        traj.finish(reason, message)
+        return traj
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -209,39 +250,238 @@ class _End(Exception):
 # ---------------------------------------------------------------------------------------------------
 async def drive(ctx: RolloutContext, env: Any, messages: list[Message] | None = None) -> Trajectory:
     """Run one episode of `env` on `ctx.engine` and return the validated trajectory (see module docstring)."""
-    t_start = time.perf_counter()
-    messages = list(messages) if messages is not None else prompt_messages(ctx.sample)
-    tools = getattr(env, "tools", None)
-    timing = {"gen_time_s": 0.0, "env_time_s": 0.0, "env_retries": 0, "cached_prompt_tokens": 0}
-    builder: TrajectoryBuilder | None = None
+    episode = Episode(ctx)
     try:
-        if hasattr(env, "reset"):
-            extra = await call(env.reset)
-            if isinstance(extra, dict | list):  # slime's reset returns (obs, info), which it ignores
-                messages += as_messages(extra, "env.reset")
-        prompt = ctx.renderer.initial(messages, tools)
-        builder = ctx.new_trajectory(prompt.ids, messages)
-        builder.images.add(prompt)
-        try:
-            reason = await _turn_loop(ctx, env, builder, messages, tools, timing)
-            traj = builder.finish(reason)
-        except _End as end:
-            traj = builder.finish(end.reason, end.message)
-        except asyncio.CancelledError:
-            builder.finish(TerminationReason.CANCELLED, "cancelled")
-            raise
-    except asyncio.CancelledError:
+        await episode.start(EpisodeEnv.of(env, ctx.limits.env_timeout_s, ctx.limits.env_retries), messages)
+        episode.end(await _turn_loop(episode))
+    except EpisodeEnd as end:
+        episode.end(end.reason, end.message)
+    except asyncio.CancelledError:  # no error text: a trajectory timeout that cancelled us will give its own
+        episode.end(TerminationReason.CANCELLED)
         raise
-    except Exception as e:  # env.reset, rendering: this trajectory fails, never the batch
-        traj = _failed(ctx, builder, TerminationReason.ENV_ERROR, e)
+    except Exception as e:  # env.reset, env factory output, rendering: this trajectory fails, never the batch
+        log.warning("trajectory %s failed: %s", ctx.trajectory_id, e)
+        episode.end(TerminationReason.ENV_ERROR, f"{type(e).__name__}: {e}")
     finally:
-        await _cleanup(ctx, env)
-        if builder is not None:
-            _record(builder.trajectory, timing, t_start)
-    if builder is not None and builder.images.chunks:
-        _attach_images(ctx, builder)
-    _sanity_check(ctx, traj, messages, tools)
-    return traj
+        await episode.close()
+    return episode.result()
+
+
+async def _turn_loop(ep: Episode) -> TerminationReason:
+    for n in range(1, ep.limits.max_turns + 1):
+        turn = await ep.generate(n)
+        if turn.finish_reason == FinishReason.LENGTH and not ep.env.token_aware:
+            return ep.length_reason  # plain envs never see a cut-off reply; token-aware ones decide themselves
+        step = await ep.step_env(turn)
+        ep.apply(step)
+        if step.done:
+            return ep.done_reason(step)
+        if n < ep.limits.max_turns:
+            await ep.observe(step)
+    return TerminationReason.MAX_TURNS
+
+
+class EpisodeEnd(Exception):
+    """Ends an episode with a reason: raised by the `Episode` step that found it, caught once by its driver."""
+
+    def __init__(self, reason: TerminationReason, message: str | None = None):
+        super().__init__(message or reason)
+        self.reason, self.message = reason, message
+
+
+class Episode:
+    """One trajectory being driven: the steps `drive` loops over, and that a scheduler's `run()` takes one by one
+    (turnrl.agents.scheduler). It owns the builder, the conversation as the token stream holds it, and the
+    budget arithmetic (`room`)."""
+
+    def __init__(self, ctx: RolloutContext):
+        self.ctx, self.limits = ctx, ctx.limits
+        self.env: EpisodeEnv | None = None
+        self.builder: TrajectoryBuilder | None = None
+        self.messages: list[Message] = []
+        """The conversation exactly as the token stream holds it (the trajectory's `messages`)."""
+        self.continuing = False
+        self.length_reason = TerminationReason.LENGTH
+        """How a length stop of the last turn ends the episode: length, or token_budget when the budget cut it."""
+        self._last: Turn | None = None
+        self._out: GenerateOutput | None = None
+        self._early: Trajectory | None = None  # a trajectory that ended before its prompt was rendered
+        self._stop_ids = tuple(sorted(set(ctx.sampling.stop_token_ids) | ctx.renderer.end_of_turn_ids))
+        self._metrics = {"gen_time_s": 0.0, "env_time_s": 0.0, "env_retries": 0, "cached_prompt_tokens": 0}
+        self._t0 = time.perf_counter()
+
+    @property
+    def trajectory(self) -> Trajectory:
+        assert self.builder is not None, "Episode.start() first"
+        return self.builder.trajectory
+
+    async def start(self, env: EpisodeEnv, messages: list[Message] | None = None) -> None:
+        """Reset the env and render the prompt (its messages, the env's extra ones, its tools)."""
+        self.env = env
+        self.messages = list(messages) if messages is not None else prompt_messages(self.ctx.sample)
+        self.messages += await env.reset()
+        prompt = self.ctx.renderer.initial(self.messages, env.tools)
+        self.builder = self.ctx.new_trajectory(prompt.ids, self.messages)
+        self.builder.images.add(prompt)
+
+    def room(self) -> int | None:
+        """Tokens left in the trajectory's budget (None: no budget)."""
+        budget = self.limits.token_budget
+        return None if budget is None else budget - self.builder.response_len
+
+    async def generate(self, n: int) -> Turn:
+        """Model turn `n`: asks for min(max_new_tokens, room), appends its tokens (mask 1) and its text."""
+        room = self.room()
+        if room is not None and room <= 0:
+            raise EpisodeEnd(TerminationReason.TOKEN_BUDGET)
+        max_new = self.limits.max_new_tokens if room is None else min(self.limits.max_new_tokens, room)
+        self.length_reason = TerminationReason.LENGTH if max_new == self.limits.max_new_tokens \
+            else TerminationReason.TOKEN_BUDGET
+        params = dataclasses.replace(self.ctx.sampling, max_new_tokens=max_new, stop_token_ids=self._stop_ids,
+                                     seed=derive_seed(self.ctx.sampling.seed, self.ctx.trajectory_id, n))
+        traj = self.trajectory
+        traj.turns.append(TurnRecord(n))
+        out = self._out = await self._call_engine(params, traj.turns[-1])
+        self.builder.add_model(out, n, extend=self.continuing)
+        traj.num_turns = n
+        text = self.ctx.renderer.assistant_text(out.token_ids)
+        if self.continuing:
+            self.messages[-1]["content"] += text
+        else:
+            self.messages.append({"role": "assistant", "content": text})
+        if out.finish_reason == FinishReason.ABORT:
+            raise EpisodeEnd(TerminationReason.CANCELLED, "the engine aborted the request")
+        self._last = Turn(n, text, out.token_ids, out.logprobs, out.finish_reason, self.messages, self.continuing)
+        return self._last
+
+    async def _call_engine(self, params: SamplingParams, record: TurnRecord) -> GenerateOutput:
+        ids, images = self.builder.token_ids, list(self.builder.images.images) or None
+        span = record.generate = GenerateSpan(time.time_ns(), prompt_tokens=len(ids))
+        t0 = time.perf_counter()
+        try:
+            out = await self.ctx.engine.generate(ids, params, request_id=self.ctx.trajectory_id, images=images)
+        except Exception as e:
+            span.error = f"{type(e).__name__}: {e}"
+            raise EpisodeEnd(TerminationReason.ENGINE_ERROR, span.error) from e
+        finally:
+            span.end_ns = time.time_ns()
+            self._metrics["gen_time_s"] += time.perf_counter() - t0
+        span.cached_prompt_tokens, span.tokens = out.cached_prompt_tokens, len(out.token_ids)
+        span.finish_reason, span.policy_version = out.finish_reason, out.policy_version
+        if not out.token_ids:
+            raise EpisodeEnd(TerminationReason.ENGINE_ERROR, "engine returned no tokens")
+        self._metrics["cached_prompt_tokens"] += out.cached_prompt_tokens
+        return out
+
+    async def step_env(self, turn: Turn) -> StepResult:
+        """The env's answer to `turn` (retried and timed by the EpisodeEnv), recorded in the turn's trace."""
+        span = self.trajectory.turns[-1].env = EnvSpan(time.time_ns())
+        t0 = time.perf_counter()
+        try:
+            step, span.attempts = await self.env.step(turn)
+        except EnvStepError as e:
+            span.attempts, span.error = e.attempts, str(e)
+            reason = TerminationReason.TIMEOUT if e.timed_out else TerminationReason.ENV_ERROR
+            raise EpisodeEnd(reason, span.error) from None
+        finally:
+            span.end_ns = time.time_ns()
+            self._metrics["env_time_s"] += time.perf_counter() - t0
+            self._metrics["env_retries"] += max(span.attempts - 1, 0)
+        span.reward, span.done, span.info = step.reward, step.done, step.info
+        return step
+
+    def apply(self, step: StepResult) -> None:
+        """What a step says about the turn just made: its token edits, rollout infos and reward."""
+        traj = self.trajectory
+        if step.rollout_infos:
+            traj.rollout_infos.update(step.rollout_infos)
+        if step.edit is not None:
+            try:
+                ids = self.builder.apply_edit(step.edit, self._out)
+            except TokenEditError as e:
+                raise EpisodeEnd(TerminationReason.INVALID_OUTPUT, str(e)) from None
+            content, text = self.messages[-1]["content"], self._last.text  # the message shows the edited tokens
+            self.messages[-1]["content"] = content[: len(content) - len(text)] + self.ctx.renderer.assistant_text(ids)
+        if step.reward is not None:
+            traj.turn_rewards.append(float(step.reward))
+
+    def done_reason(self, step: StepResult) -> TerminationReason:
+        if step.termination_reason is None and self._out.finish_reason == FinishReason.LENGTH:
+            return self.length_reason
+        return step.termination_reason or TerminationReason.ENV_DONE
+
+    async def observe(self, step: StepResult) -> None:
+        """Append what the env answered: a continuation of the reply, or an observation delta (mask 0)."""
+        self.continuing = step.continuation
+        if step.continuation:
+            self._continue(step.observation)
+            return
+        observation = await self.env.observation(step.observation)
+        if not observation:
+            raise EpisodeEnd(TerminationReason.ENV_ERROR, "env.step returned done=False without an observation")
+        b, turn = self.builder, self.trajectory.num_turns
+        closing = self.ctx.renderer.turn_closing_ids(b.trajectory.segments[-1].token_ids)
+        rendered = self.ctx.renderer.observation(observation, self.env.tools)
+        self._fit(len(closing) + len(rendered.ids))
+        source = SegmentSource.TOOL if any(m.get("role") == "tool" for m in observation) else SegmentSource.ENV
+        b.add_injected(closing, SegmentSource.TEMPLATE, turn)
+        b.add_injected(rendered.ids, source, turn)
+        b.images.add(rendered)
+        self.trajectory.turns[-1].observation_tokens = len(closing) + len(rendered.ids)
+        self.messages.extend(observation)
+
+    def _continue(self, tip: Any) -> None:
+        """A tip appended to the assistant message: mask 0, same segment, same message, no generation prompt."""
+        if not isinstance(tip, str):
+            raise EpisodeEnd(TerminationReason.INVALID_OUTPUT, "a continuation observation must be a string")
+        tip_ids = self.ctx.renderer.encode(tip) if tip else []
+        self._fit(len(tip_ids))
+        self.builder.continue_model(tip_ids, self.trajectory.num_turns)
+        self.trajectory.turns[-1].observation_tokens = len(tip_ids)
+        self.messages[-1]["content"] += tip
+
+    def _fit(self, n_tokens: int) -> None:
+        room = self.room()
+        if room is not None and n_tokens >= room:  # nothing would be left for the model to answer with
+            raise EpisodeEnd(TerminationReason.TOKEN_BUDGET)
+
+    # ---- the end ---------------------------------------------------------------------------------
+    def end(self, reason: TerminationReason, error: str | None = None) -> None:
+        """Finish the trajectory (once: a cancellation after the end changes nothing)."""
+        if self.builder is None:
+            self._early = self._early or self.ctx.failed(reason, error or str(reason))
+        elif self.trajectory.termination_reason is None:
+            self.builder.finish(reason, error)
+
+    async def close(self) -> None:
+        """Close the env and release the engine's cache of this trajectory; failures become warnings."""
+        problems = []
+        if self.env is not None:
+            try:
+                await self.env.close()
+            except Exception as e:
+                problems.append(f"env.close raised {type(e).__name__}: {e}")
+        try:
+            await self.ctx.engine.release(self.ctx.trajectory_id)
+        except Exception as e:  # releasing a cache entry must never fail a finished trajectory
+            problems.append(f"engine.release raised {type(e).__name__}: {e}")
+        for problem in problems:
+            log.warning("trajectory %s: %s", self.ctx.trajectory_id, problem)
+        if self.builder is not None:
+            traj = self.trajectory
+            traj.warnings += problems
+            traj.metrics.update(self._metrics, total_time_s=time.perf_counter() - self._t0,
+                                model_tokens=traj.num_model_tokens,
+                                injected_tokens=traj.num_response_tokens - traj.num_model_tokens)
+
+    def result(self) -> Trajectory:
+        """The finished trajectory, with its images merged and checked and its token stream sanity-checked."""
+        if self.builder is None:
+            return self._early
+        if self.builder.images.chunks:
+            _attach_images(self.ctx, self.builder)
+        _sanity_check(self.ctx, self.trajectory, self.messages, self.env.tools if self.env else None)
+        return self.trajectory
 
 
 def _attach_images(ctx: RolloutContext, b: TrajectoryBuilder) -> None:
@@ -257,203 +497,9 @@ def _attach_images(ctx: RolloutContext, b: TrajectoryBuilder) -> None:
     traj.mm_train_inputs = merged
 
 
-async def _turn_loop(
-    ctx: RolloutContext, env: Any, b: TrajectoryBuilder, messages: list[Message], tools: Any, timing: dict
-) -> TerminationReason:
-    limits, traj = ctx.limits, b.trajectory
-    stop_ids = tuple(sorted(set(ctx.sampling.stop_token_ids) | ctx.renderer.end_of_turn_ids))
-    continuing = False
-    for turn in range(1, limits.max_turns + 1):
-        budget_left = None if limits.token_budget is None else limits.token_budget - b.response_len
-        if budget_left is not None and budget_left <= 0:
-            return TerminationReason.TOKEN_BUDGET
-        max_new = limits.max_new_tokens if budget_left is None else min(limits.max_new_tokens, budget_left)
-        params = dataclasses.replace(ctx.sampling, max_new_tokens=max_new, stop_token_ids=stop_ids,
-                                     seed=derive_seed(ctx.sampling.seed, ctx.trajectory_id, turn))
-        record: dict[str, Any] = {"turn": turn}
-        traj.info.setdefault("turns", []).append(record)  # the trace of this turn (docs/trajectory-format.md)
-        out = await _generate(ctx, b, params, timing, record)
-        b.add_model(out, turn, extend=continuing)
-        traj.num_turns = turn
-        text = ctx.renderer.assistant_text(out.token_ids)
-        if continuing:
-            messages[-1]["content"] += text
-        else:
-            messages.append({"role": "assistant", "content": text})
-        if out.finish_reason == FinishReason.ABORT:
-            return TerminationReason.CANCELLED
-        length_reason = TerminationReason.LENGTH if max_new == limits.max_new_tokens else TerminationReason.TOKEN_BUDGET
-        turn_aware = hasattr(env, "step_turn")  # schedulers see tokens and decide themselves on a length stop
-        if out.finish_reason == FinishReason.LENGTH and not turn_aware:
-            return length_reason
-        step = await _env_step(env, Turn(turn, text, out.token_ids, out.logprobs, out.finish_reason) if turn_aware
-                               else text, limits, timing, record)
-        edited = _apply_step_edits(b, out, step)
-        if edited is not None:  # the assistant message shows the edited tokens
-            content = messages[-1]["content"]
-            messages[-1]["content"] = content[: len(content) - len(text)] + ctx.renderer.assistant_text(edited)
-        if step.reward is not None:
-            traj.turn_rewards.append(float(step.reward))
-        if step.done:
-            if step.termination_reason is None and out.finish_reason == FinishReason.LENGTH:
-                return length_reason
-            return step.termination_reason or TerminationReason.ENV_DONE
-        if turn == limits.max_turns:
-            return TerminationReason.MAX_TURNS
-        continuing = step.continuation
-        if continuing:  # e.g. a tip appended to the assistant message: mask 0, same segment, same message
-            tip = step.observation or ""
-            if not isinstance(tip, str):
-                raise _End(TerminationReason.INVALID_OUTPUT, "a continuation observation must be a string")
-            tip_ids = ctx.renderer.encode(tip) if tip else []
-            if limits.token_budget is not None and b.response_len + len(tip_ids) >= limits.token_budget:
-                return TerminationReason.TOKEN_BUDGET
-            b.extend_model_segment(tip_ids, turn)
-            messages[-1]["content"] += tip
-            continue
-        observation = await observation_messages(env, step.observation)
-        if not observation:
-            raise _End(TerminationReason.ENV_ERROR, "env.step returned done=False without an observation")
-        closing = ctx.renderer.turn_closing_ids(b.trajectory.segments[-1].token_ids)
-        rendered = ctx.renderer.observation(observation, tools)
-        obs_ids = rendered.ids
-        if limits.token_budget is not None and b.response_len + len(closing) + len(obs_ids) >= limits.token_budget:
-            return TerminationReason.TOKEN_BUDGET
-        source = SegmentSource.TOOL if any(m.get("role") == "tool" for m in observation) else SegmentSource.ENV
-        b.add_injected(closing, SegmentSource.TEMPLATE, turn)
-        b.add_injected(obs_ids, source, turn)
-        b.images.add(rendered)
-        record["observation_tokens"] = len(closing) + len(obs_ids)
-        messages.extend(observation)
-    return TerminationReason.MAX_TURNS
-
-
-async def _generate(
-    ctx: RolloutContext, b: TrajectoryBuilder, params: SamplingParams, timing: dict, record: dict
-) -> GenerateOutput:
-    t0, start_ns = time.perf_counter(), time.time_ns()
-    try:
-        out = await ctx.engine.generate(b.token_ids, params, request_id=ctx.trajectory_id,
-                                        images=list(b.images.images) or None)
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:
-        record["generate"] = {"start_ns": start_ns, "end_ns": time.time_ns(), "error": f"{type(e).__name__}: {e}"}
-        raise _End(TerminationReason.ENGINE_ERROR, f"{type(e).__name__}: {e}") from e
-    finally:
-        timing["gen_time_s"] += time.perf_counter() - t0
-    record["generate"] = {
-        "start_ns": start_ns, "end_ns": time.time_ns(), "prompt_tokens": len(b.token_ids),
-        "cached_prompt_tokens": out.cached_prompt_tokens, "tokens": len(out.token_ids),
-        "finish_reason": str(out.finish_reason), "policy_version": out.policy_version,
-    }
-    if not out.token_ids:
-        raise _End(TerminationReason.ENGINE_ERROR, "engine returned no tokens")
-    timing["cached_prompt_tokens"] += out.cached_prompt_tokens
-    return out
-
-
-async def _env_step(env: Any, text: str | Turn, limits: RolloutLimits, timing: dict, record: dict) -> StepResult:
-    error: BaseException | None = None
-    start_ns = time.time_ns()
-    for attempt in range(limits.env_retries + 1):
-        t0 = time.perf_counter()
-        try:
-            step_fn = env.step_turn if isinstance(text, Turn) else env.step  # turn-aware envs get the Turn
-            step = normalise_step(await asyncio.wait_for(call(step_fn, text), limits.env_timeout_s))
-            record["env"] = {"start_ns": start_ns, "end_ns": time.time_ns(), "attempts": attempt + 1,
-                             "reward": step.reward, "done": step.done, "info": step.info}
-            return step
-        except TimeoutError:
-            error = TimeoutError(f"env.step exceeded env_timeout_s={limits.env_timeout_s}")
-        except Exception as e:
-            error = e
-        finally:
-            timing["env_time_s"] += time.perf_counter() - t0
-        if attempt < limits.env_retries:
-            timing["env_retries"] += 1
-            log.warning("env.step failed (%s); retry %d of %d", error, attempt + 1, limits.env_retries)
-    message = f"{type(error).__name__}: {error}"
-    record["env"] = {"start_ns": start_ns, "end_ns": time.time_ns(), "attempts": limits.env_retries + 1,
-                     "error": message}
-    reason = TerminationReason.TIMEOUT if isinstance(error, TimeoutError) else TerminationReason.ENV_ERROR
-    raise _End(reason, message)
-
-
-def _apply_step_edits(b: TrajectoryBuilder, out: GenerateOutput, step: StepResult) -> list[int] | None:
-    """Apply a scheduler's token edits and rollout infos. Token rules (ms-swift's, but loud): ids and mask of
-    equal length with values in {0, 1}, else the trajectory fails; one logprob per mask-1 token, else
-    importance correction is switched off for this trajectory only, and the trajectory says so."""
-    traj = b.trajectory
-    if step.rollout_infos:
-        traj.info.setdefault("rollout_infos", {}).update(step.rollout_infos)
-    if step.response_token_ids is None and step.response_loss_mask is None and step.rollout_logprobs is None:
-        return None
-    ids = list(step.response_token_ids if step.response_token_ids is not None else out.token_ids)
-    mask = list(step.response_loss_mask if step.response_loss_mask is not None else [1] * len(ids))
-    if len(mask) != len(ids) or any(m not in (0, 1) for m in mask):
-        raise _End(TerminationReason.INVALID_OUTPUT,
-                   f"trajectory {traj.id!r} turn {traj.num_turns}: response_token_ids has {len(ids)} tokens and "
-                   f"response_loss_mask {len(mask)} values {sorted(set(mask))}; they must have equal length and "
-                   "values in {0, 1}")
-    n_trained = sum(mask)
-    logprobs: list[float] | None = None
-    issue = None
-    if step.rollout_logprobs is not None:
-        if len(step.rollout_logprobs) == n_trained:
-            logprobs = list(step.rollout_logprobs)
-        else:
-            issue = f"rollout_logprobs has {len(step.rollout_logprobs)} values for {n_trained} mask-1 tokens"
-    elif ids[:n_trained] == out.token_ids[:n_trained] and all(mask[:n_trained]):
-        logprobs = list(out.logprobs[:n_trained])  # a cut of the engine's own tokens keeps their logprobs
-    else:
-        issue = f"{n_trained} mask-1 tokens are not the engine's own tokens and no rollout_logprobs were given"
-    aligned = None
-    if logprobs is not None:
-        it = iter(logprobs)
-        aligned = [next(it) if m else None for m in mask]
-    if issue is not None:
-        log.warning("trajectory %s turn %d: %s; importance-sampling correction is off for this trajectory",
-                    traj.id, traj.num_turns, issue)
-        traj.info.setdefault("logprob_issues", []).append(f"turn {traj.num_turns}: {issue}")
-        traj.metrics["logprob_issues"] = traj.metrics.get("logprob_issues", 0) + 1
-    b.replace_last_model_tokens(len(out.token_ids), ids, mask, aligned)
-    return ids
-
-
 def derive_seed(base: int | None, trajectory_id: str, turn: int) -> int | None:
     """A per-call seed from the run seed: the same trajectory id and turn always sample the same way."""
     return None if base is None else zlib.crc32(f"{base}/{trajectory_id}/{turn}".encode())
-
-
-def _failed(ctx: RolloutContext, builder: TrajectoryBuilder | None, reason: TerminationReason, e: BaseException) -> Trajectory:
-    log.warning("trajectory %s failed: %s", ctx.trajectory_id, e)
-    message = f"{type(e).__name__}: {e}"
-    if builder is None:
-        traj = Trajectory(id=ctx.trajectory_id, group_id=ctx.group_id, sample_index=ctx.sample_index,
-                          prompt_ids=[], sample=ctx.sample, agent=ctx.agent_name)
-        traj.finish(reason, message)
-        return traj
-    return builder.finish(reason, message)
-
-
-async def _cleanup(ctx: RolloutContext, env: Any) -> None:
-    if hasattr(env, "close"):
-        try:
-            await call(env.close)
-        except Exception as e:
-            log.warning("trajectory %s: env.close raised %r", ctx.trajectory_id, e)
-    try:
-        await ctx.engine.release(ctx.trajectory_id)
-    except Exception as e:  # releasing a cache entry must never fail a finished trajectory
-        log.warning("trajectory %s: engine.release raised %r", ctx.trajectory_id, e)
-
-
-def _record(traj: Trajectory, timing: dict, t_start: float) -> None:
-    traj.metrics.update(timing)
-    traj.metrics["total_time_s"] = time.perf_counter() - t_start
-    traj.metrics["model_tokens"] = traj.num_model_tokens
-    traj.metrics["injected_tokens"] = traj.num_response_tokens - traj.num_model_tokens
 
 
 def _sanity_check(ctx: RolloutContext, traj: Trajectory, messages: list[Message], tools: Any) -> None:
@@ -568,7 +614,7 @@ class RolloutManager:
                 trajs = [_timed_out(ctx)]
             except Exception as e:  # a broken agent fails its trajectory, never the batch
                 log.warning("agent %s raised on %s:\n%s", ctx.agent_name, ctx.trajectory_id, traceback.format_exc())
-                trajs = [_failed(ctx, None, TerminationReason.ENV_ERROR, e)]
+                trajs = [ctx.failed(TerminationReason.ENV_ERROR, e)]
             for traj in trajs:
                 await self._score(traj)
             return trajs
@@ -579,7 +625,7 @@ class RolloutManager:
         try:
             traj.reward = await _maybe_await(self.reward_fn(traj))
         except Exception as e:  # never score a crash as 0.0: leave it None and say so
-            traj.info["reward_error"] = f"{type(e).__name__}: {e}"
+            traj.reward_error = f"{type(e).__name__}: {e}"
             log.warning("reward function raised on %s: %r", traj.id, e)
 
 
@@ -587,7 +633,7 @@ def _timed_out(ctx: RolloutContext) -> Trajectory:
     traj = ctx.partial
     message = f"trajectory exceeded trajectory_timeout_s={ctx.limits.trajectory_timeout_s}"
     if traj is None:
-        return _failed(ctx, None, TerminationReason.TIMEOUT, TimeoutError(message))
+        return ctx.failed(TerminationReason.TIMEOUT, message)
     traj.finish(TerminationReason.TIMEOUT, message)
     return traj
 

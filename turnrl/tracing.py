@@ -1,6 +1,6 @@
 """MLflow tracing of finished trajectories: one trace per trajectory, built after the fact.
 
-The rollout already records every turn as it happens (`traj.info["turns"]`: generate and env timings,
+The rollout already records every turn as it happens (`traj.turns`: generate and env timings,
 token counts, tool calls). The tracer turns that record into spans carrying the recorded start/end times,
 so tracing adds nothing to the hot path and MLflow shows the same tree as the trajectory JSONL:
 
@@ -32,7 +32,7 @@ from typing import Any
 
 import httpx
 
-from turnrl.types import RolloutStatus, SegmentSource, Trajectory
+from turnrl.types import EnvSpan, RolloutStatus, SegmentSource, Trajectory, TurnRecord
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class TrajectoryTracer:
         from mlflow.entities import SpanStatus, SpanStatusCode, SpanType
         from mlflow.entities.span import NO_OP_SPAN_TRACE_ID
 
-        turns = traj.info.get("turns", [])
+        turns = traj.turns
         start_ns, end_ns = _bounds(turns)
         tags = {"turnrl.trajectory_id": traj.id, "turnrl.group_id": traj.group_id, "turnrl.step": str(step),
                 "turnrl.phase": phase, "turnrl.status": str(traj.status)}
@@ -134,37 +134,38 @@ class TrajectoryTracer:
                  status=SpanStatus(SpanStatusCode.ERROR, traj.error or "") if failed else None, end_time_ns=end_ns)
         return root.trace_id
 
-    def _turn(self, root: Any, traj: Trajectory, record: dict[str, Any]) -> None:
+    def _turn(self, root: Any, traj: Trajectory, record: TurnRecord) -> None:
         from mlflow.entities import SpanType
 
-        generate, env = record.get("generate", {}), record.get("env")
-        turn = record["turn"]
-        start_ns = generate.get("start_ns", root.start_time_ns)
-        end_ns = (env or generate).get("end_ns", start_ns)
+        generate, env, turn = record.generate, record.env, record.turn
+        start_ns = generate.start_ns if generate else root.start_time_ns
+        end_ns = (env.end_ns if env else generate.end_ns if generate else 0) or start_ns
         turn_span = _span(root, f"turn {turn}", SpanType.CHAIN, start_ns, end_ns,
-                          attributes={"turn": turn, "observation_tokens": record.get("observation_tokens")})
-        keys = ("prompt_tokens", "tokens", "finish_reason", "cached_prompt_tokens", "policy_version")
-        _span(turn_span, "generate", SpanType.LLM, start_ns, generate.get("end_ns", start_ns),
-              outputs=self._decoded(traj, turn, {SegmentSource.MODEL}, "text"),
-              attributes={k: generate.get(k) for k in keys}, error=generate.get("error"))
+                          attributes={"turn": turn, "observation_tokens": record.observation_tokens})
+        if generate is not None:
+            attributes = {k: getattr(generate, k) for k in ("prompt_tokens", "tokens", "cached_prompt_tokens",
+                                                              "policy_version")}
+            attributes["finish_reason"] = None if generate.finish_reason is None else str(generate.finish_reason)
+            _span(turn_span, "generate", SpanType.LLM, start_ns, generate.end_ns or start_ns,
+                  outputs=self._decoded(traj, turn, {SegmentSource.MODEL}, "text"), attributes=attributes,
+                  error=generate.error)
         if env is not None:
             self._env_step(turn_span, traj, turn, env)
 
-    def _env_step(self, parent: Any, traj: Trajectory, turn: int, env: dict[str, Any]) -> None:
+    def _env_step(self, parent: Any, traj: Trajectory, turn: int, env: EnvSpan) -> None:
         from mlflow.entities import SpanType
 
-        info = env.get("info") or {}
-        calls = info.get("tool_calls") or []
-        outputs = {"reward": env.get("reward"), "done": env.get("done"),
-                   "info": {k: v for k, v in info.items() if k != "tool_calls"}}
+        calls = env.info.get("tool_calls") or []
+        outputs = {"reward": env.reward, "done": env.done,
+                   "info": {k: v for k, v in env.info.items() if k != "tool_calls"}}
         outputs.update(self._decoded(traj, turn, {SegmentSource.TOOL, SegmentSource.ENV}, "observation") or {})
-        span = _span(parent, "env.step", SpanType.CHAIN if calls else SpanType.TOOL, env["start_ns"], env["end_ns"],
-                     outputs=outputs, error=env.get("error"),
-                     attributes={k: env.get(k) for k in ("reward", "done", "attempts")})
+        span = _span(parent, "env.step", SpanType.CHAIN if calls else SpanType.TOOL, env.start_ns, env.end_ns,
+                     outputs=outputs, error=env.error,
+                     attributes={"reward": env.reward, "done": env.done, "attempts": env.attempts})
         for call in calls:
             result = {k: call.get(k) for k in ("ok", "error", "reward", "latency_s")}
             _span(span, f"tool:{call.get('name') or '(unparsed)'}", SpanType.TOOL,
-                  call.get("start_ns", env["start_ns"]), call.get("end_ns", call.get("start_ns", env["start_ns"])),
+                  call.get("start_ns", env.start_ns), call.get("end_ns", call.get("start_ns", env.start_ns)),
                   inputs=call.get("arguments"), outputs=result, error=call.get("error"),
                   attributes={"name": call.get("name"), "id": call.get("id"), **result})
 
@@ -238,10 +239,10 @@ def _span(parent: Any, name: str, span_type: str, start_ns: int, end_ns: int, *,
     return span
 
 
-def _bounds(turns: list[dict[str, Any]]) -> tuple[int, int]:
+def _bounds(turns: list[TurnRecord]) -> tuple[int, int]:
     """First start and last end over the recorded turns; now for a trajectory that never generated."""
-    times = [part[k] for record in turns for part in (record.get("generate"), record.get("env")) if part
-             for k in ("start_ns", "end_ns") if k in part]
+    times = [t for record in turns for span in (record.generate, record.env) if span is not None
+             for t in (span.start_ns, span.end_ns) if t]
     if not times:
         now = time.time_ns()
         return now, now

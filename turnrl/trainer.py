@@ -99,7 +99,7 @@ class TrainSample:
 
 def group_advantages(groups: list[list[Trajectory]], cfg: TrainConfig) -> tuple[list[tuple[Trajectory, float]], dict]:
     """Advantages per group over the trajectories we train on. Split episodes (several samples with one
-    `info.episode_id`) count once in their group and share the episode's advantage."""
+    `episode_id`) count once in their group and share the episode's advantage."""
     train_on = set(cfg.algo.train_on)
     kept: list[Trajectory] = []
     group_ids: list[int] = []
@@ -109,7 +109,7 @@ def group_advantages(groups: list[list[Trajectory]], cfg: TrainConfig) -> tuple[
             if str(traj.status) in train_on and traj.reward is not None:
                 kept.append(traj)
                 group_ids.append(g)
-                episode_keys.append((g, traj.info.get("episode_id", traj.id)))
+                episode_keys.append((g, traj.episode_id or traj.id))
     if not kept:
         return [], {"train/trained_trajectories": 0.0}
     episodes = list(dict.fromkeys(episode_keys))

@@ -10,6 +10,7 @@ re-rendering text.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -65,7 +66,7 @@ class TerminationReason(StrEnum):
     """Cancelled from outside (rollout shutdown) or the engine aborted the request."""
     SPLIT = "split"
     """A scheduler rewrote the history: this sample ends here and the episode goes on in a new sample (same
-    `info["episode_id"]`, same reward)."""
+    `episode_id`, same reward)."""
 
 
 STATUS_OF: dict[TerminationReason, RolloutStatus] = {
@@ -209,7 +210,21 @@ class Trajectory:
     turn_rewards: list[float] = field(default_factory=list)
     """Rewards the environment or tools reported, one entry per env step."""
     info: dict[str, Any] = field(default_factory=dict)
-    """Rollout infos: env/tool info dicts, scheduler `rollout_infos`, trace spans, warnings."""
+    """Free-form extras of one producer (e.g. `tool_stats`, `render_check`, `mlflow_trace_id`); what several
+    modules read has a field of its own below."""
+    turns: list[TurnRecord] = field(default_factory=list)
+    """One record per model turn: generate and env timings, token counts (the trace tree)."""
+    rollout_infos: dict[str, Any] = field(default_factory=dict)
+    """Infos schedulers and envs return for reward functions (each key is passed to them by name)."""
+    tool_rewards: dict[str, float] = field(default_factory=dict)
+    """`calc_reward()` of each stateful tool the trajectory used, by tool name."""
+    episode_id: str | None = None
+    """Set on samples split from one episode (they share its reward): the episode's first trajectory id."""
+    reward_error: str | None = None
+    """The exception the reward function raised (the reward is then None, never a silent 0.0)."""
+    warnings: list[str] = field(default_factory=list)
+    """What went wrong without deciding the outcome, in order: dropped rollout logprobs, cleanup and release
+    failures, and any error raised after the first one (which stays in `error`)."""
     status: RolloutStatus = RolloutStatus.COMPLETED
     termination_reason: TerminationReason | None = None
     error: str | None = None
@@ -258,11 +273,19 @@ class Trajectory:
         return sorted({s.policy_version for s in self.segments if s.policy_version is not None})
 
     def finish(self, reason: TerminationReason, error: str | None = None) -> None:
-        """Set termination reason, the status it implies, and the error message if any."""
+        """Set termination reason, the status it implies, and the error message if any. The first error is
+        kept in `error`; a later one goes to `warnings` (the first usually explains the later ones)."""
         self.termination_reason = reason
         self.status = STATUS_OF[reason]
         if error is not None:
+            self.add_error(error)
+
+    def add_error(self, error: str) -> None:
+        """Record an error: the first in `error`, every later one appended to `warnings`."""
+        if self.error is None:
             self.error = error
+        elif error != self.error:
+            self.warnings.append(error)
 
     # ---- invariants ------------------------------------------------------------------------------
     def validate(self) -> None:
@@ -316,6 +339,12 @@ class Trajectory:
             ],
             "messages": self.messages,
             "images": self.images,
+            "turns": [t.to_json() for t in self.turns],
+            "rollout_infos": self.rollout_infos,
+            "tool_rewards": self.tool_rewards,
+            "episode_id": self.episode_id,
+            "reward_error": self.reward_error,
+            "warnings": self.warnings,
             "info": self.info,
             "metrics": self.metrics,
             "sample": self.sample,
@@ -341,6 +370,9 @@ class Trajectory:
                 )
             )
         reason = row.get("termination_reason")
+        info = dict(row.get("info") or {})
+        if row.get("format_version", 1) < 2:  # version 1 kept these in `info` (docs/trajectory-format.md)
+            row = {**row, **_fields_from_v1_info(info)}
         return cls(
             id=row["id"],
             group_id=row["group_id"],
@@ -351,7 +383,13 @@ class Trajectory:
             images=row.get("images", []),
             reward=row.get("reward"),
             turn_rewards=row.get("turn_rewards", []),
-            info=row.get("info", {}),
+            info=info,
+            turns=[TurnRecord.from_json(t) for t in row.get("turns") or []],
+            rollout_infos=row.get("rollout_infos") or {},
+            tool_rewards=row.get("tool_rewards") or {},
+            episode_id=row.get("episode_id"),
+            reward_error=row.get("reward_error"),
+            warnings=list(row.get("warnings") or []),
             status=RolloutStatus(row.get("status", "completed")),
             termination_reason=None if reason is None else TerminationReason(reason),
             error=row.get("error"),
@@ -362,7 +400,20 @@ class Trajectory:
         )
 
 
-TRAJECTORY_FORMAT_VERSION = 1
+TRAJECTORY_FORMAT_VERSION = 2
+"""2 moved `turns`, `rollout_infos`, `tool_rewards`, `episode_id` and `reward_error` out of `info` into fields of
+their own and added `warnings`; version-1 files still load (`_fields_from_v1_info`)."""
+
+
+def _fields_from_v1_info(info: dict[str, Any]) -> dict[str, Any]:
+    """Version 1 rows kept the named fields inside `info`: take them out (in place) as top-level values."""
+    moved = {key: info.pop(key) for key in ("turns", "rollout_infos", "tool_rewards", "episode_id", "reward_error")
+             if key in info}
+    warnings = [str(w) for w in info.pop("logprob_issues", [])]
+    for key in ("trajectory_end_error", "tool_release_error"):
+        if key in info:
+            warnings.append(str(info.pop(key)))
+    return {**moved, "warnings": warnings}
 
 
 def _starts(segments: list[Segment]) -> list[int]:
@@ -400,6 +451,21 @@ def _check_token_ids(ids: list[int], where: str) -> None:
 
 
 @dataclass
+class TokenEdit:
+    """A rewrite of the turn the model just produced (ms-swift's `step` token fields), applied and checked by
+    `TrajectoryBuilder.apply_edit`. Rules (ms-swift's, but loud): `token_ids` and `loss_mask` have equal length
+    and mask values in {0, 1}, else the trajectory fails (invalid_output); one logprob per mask-1 token, else
+    importance correction is switched off for this trajectory only (and `Trajectory.warnings` says why)."""
+
+    token_ids: list[int] | None = None
+    """The turn's new tokens (e.g. the reply cut after its answer, then a tip); None keeps the engine's."""
+    loss_mask: list[int] | None = None
+    """Mask of `token_ids` (0 on injected tokens); None = all 1."""
+    logprobs: list[float] | None = None
+    """One sampling logprob per mask-1 token; None = the engine's, when the mask-1 tokens are its own prefix."""
+
+
+@dataclass
 class StepResult:
     """What an environment step returns (envs may also return slime's `(observation, done, info)` or
     gym's `(observation, reward, done, info)` tuples; the driver normalises all three)."""
@@ -411,18 +477,13 @@ class StepResult:
     info: dict[str, Any] = field(default_factory=dict)
     termination_reason: TerminationReason | None = None
     """Why the episode ended when done (default env_done)."""
-    # ---- token-level edits (ms-swift's scheduler `step` results; plain envs leave them unset) ----------
-    response_token_ids: list[int] | None = None
-    """Replace this turn's model tokens (e.g. cut after the answer and append a tip)."""
-    response_loss_mask: list[int] | None = None
-    """Mask of `response_token_ids` (0 on injected tokens); default all 1."""
-    rollout_logprobs: list[float] | None = None
-    """One logprob per mask-1 token of `response_token_ids`; default: the engine's, when they still apply."""
+    edit: TokenEdit | None = None
+    """Token-aware envs only (schedulers): replace this turn's model tokens before anything else happens."""
     continuation: bool = False
     """The observation (a str) continues the assistant message instead of starting a new turn: its tokens
     are appended to the model segment with mask 0, with no turn closing and no generation prompt."""
     rollout_infos: dict[str, Any] | None = None
-    """Merged into `Trajectory.info["rollout_infos"]`; reward functions receive the keys as arguments."""
+    """Merged into `Trajectory.rollout_infos`; reward functions receive the keys as arguments."""
 
 
 @dataclass
@@ -431,6 +492,71 @@ class Turn:
 
     turn: int
     text: str
+    """The reply text of this generate call (on a continuation: only the new part)."""
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
+    messages: list[Message] = field(default_factory=list)
+    """The conversation exactly as the token stream holds it, this reply included. Read it; do not mutate it."""
+    continued: bool = False
+    """This call continued the previous assistant message (after a continuation observation)."""
+
+
+@dataclass
+class GenerateSpan:
+    """One generate call of a turn (times in ns since the epoch, as traces want them)."""
+
+    start_ns: int
+    end_ns: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    tokens: int = 0
+    finish_reason: FinishReason | None = None
+    policy_version: int | None = None
+    error: str | None = None
+
+
+@dataclass
+class EnvSpan:
+    """The env step of a turn (all attempts together)."""
+
+    start_ns: int
+    end_ns: int = 0
+    attempts: int = 0
+    reward: float | None = None
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+    """The step's info dict (a tool agent's `tool_calls` records live here)."""
+    error: str | None = None
+
+
+@dataclass
+class TurnRecord:
+    """What happened in one model turn: the trace of its generate call and env step."""
+
+    turn: int
+    generate: GenerateSpan | None = None
+    env: EnvSpan | None = None
+    observation_tokens: int = 0
+    """Mask-0 tokens appended after the turn (template closing + observation delta, or a continuation)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Producer-specific details (the OpenAI proxy: call index, whether the call continued the stream)."""
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"turn": self.turn, **self.extra}
+        for name in ("generate", "env"):
+            span = getattr(self, name)
+            if span is not None:
+                out[name] = {k: (str(v) if isinstance(v, FinishReason) else v)
+                             for k, v in dataclasses.asdict(span).items() if v is not None}
+        out["observation_tokens"] = self.observation_tokens
+        return out
+
+    @classmethod
+    def from_json(cls, row: dict[str, Any]) -> TurnRecord:
+        extra = {k: v for k, v in row.items() if k not in ("turn", "generate", "env", "observation_tokens")}
+        gen, env = row.get("generate"), row.get("env")
+        if gen is not None and gen.get("finish_reason") is not None:
+            gen = {**gen, "finish_reason": FinishReason(gen["finish_reason"])}
+        return cls(row.get("turn", 0), GenerateSpan(**gen) if gen else None, EnvSpan(**env) if env else None,
+                   row.get("observation_tokens", 0), extra)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import turnrl.agents.schedulers_builtin  # noqa: F401  (registers the built-in schedulers into SCHEDULERS)
 from turnrl.envs.base import call, load_module
 from turnrl.envs.single_turn import SingleTurnEnv
 from turnrl.rollout import Agent, RolloutContext, drive

@@ -21,7 +21,7 @@ For each trajectory this agent opens a session on an in-process `ChatProxy` that
 engine and chat template, served over HTTP on 127.0.0.1 (a random bearer token, one server per engine), and
 calls `run` with that session's base_url. The proxy records every call's exact tokens; when `run` returns,
 the session is assembled into trajectories (turnrl/proxy.py): one when the agent keeps its history, several
-when it drops or rewrites it. They share the episode's reward and `info["episode_id"]`, so the trainer counts
+when it drops or rewrites it. They share the episode's reward and `episode_id`, so the trainer counts
 them as one episode in their group.
 
 The trainer's sampling (temperature, top_p, seed) applies to every call whatever the agent asks for (the
@@ -139,7 +139,7 @@ def _episode(ctx: RolloutContext, sample: dict[str, Any], session: Session, rewa
         end = None
     if not session.calls:
         traj = Trajectory(id=ctx.trajectory_id, group_id=ctx.group_id, sample_index=ctx.sample_index, prompt_ids=[],
-                          sample=sample, agent=ctx.agent_name, info={"episode_id": session.id})
+                          sample=sample, agent=ctx.agent_name, episode_id=session.id)
         traj.finish(TerminationReason.ENV_ERROR, end[1] if end and end[1] else "the agent made no model call")
         return [traj]
     trajectories = assemble_trajectories(session, group_id=ctx.group_id, sample_index=ctx.sample_index,

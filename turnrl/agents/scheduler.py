@@ -22,20 +22,22 @@ The hooks do not get a loop of their own. `SchedulerEnv` is a turn-aware env for
         on_turn_end(request, response, turn)  → done?, rollout_infos?, reward?   (`reward`: a turnrl extra)
         check_finished(...)                    → stop?  (`done` overrides it; max_turns stops whatever they say)
         step(...)                              → next request (+ token edits: ids, mask, logprobs)
-        next request against the stream's messages:
+        next request against the stream's messages (`Turn.messages`; plan_next):
           the last assistant message extended   → continuation: the new text is appended to the same model
                                                   segment with mask 0 (the stop token of the turn is dropped)
           messages appended                     → observation delta (chat-template tokens, mask 0)
           anything else (history rewritten)     → this sample ends (TerminationReason.SPLIT) and the episode
                                                   continues in a new sample rendered afresh from the request
-    Token edits become StepResult fields that drive validates loudly (ids/mask mismatch → FAILED/invalid_output;
-    a logprob count mismatch → importance correction off for that trajectory, `info.logprob_issues`).
+    Token edits become one `TokenEdit` that the TrajectoryBuilder applies loudly (ids/mask mismatch →
+    FAILED/invalid_output; a logprob count mismatch → importance correction off for that trajectory, with the
+    reason in `Trajectory.warnings`).
 
 `run(request, runner)` is the full-control path (ms-swift's `run()` override, which here works in every
-mode). It drives the same `drive` through `SchedulerRunner.generate`, so limits, validation and traces are
-the same; a history that is not a prefix of the next request starts a new sample (trajectory splitting).
+mode). `SchedulerRunner.generate` takes the same `Episode` steps that `drive` loops over (generate, apply the
+step, observe), so limits, validation and traces are the same; a history that is not a prefix of the next
+request starts a new sample (trajectory splitting).
 
-All samples of one episode share `info["episode_id"]` and the episode's `info["rollout_infos"]` (with
+All samples of one episode share `episode_id` and the episode's `rollout_infos` (with
 `num_turns`, the episode's model turns); the trainer rejects unequal rewards within an episode.
 
 One scheduler instance serves every trajectory of a RolloutManager, as in ms-swift: keep per-trajectory state
@@ -56,12 +58,25 @@ import dataclasses
 import inspect
 import json
 import logging
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from turnrl.data import prompt_messages
-from turnrl.rollout import Agent, RolloutContext, drive
-from turnrl.types import FinishReason, Message, RolloutStatus, StepResult, TerminationReason, Trajectory, Turn
+from turnrl.envs.base import EpisodeEnv
+from turnrl.rollout import Agent, Episode, EpisodeEnd, RolloutContext, drive
+from turnrl.types import (
+    FinishReason,
+    Message,
+    RolloutStatus,
+    StepResult,
+    TerminationReason,
+    TokenEdit,
+    Trajectory,
+    Turn,
+)
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -199,58 +214,38 @@ class MultiTurnScheduler:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The stream's conversation and how the next request extends it
+# How the next request extends the token stream
 # ---------------------------------------------------------------------------------------------------
-class _Conversation:
-    """The messages exactly as the current sample's token stream holds them: the base every next request is
-    compared with (the scheduler's own request object may be rewritten freely)."""
-
-    def __init__(self, messages: list[Message]):
-        self.messages = copy.deepcopy(messages)
-        self.prior = ""
-        """Text of the assistant message before the current turn (non-empty on a continuation)."""
-        self.continuing = False
-
-    def add_reply(self, text: str) -> None:
-        if self.continuing:
-            self.prior = self.messages[-1]["content"]
-            self.messages[-1]["content"] += text
+def plan_next(turn: Turn, nxt: list[Message], response: TurnResponse, edit: TokenEdit | None, renderer: Any
+              ) -> tuple[StepResult, bool]:
+    """The StepResult that takes the token stream from `turn.messages` (the conversation as the stream holds it,
+    this reply included) to the next request's messages, and whether the sample must be split instead."""
+    conversation = turn.messages
+    last = conversation[-1]["content"]
+    prior = last[: len(last) - len(turn.text)]  # the assistant message before this call, on a continuation
+    token_backed = edit is not None and edit.token_ids is not None
+    reply = prior + (renderer.assistant_text(edit.token_ids) if token_backed else response.text)
+    head = conversation[:-1]
+    if len(nxt) == len(conversation) and _same(nxt[:-1], head) and nxt[-1].get("role") == "assistant":
+        content = nxt[-1].get("content")
+        if isinstance(content, str) and content.startswith(reply):
+            tip = content[len(reply):]
+        elif token_backed:  # token-backed reply: the tokens are the message (as ms-swift >= PR #10012)
+            tip = ""
         else:
-            self.prior = ""
-            self.messages.append({"role": "assistant", "content": text})
-
-    def plan(self, nxt: list[Message], response: TurnResponse, edits: dict[str, Any], renderer: Any
-             ) -> tuple[StepResult, bool]:
-        """The StepResult that takes the stream to `nxt`, and whether the sample must be split instead."""
-        ids = edits.get("response_token_ids")
-        reply = self.prior + (renderer.assistant_text(ids) if ids is not None else response.text)
-        head = self.messages[:-1]
-        if len(nxt) == len(self.messages) and _same(nxt[:-1], head) and nxt[-1].get("role") == "assistant":
-            content = nxt[-1].get("content")
-            if isinstance(content, str) and content.startswith(reply):
-                tip = content[len(reply):]
-            elif ids is not None:  # token-backed reply: the tokens are the message (as ms-swift >= PR #10012)
-                tip = ""
-            else:
-                return StepResult(done=True, termination_reason=TerminationReason.SPLIT, **edits), True
-            if not edits and response.content_token_ids != response.token_ids:
-                # go on after the text, not after the stop token the model sampled
-                edits = {"response_token_ids": response.content_token_ids}
-            self.messages[-1]["content"] = reply + tip
-            self.continuing = True
-            return StepResult(observation=tip, continuation=True, **edits), False
-        if (len(nxt) > len(self.messages) and _same(nxt[:len(head)], head)
-                and nxt[len(head)].get("role") == "assistant"
-                and (nxt[len(head)].get("content") == reply or ids is not None)):
-            new = copy.deepcopy(nxt[len(self.messages):])
-            if new[-1].get("role") == "assistant":
-                raise ValueError("the next request ends with an assistant message after new messages (a prefill); "
-                                 "the default loop cannot continue it — override run() instead")
-            self.messages[-1]["content"] = reply
-            self.messages += new
-            self.continuing = False
-            return StepResult(observation=copy.deepcopy(new), **edits), False
-        return StepResult(done=True, termination_reason=TerminationReason.SPLIT, **edits), True
+            return StepResult(done=True, termination_reason=TerminationReason.SPLIT, edit=edit), True
+        if edit is None and response.content_token_ids != response.token_ids:
+            edit = TokenEdit(token_ids=response.content_token_ids)  # go on after the text, not its stop token
+        return StepResult(observation=tip, continuation=True, edit=edit), False
+    if (len(nxt) > len(conversation) and _same(nxt[:len(head)], head)
+            and nxt[len(head)].get("role") == "assistant"
+            and (nxt[len(head)].get("content") == reply or token_backed)):
+        new = copy.deepcopy(nxt[len(conversation):])
+        if new[-1].get("role") == "assistant":
+            raise ValueError("the next request ends with an assistant message after new messages (a prefill); "
+                             "the default loop cannot continue it — override run() instead")
+        return StepResult(observation=new, edit=edit), False
+    return StepResult(done=True, termination_reason=TerminationReason.SPLIT, edit=edit), True
 
 
 def _same(a: list[Message], b: list[Message]) -> bool:
@@ -283,6 +278,14 @@ def _next_request(result: dict[str, Any], current: RolloutRequest) -> RolloutReq
     return nxt
 
 
+def _edit_of(result: dict[str, Any]) -> TokenEdit | None:
+    """ms-swift's three token fields of a `step()` result as one TokenEdit (None when it has none)."""
+    ids, mask, logprobs = (result.get(k) for k in EDIT_KEYS)
+    if ids is None and mask is None and logprobs is None:
+        return None
+    return TokenEdit(ids, mask, logprobs)
+
+
 async def _maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
@@ -296,22 +299,17 @@ class SchedulerEnv:
     def __init__(self, runner: SchedulerRunner, request: RolloutRequest):
         self.runner, self.request = runner, request
         self.tools = request.tools
-        self.conversation = _Conversation(request.messages)
         self.next_request: RolloutRequest | None = None
         """Set when the scheduler rewrote the history: the episode goes on from it in a new sample."""
-
-    def format_observation(self, observation: Any) -> Any:
-        return observation
 
     async def step_turn(self, turn: Turn) -> StepResult:
         runner, scheduler, request = self.runner, self.runner.scheduler, self.request
         n = runner.turns + turn.turn
         response = TurnResponse.of(turn, runner.ctx.renderer.end_of_turn_ids)
-        if self.conversation.continuing:
+        if turn.continued:
             request.messages[-1]["content"] += response.text
         else:
             request.messages.append({"role": "assistant", "content": response.text})
-        self.conversation.add_reply(response.text)
         hook = _checked(await _maybe_await(scheduler.on_turn_end(request, response, n)), "on_turn_end", TURN_END_KEYS)
         runner.merge_infos(hook.get("rollout_infos"), "on_turn_end")
         reward = hook.get("reward")
@@ -323,8 +321,7 @@ class SchedulerEnv:
         result = _checked(await _maybe_await(scheduler.step(request, response, n)), "step", STEP_KEYS)
         nxt = _next_request(result, request)
         runner.merge_infos(result.get("rollout_infos"), "step")
-        edits = {k: result[k] for k in EDIT_KEYS if result.get(k) is not None}
-        step, split = self.conversation.plan(nxt.messages, response, edits, runner.ctx.renderer)
+        step, split = plan_next(turn, nxt.messages, response, _edit_of(result), runner.ctx.renderer)
         step.reward = reward
         if split:
             if nxt.messages and nxt.messages[-1].get("role") == "assistant":
@@ -344,50 +341,41 @@ class SchedulerEnv:
         return TerminationReason.ENV_DONE
 
 
-class _BridgeEnv:
-    """The turn-aware env behind `SchedulerRunner.generate`: hands each turn to `run()` and waits for what it
-    asks next (drive stays the only loop)."""
+class _RequestTools:
+    """The env of a `run()` sample: it is never stepped (run() makes its own turns); it only carries the request's
+    tools into the prompt."""
 
-    def __init__(self, runner: SchedulerRunner, request: RolloutRequest):
-        self.runner, self.tools = runner, request.tools
+    def __init__(self, tools: list[dict] | None):
+        self.tools = tools
 
-    def format_observation(self, observation: Any) -> Any:
-        return observation
-
-    async def step_turn(self, turn: Turn) -> StepResult:
-        runner = self.runner
-        runner._action = asyncio.get_running_loop().create_future()
-        runner._turn.set_result(turn)
-        return await runner._action
+    def step(self, response_text: str) -> StepResult:
+        raise RuntimeError("a run() override drives its own turns")
 
 
 # ---------------------------------------------------------------------------------------------------
 # One episode
 # ---------------------------------------------------------------------------------------------------
 class SchedulerRunner:
-    """One episode of a scheduler: its samples (each built by `drive`), its rollout infos, its turn count.
+    """One episode of a scheduler: its samples, its rollout infos, its turn count.
 
-    In a `run()` override: `response = await runner.generate(request)` per turn (`new_sample=True` forces a new
-    sample), `runner.edit_last_turn(...)` for ms-swift's token fields, `runner.rollout_infos` for infos, and
+    The default path drives each sample with `drive` (hooks in a `SchedulerEnv`). The `run()` path takes the same
+    `Episode` steps one by one: `response = await runner.generate(request)` per turn (`new_sample=True` forces a
+    new sample), `runner.edit_last_turn(...)` for ms-swift's token fields, `runner.rollout_infos` for infos, and
     `return await runner.finish()`.
     """
 
     def __init__(self, ctx: RolloutContext, scheduler: MultiTurnScheduler):
         self.ctx, self.scheduler = ctx, scheduler
-        self.limits = ctx.limits
         self.max_turns = ctx.limits.max_turns
         self.trajectories: list[Trajectory] = []
         self.rollout_infos: dict[str, Any] = {}
         """The episode's rollout infos; every sample gets them (plus `num_turns`), reward functions by name."""
         self.turns = 0
         """Model turns of the samples finished so far."""
-        self._task: asyncio.Task | None = None
-        self._turn: asyncio.Future | None = None
-        self._action: asyncio.Future | None = None
-        self._conversation: _Conversation | None = None
-        self._last: TurnResponse | None = None
-        self._edits: dict[str, Any] = {}
-        self._running_turns = 0
+        self._episode: Episode | None = None
+        self._turn: Turn | None = None
+        self._response: TurnResponse | None = None
+        self._edit: TokenEdit | None = None
 
     def merge_infos(self, infos: Any, where: str) -> None:
         if not infos:
@@ -402,113 +390,120 @@ class SchedulerRunner:
                                 f"({type(value).__name__}); trajectories are written as JSON") from None
         self.rollout_infos.update(infos)
 
+    def _sample_ctx(self) -> RolloutContext:
+        """The context of the next sample: the turns left; a later sample of a split episode gets its own id (the
+        engine's request id), same row and group."""
+        k = len(self.trajectories)
+        limits = dataclasses.replace(self.ctx.limits, max_turns=self.max_turns - self.turns)
+        if k == 0:
+            self.ctx.limits = limits
+            return self.ctx
+        return dataclasses.replace(self.ctx, trajectory_id=f"{self.ctx.trajectory_id}.{k}", limits=limits,
+                                   partial=None)
+
+    def _add(self, traj: Trajectory) -> None:
+        self.turns += traj.num_turns
+        self.trajectories.append(traj)
+
     # ---- the default path --------------------------------------------------------------------------
     async def run_hooks(self, request: RolloutRequest) -> list[Trajectory]:
         """Hooks mapped onto drive; a rewritten history continues the episode in a new sample."""
         while request is not None and self.turns < self.max_turns:
             env = SchedulerEnv(self, request)
-            await self._drive(env, request.messages)
+            self._add(await drive(self._sample_ctx(), env, copy.deepcopy(request.messages)))
             request = env.next_request
         return self.trajectories
-
-    async def _drive(self, env: Any, messages: list[Message], **limit_overrides: Any) -> Trajectory:
-        k = len(self.trajectories)
-        limits = dataclasses.replace(self.limits, max_turns=self.max_turns - self.turns, **limit_overrides)
-        if k == 0:
-            ctx = self.ctx
-            ctx.limits = limits
-        else:  # a later sample of a split episode: its own id (the engine's request id), same row and group
-            ctx = dataclasses.replace(self.ctx, trajectory_id=f"{self.ctx.trajectory_id}.{k}", limits=limits,
-                                      partial=None)
-        traj = await drive(ctx, env, copy.deepcopy(messages))
-        self.turns += traj.num_turns
-        self.trajectories.append(traj)
-        return traj
 
     # ---- the run() path ----------------------------------------------------------------------------
     async def generate(self, request: RolloutRequest, *, new_sample: bool = False) -> TurnResponse:
         """One model turn on `request`. If the request extends the conversation so far, only the new part is
         appended (mask 0); otherwise, or with `new_sample`, the current sample ends and a new one starts."""
-        if self._task is not None and self._task.done():
-            await self._collect()
-            raise EpisodeOver(f"the sample ended: {self.trajectories[-1].termination_reason}")
-        if self._task is not None:
-            if self.turns + self._running_turns >= self.max_turns:
-                self._answer(StepResult(done=True, termination_reason=TerminationReason.MAX_TURNS, **self._edits))
-                await self._collect()
+        if self._episode is not None:
+            if self._turn.turn >= self._episode.limits.max_turns:
+                await self._end_sample(StepResult(done=True, termination_reason=TerminationReason.MAX_TURNS,
+                                                  edit=self._edit))
                 raise EpisodeOver(f"max_turns={self.max_turns} reached")
             if list(request.images) != list(self.ctx.sample.get("images") or []):
                 raise ValueError("request.images changed; put images into message content parts instead")
             if new_sample:
-                step, split = StepResult(done=True, termination_reason=TerminationReason.SPLIT, **self._edits), True
+                step, split = StepResult(done=True, termination_reason=TerminationReason.SPLIT, edit=self._edit), True
             else:
-                step, split = self._conversation.plan(request.messages, self._last, self._edits, self.ctx.renderer)
-            self._answer(step)
+                step, split = plan_next(self._turn, request.messages, self._response, self._edit, self.ctx.renderer)
             if split:
-                await self._collect()
-        if self._task is None:
+                await self._end_sample(step)
+            else:
+                await self._step(self._apply_and_observe(step))
+        if self._episode is None:
             if self.turns >= self.max_turns:
                 raise EpisodeOver(f"max_turns={self.max_turns} reached")
-            self._start(request)
-        return await self._next_turn()
+            await self._start(request)
+        turn = await self._step(self._episode.generate(self._turn.turn + 1 if self._turn else 1))
+        self._turn, self._edit = turn, None
+        self._response = TurnResponse.of(turn, self.ctx.renderer.end_of_turn_ids)
+        return self._response
 
     def edit_last_turn(self, response_token_ids: list[int] | None = None, response_loss_mask: list[int] | None = None,
                        rollout_logprobs: list[float] | None = None) -> None:
         """ms-swift's token fields for the turn `generate` last returned; applied and validated with what comes next."""
-        if self._last is None:
+        if self._response is None:
             raise RuntimeError("edit_last_turn() needs a turn: call generate() first")
-        given = {"response_token_ids": response_token_ids, "response_loss_mask": response_loss_mask,
-                 "rollout_logprobs": rollout_logprobs}
-        self._edits = {k: v for k, v in given.items() if v is not None}
+        self._edit = _edit_of({"response_token_ids": response_token_ids, "response_loss_mask": response_loss_mask,
+                               "rollout_logprobs": rollout_logprobs})
 
     async def finish(self) -> list[Trajectory]:
         """End the current sample (env_done, or length if the last turn was cut) and return every sample."""
-        if self._task is not None:
-            if not self._task.done():
-                self._answer(StepResult(done=True, **self._edits))
-            await self._collect()
+        if self._episode is not None:
+            await self._end_sample(StepResult(done=True, edit=self._edit))
         return self.trajectories
 
     async def abort(self) -> None:
-        """Cancel a sample still being driven (the agent calls this when the episode raised)."""
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        self._task = None
+        """Drop a sample still in progress (the agent calls this when the episode raised)."""
+        episode, self._episode = self._episode, None
+        if episode is not None:
+            episode.end(TerminationReason.CANCELLED)
+            await episode.close()
 
-    def _start(self, request: RolloutRequest) -> None:
+    async def _start(self, request: RolloutRequest) -> None:
         if request.messages and request.messages[-1].get("role") == "assistant":
             raise ValueError("a new sample starts from a fresh prompt (generation prompt added), so its messages "
                              "cannot end with an assistant message to continue")
-        self._conversation = _Conversation(request.messages)
-        self._running_turns = 0
-        self._turn = asyncio.get_running_loop().create_future()
-        # a retry would call step_turn again while run() waits for the first: run() owns its turns
-        self._task = asyncio.create_task(self._drive(_BridgeEnv(self, request), request.messages, env_retries=0))
+        self._episode, self._turn, self._response = Episode(self._sample_ctx()), None, None
+        await self._step(self._episode.start(EpisodeEnv(_RequestTools(request.tools)),
+                                             copy.deepcopy(request.messages)))
 
-    def _answer(self, step: StepResult) -> None:
-        self._turn = asyncio.get_running_loop().create_future()
-        action, self._action = self._action, None
-        self._edits, self._last = {}, None
-        if action is not None and not action.done():
-            action.set_result(step)
+    async def _apply_and_observe(self, step: StepResult) -> None:
+        self._episode.apply(step)
+        await self._episode.observe(step)
 
-    async def _next_turn(self) -> TurnResponse:
-        await asyncio.wait({self._turn, self._task}, return_when=asyncio.FIRST_COMPLETED)
-        if not self._turn.done():
-            await self._collect()
-            traj = self.trajectories[-1]
-            raise EpisodeOver(f"the sample ended: {traj.termination_reason}{': ' + traj.error if traj.error else ''}")
-        response = TurnResponse.of(self._turn.result(), self.ctx.renderer.end_of_turn_ids)
-        self._conversation.add_reply(response.text)
-        self._last = response
-        self._running_turns += 1
-        return response
+    async def _step(self, work: Awaitable[T]) -> T:
+        """One Episode step; when it ends the sample (a limit, an engine error, a render error), the sample is
+        finished and the run() override gets EpisodeOver."""
+        try:
+            return await work
+        except EpisodeEnd as end:
+            await self._end_sample(None, end.reason, end.message)
+        except (asyncio.CancelledError, EpisodeOver):
+            raise
+        except Exception as e:
+            log.warning("trajectory %s failed: %s", self.ctx.trajectory_id, e)
+            await self._end_sample(None, TerminationReason.ENV_ERROR, f"{type(e).__name__}: {e}")
+        traj = self.trajectories[-1]
+        raise EpisodeOver(f"the sample ended: {traj.termination_reason}{': ' + traj.error if traj.error else ''}")
 
-    async def _collect(self) -> None:
-        task, self._task = self._task, None
-        await task
-        self._action = None
+    async def _end_sample(self, step: StepResult | None, reason: TerminationReason | None = None,
+                          message: str | None = None) -> None:
+        """Finish the current sample: with the last turn's final step (its edits applied), or with `reason`."""
+        episode, self._episode = self._episode, None
+        try:
+            if step is not None:
+                episode.apply(step)
+                reason = episode.done_reason(step)
+            episode.end(reason, message)
+        except EpisodeEnd as end:
+            episode.end(end.reason, end.message)
+        finally:
+            await episode.close()
+        self._add(episode.result())
 
     # ---- the end of an episode ---------------------------------------------------------------------
     def finalize(self, trajectories: list[Trajectory]) -> list[Trajectory]:
@@ -517,8 +512,8 @@ class SchedulerRunner:
         infos = {**self.rollout_infos, "num_turns": self.turns}
         failed = next((t for t in trajectories if t.status == RolloutStatus.FAILED), None)
         for traj in trajectories:
-            traj.info["episode_id"] = self.ctx.trajectory_id
-            traj.info["rollout_infos"] = dict(infos)
+            traj.episode_id = self.ctx.trajectory_id
+            traj.rollout_infos = dict(infos)
             if failed is not None and traj.status != RolloutStatus.FAILED:
                 traj.finish(failed.termination_reason, f"sample {failed.id} of this episode failed: {failed.error}")
         return trajectories
@@ -529,8 +524,8 @@ class SchedulerRunner:
 # ---------------------------------------------------------------------------------------------------
 SCHEDULERS: dict[str, type[MultiTurnScheduler]] = {}
 """Schedulers by name. The built-ins (math_tip_trick, thinking_tips, gym, remote_env and ms-swift's names for
-them) are registered by turnrl.agents.schedulers_builtin, imported at the end of this module; plugins add
-theirs: `multi_turns["name"] = MyScheduler`."""
+them) are registered by turnrl.agents.schedulers_builtin, which the `turnrl.agents` package imports (so they are
+there whenever this module is); plugins add theirs: `multi_turns["name"] = MyScheduler`."""
 
 multi_turns = SCHEDULERS
 """ms-swift's name for the registry, so `multi_turns['name'] = Cls` in a plugin ports unchanged."""
@@ -627,7 +622,5 @@ async def _end(scheduler: MultiTurnScheduler, requests: list[RolloutRequest], er
     except Exception as e:
         log.warning("trajectory %s: on_trajectory_end raised %s: %s", trajectory_id, type(e).__name__, e)
         for traj in trajectories:
-            traj.info["trajectory_end_error"] = f"{type(e).__name__}: {e}"
+            traj.warnings.append(f"on_trajectory_end raised {type(e).__name__}: {e}")
 
-
-import turnrl.agents.schedulers_builtin  # noqa: E402,F401  (registers the built-ins into SCHEDULERS)

@@ -180,7 +180,7 @@ async def tool_agent(ctx: RolloutContext, sample: dict[str, Any]) -> Trajectory:
     traj = None
     try:
         traj = await drive(ctx, env)
-        traj.info["tool_rewards"] = await session.calc_rewards()
+        traj.tool_rewards = await session.calc_rewards()
     except asyncio.CancelledError:
         raise
     except Exception as e:  # calc_reward raised: the reward would be wrong, so this trajectory fails
@@ -193,6 +193,6 @@ async def tool_agent(ctx: RolloutContext, sample: dict[str, Any]) -> Trajectory:
         except Exception as e:  # release failed: the episode is still valid; say so loudly
             log.warning("trajectory %s: %s", ctx.trajectory_id, e)
             if traj is not None:
-                traj.info["tool_release_error"] = str(e)
+                traj.warnings.append(str(e))
     traj.info["tool_stats"] = env.stats
     return traj

@@ -22,12 +22,15 @@ import asyncio
 import importlib
 import importlib.util
 import inspect
+import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
-from turnrl.types import Message, StepResult, TerminationReason
+from turnrl.types import Message, StepResult, TerminationReason, Turn
+
+log = logging.getLogger(__name__)
 
 EnvFactory = Callable[[dict[str, Any], dict[str, Any]], Any]
 
@@ -40,13 +43,32 @@ BUILTIN_ENVS: dict[str, str] = {
 
 
 class Env(Protocol):
-    def reset(self) -> Any: ...
+    """A message-level environment (slime's contract). Only `step` is required; `reset`, `format_observation`,
+    `close` and a `tools` attribute (JSON schemas rendered into the prompt) are optional. Any method may be async."""
+
     def step(self, response_text: str) -> Any: ...
-    def format_observation(self, observation: Any) -> Any: ...
+
+
+@runtime_checkable
+class TurnEnv(Protocol):
+    """A token-aware environment (schedulers): it gets the whole `Turn` (tokens, logprobs, finish reason, the
+    conversation) instead of the reply text, may return token edits, and decides itself whether a
+    length-truncated turn ends the episode."""
+
+    def step_turn(self, turn: Turn) -> Any: ...
 
 
 class EnvError(RuntimeError):
     """An environment misbehaved (bad return value); the trajectory ends FAILED/env_error."""
+
+
+class EnvStepError(EnvError):
+    """env.step failed on every attempt; `timed_out` when the last attempt exceeded the time limit."""
+
+    def __init__(self, cause: BaseException | None, attempts: int):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause, self.attempts = cause, attempts
+        self.timed_out = isinstance(cause, TimeoutError)
 
 
 def load_module(spec: str, what: str = "module"):
@@ -126,10 +148,57 @@ def as_messages(value: Any, what: str) -> list[Message]:
     raise EnvError(f"{what} must return a chat message, a list of messages or a string; got {value!r:.100}")
 
 
-async def observation_messages(env: Any, observation: Any) -> list[Message]:
-    if observation is None:
-        return []
-    formatted = observation
-    if hasattr(env, "format_observation"):
-        formatted = await call(env.format_observation, observation)
-    return as_messages(formatted, "env.format_observation")
+class EpisodeEnv:
+    """One episode's environment as the driver sees it, built once per episode (`EpisodeEnv.of`): every optional
+    method present, sync methods run in a thread, step results normalised to `StepResult`, a step bounded by a
+    timeout and retried. Nothing inside the turn loop probes the env."""
+
+    def __init__(self, env: Env | TurnEnv, timeout_s: float | None = None, retries: int = 0):
+        self.env = env
+        self.tools: list[dict] | None = getattr(env, "tools", None)
+        self.token_aware = isinstance(env, TurnEnv)
+        """Token-aware envs get the `Turn` and see length-truncated turns (plain envs never do)."""
+        self.timeout_s, self.retries = timeout_s, retries
+
+    @classmethod
+    def of(cls, env: Any, timeout_s: float | None = None, retries: int = 0) -> EpisodeEnv:
+        if isinstance(env, EpisodeEnv):
+            return env
+        if env is None or not (callable(getattr(env, "step", None)) or callable(getattr(env, "step_turn", None))):
+            raise EnvError(f"an environment needs a step(response_text) method; got {type(env).__name__}")
+        return cls(env, timeout_s, retries)
+
+    async def reset(self) -> list[Message]:
+        """Extra prompt messages from `reset()` (slime's reset returns (obs, info), which it ignores)."""
+        reset = getattr(self.env, "reset", None)
+        extra = await call(reset) if reset is not None else None
+        return as_messages(extra, "env.reset") if isinstance(extra, dict | list) else []
+
+    async def step(self, turn: Turn) -> tuple[StepResult, int]:
+        """Step with the turn (token-aware envs) or its text, retried: (result, attempts). Raises EnvStepError
+        after the last failed attempt."""
+        fn, arg = (self.env.step_turn, turn) if self.token_aware else (self.env.step, turn.text)
+        error: BaseException | None = None
+        for attempt in range(1, self.retries + 2):
+            try:
+                return normalise_step(await asyncio.wait_for(call(fn, arg), self.timeout_s)), attempt
+            except TimeoutError:
+                error = TimeoutError(f"env.step exceeded env_timeout_s={self.timeout_s}")
+            except Exception as e:
+                error = e
+            if attempt <= self.retries:
+                log.warning("env.step failed (%s); retry %d of %d", error, attempt, self.retries)
+        raise EnvStepError(error, self.retries + 1)
+
+    async def observation(self, observation: Any) -> list[Message]:
+        """The chat messages of an observation (`format_observation` when the env has one)."""
+        if observation is None:
+            return []
+        fmt = getattr(self.env, "format_observation", None)
+        formatted = await call(fmt, observation) if fmt is not None else observation
+        return as_messages(formatted, "env.format_observation")
+
+    async def close(self) -> None:
+        close = getattr(self.env, "close", None)
+        if close is not None:
+            await call(close)
