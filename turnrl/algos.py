@@ -229,21 +229,25 @@ def policy_loss(
         loss_B_T = torch.where(adv_B_1 < 0, torch.minimum(loss_B_T, -adv_B_1 * dual_clip), loss_B_T)
     loss_B_T = torch.where(mask_B_T, loss_B_T, 0.0)
 
-    with torch.no_grad():
-        ratio_B_T = ratio_B_T.detach()
-        low_B_T = (adv_B_1 < 0) & (ratio_B_T < 1.0 - clip_low)
-        high_B_T = (adv_B_1 > 0) & (ratio_B_T > 1.0 + clip_high)
-        dual_B_T = (adv_B_1 < 0) & (ratio_B_T > (dual_clip if dual_clip is not None else float("inf")))
-        token_log_ratio_B_T = token_log_ratio_B_T.detach()
-        metrics = {
-            "clip_frac": masked_mean((low_B_T | high_B_T).double(), mask_B_T),
-            "clip_frac_low": masked_mean(low_B_T.double(), mask_B_T),
-            "clip_frac_high": masked_mean(high_B_T.double(), mask_B_T),
-            "dual_clip_frac": masked_mean(dual_B_T.double(), mask_B_T),
-            "ratio_mean": masked_mean(ratio_B_T, mask_B_T),
-            "approx_kl": masked_mean(token_log_ratio_B_T.exp() - 1 - token_log_ratio_B_T, mask_B_T),
-        }
-    return loss_B_T, metrics
+    return loss_B_T, _clip_metrics(ratio_B_T.detach(), token_log_ratio_B_T.detach(), adv_B_1, mask_B_T,
+                                   clip_low, clip_high, dual_clip)
+
+
+@torch.no_grad()
+def _clip_metrics(ratio_B_T: Tensor, token_log_ratio_B_T: Tensor, adv_B_1: Tensor, mask_B_T: Tensor,
+                  clip_low: float, clip_high: float, dual_clip: float | None) -> dict[str, Tensor]:
+    """policy_loss's diagnostics over masked tokens (see its docstring)."""
+    low_B_T = (adv_B_1 < 0) & (ratio_B_T < 1.0 - clip_low)
+    high_B_T = (adv_B_1 > 0) & (ratio_B_T > 1.0 + clip_high)
+    dual_B_T = (adv_B_1 < 0) & (ratio_B_T > (dual_clip if dual_clip is not None else float("inf")))
+    return {
+        "clip_frac": masked_mean((low_B_T | high_B_T).double(), mask_B_T),
+        "clip_frac_low": masked_mean(low_B_T.double(), mask_B_T),
+        "clip_frac_high": masked_mean(high_B_T.double(), mask_B_T),
+        "dual_clip_frac": masked_mean(dual_B_T.double(), mask_B_T),
+        "ratio_mean": masked_mean(ratio_B_T, mask_B_T),
+        "approx_kl": masked_mean(token_log_ratio_B_T.exp() - 1 - token_log_ratio_B_T, mask_B_T),
+    }
 
 
 def kl_penalty(logp_B_T: Tensor, ref_logp_B_T: Tensor, kind: KLKind = "low_var_kl") -> Tensor:
@@ -386,22 +390,28 @@ def rollout_is_weights(
     else:
         raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
 
-    ratio_B_T = log_ratio_B_T.exp()
-    truncated_B_T = ratio_B_T > threshold
-    if mode == "truncate":
-        rejected_B_T = torch.zeros_like(used_B_T)
-        weights_B_T = ratio_B_T.clamp(max=threshold)
-    elif mode == "mask":
-        truncated_B_T = torch.zeros_like(used_B_T)
-        rejected_B_T = (ratio_B_T < 1.0 / threshold) | (ratio_B_T > threshold)
-        weights_B_T = torch.where(rejected_B_T, 0.0, ratio_B_T)
-    else:
-        raise ValueError(f"mode must be 'truncate' or 'mask', got {mode!r}")
+    weights_B_T, truncated_B_T, rejected_B_T = _is_weights(log_ratio_B_T.exp(), mode, threshold)
     weights_B_T = torch.where(used_B_T, weights_B_T, 1.0)
+    return weights_B_T, _is_metrics(weights_B_T, token_log_ratio_B_T, used_B_T, truncated_B_T, rejected_B_T, valid_B)
 
+
+def _is_weights(ratio_B_T: Tensor, mode: ISMode, threshold: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(weights, truncated, rejected) of TIS or MIS for ratios ρ (see rollout_is_weights)."""
+    none_B_T = torch.zeros_like(ratio_B_T, dtype=torch.bool)
+    if mode == "truncate":
+        return ratio_B_T.clamp(max=threshold), ratio_B_T > threshold, none_B_T
+    if mode == "mask":
+        rejected_B_T = (ratio_B_T < 1.0 / threshold) | (ratio_B_T > threshold)
+        return torch.where(rejected_B_T, 0.0, ratio_B_T), none_B_T, rejected_B_T
+    raise ValueError(f"mode must be 'truncate' or 'mask', got {mode!r}")
+
+
+def _is_metrics(weights_B_T: Tensor, token_log_ratio_B_T: Tensor, used_B_T: Tensor, truncated_B_T: Tensor,
+                rejected_B_T: Tensor, valid_B: Tensor) -> dict[str, Tensor]:
+    """rollout_is_weights's diagnostics over the masked tokens of valid samples (see its docstring)."""
     weight_mean = masked_mean(weights_B_T, used_B_T)
     weight_sq_mean = masked_mean(weights_B_T.square(), used_B_T)
-    metrics = {
+    return {
         "mismatch_kl_k1": masked_mean(-token_log_ratio_B_T, used_B_T),
         "mismatch_kl_k3": masked_mean(token_log_ratio_B_T.exp() - 1 - token_log_ratio_B_T, used_B_T),
         "is_weight_mean": weight_mean,
@@ -410,4 +420,3 @@ def rollout_is_weights(
         "is_ess": torch.where(weight_sq_mean > 0, weight_mean.square() / weight_sq_mean, 0.0),
         "is_valid_frac": valid_B.double().mean(),
     }
-    return weights_B_T, metrics
