@@ -297,7 +297,7 @@ class ChatProxy:
         return message, finish, notes
 
     def _response(self, call: RecordedCall, finish: str, request: dict[str, Any]) -> dict[str, Any]:
-        logprobs = None
+        logprobs: dict[str, Any] | None = None
         if request.get("logprobs"):
             logprobs = {"content": [
                 {"token": self.renderer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}

@@ -143,26 +143,26 @@ class TrajectoryBuilder:
         else:
             self._extend(last, token_ids, 0, [None] * len(token_ids))
 
-    def apply_edit(self, edit: TokenEdit, out: GenerateOutput) -> list[int]:
-        """Replace the turn `out` produced (the tail of the last model segment) by `edit`; returns the new ids.
-        Raises TokenEditError on ids/mask that break the invariants; unusable logprobs only switch importance
+    def apply_edit(self, edit: TokenEdit, turn_ids: Sequence[int], turn_logprobs: Sequence[float]) -> list[int]:
+        """Replace the last turn's tokens (`turn_ids`, the tail of the last model segment) by `edit`; returns the
+        new ids. Raises TokenEditError on ids/mask that break the invariants; unusable logprobs only switch importance
         correction off for this trajectory (the segment gets None logprobs, and `warnings` says why)."""
         traj = self.trajectory
-        ids = list(edit.token_ids if edit.token_ids is not None else out.token_ids)
+        ids = list(edit.token_ids if edit.token_ids is not None else turn_ids)
         mask = list(edit.loss_mask if edit.loss_mask is not None else [1] * len(ids))
         if len(mask) != len(ids) or any(m not in (0, 1) for m in mask):
             raise TokenEditError(
                 f"trajectory {traj.id!r} turn {traj.num_turns}: the token edit (response_token_ids) has {len(ids)} "
                 f"tokens and its loss mask (response_loss_mask) {len(mask)} values {sorted(set(mask))}; they must "
                 "have equal length and values in {0, 1}")
-        logprobs, issue = _edit_logprobs(edit, out, ids, mask)
+        logprobs, issue = _edit_logprobs(edit, turn_ids, turn_logprobs, ids, mask)
         if issue is not None:
             log.warning("trajectory %s turn %d: %s; importance-sampling correction is off for this trajectory",
                         traj.id, traj.num_turns, issue)
             traj.warnings.append(f"turn {traj.num_turns}: {issue}")
             traj.metrics["logprob_issues"] = traj.metrics.get("logprob_issues", 0) + 1
         last = self._last_model()
-        n_old = len(out.token_ids)
+        n_old = len(turn_ids)
         if last is None or n_old > len(last.token_ids) or last is not traj.segments[-1]:
             raise TokenEditError(f"trajectory {traj.id!r}: no model turn of {n_old} tokens to replace")
         keep = len(last.token_ids) - n_old
@@ -191,16 +191,16 @@ class TrajectoryBuilder:
         self._response_len += len(token_ids)
 
 
-def _edit_logprobs(edit: TokenEdit, out: GenerateOutput, ids: list[int], mask: list[int]
-                   ) -> tuple[list[float | None] | None, str | None]:
+def _edit_logprobs(edit: TokenEdit, turn_ids: Sequence[int], turn_logprobs: Sequence[float], ids: list[int],
+                   mask: list[int]) -> tuple[list[float | None] | None, str | None]:
     """Logprobs aligned with an edit's ids (None at mask 0), or None and why they cannot be had."""
     n_trained = sum(mask)
     if edit.logprobs is not None:
         if len(edit.logprobs) != n_trained:
             return None, f"rollout_logprobs has {len(edit.logprobs)} values for {n_trained} mask-1 tokens"
         trained: list[float] = list(edit.logprobs)
-    elif ids[:n_trained] == out.token_ids[:n_trained] and all(mask[:n_trained]):
-        trained = list(out.logprobs[:n_trained])  # a cut of the engine's own tokens keeps their logprobs
+    elif ids[:n_trained] == list(turn_ids[:n_trained]) and all(mask[:n_trained]):
+        trained = list(turn_logprobs[:n_trained])  # a cut of the engine's own tokens keeps their logprobs
     else:
         return None, f"{n_trained} mask-1 tokens are not the engine's own tokens and no rollout_logprobs were given"
     it = iter(trained)
@@ -296,32 +296,49 @@ class Episode:
 
     def __init__(self, ctx: RolloutContext):
         self.ctx, self.limits = ctx, ctx.limits
-        self.env: EpisodeEnv | None = None
-        self.builder: TrajectoryBuilder | None = None
+        self._env: EpisodeEnv | None = None
+        self._builder: TrajectoryBuilder | None = None
         self.messages: list[Message] = []
         """The conversation exactly as the token stream holds it (the trajectory's `messages`)."""
         self.continuing = False
         self.length_reason = TerminationReason.LENGTH
         """How a length stop of the last turn ends the episode: length, or token_budget when the budget cut it."""
         self._last: Turn | None = None
-        self._out: GenerateOutput | None = None
         self._early: Trajectory | None = None  # a trajectory that ended before its prompt was rendered
         self._stop_ids = tuple(sorted(set(ctx.sampling.stop_token_ids) | ctx.renderer.end_of_turn_ids))
         self._metrics = {"gen_time_s": 0.0, "env_time_s": 0.0, "env_retries": 0, "cached_prompt_tokens": 0}
         self._t0 = time.perf_counter()
 
     @property
+    def started(self) -> bool:
+        return self._builder is not None
+
+    @property
+    def builder(self) -> TrajectoryBuilder:
+        assert self._builder is not None, "Episode.start() first"
+        return self._builder
+
+    @property
+    def env(self) -> EpisodeEnv:
+        assert self._env is not None, "Episode.start() first"
+        return self._env
+
+    @property
     def trajectory(self) -> Trajectory:
-        assert self.builder is not None, "Episode.start() first"
         return self.builder.trajectory
+
+    @property
+    def last_turn(self) -> Turn:
+        assert self._last is not None, "Episode.generate() first"
+        return self._last
 
     async def start(self, env: EpisodeEnv, messages: list[Message] | None = None) -> None:
         """Reset the env and render the prompt (its messages, the env's extra ones, its tools)."""
-        self.env = env
+        self._env = env
         self.messages = list(messages) if messages is not None else prompt_messages(self.ctx.sample)
         self.messages += await env.reset()
         prompt = self.ctx.renderer.initial(self.messages, env.tools)
-        self.builder = self.ctx.new_trajectory(prompt.ids, self.messages)
+        self._builder = self.ctx.new_trajectory(prompt.ids, self.messages)
         self.builder.images.add(prompt)
 
     def room(self) -> int | None:
@@ -341,7 +358,7 @@ class Episode:
                                      seed=derive_seed(self.ctx.sampling.seed, self.ctx.trajectory_id, n))
         traj = self.trajectory
         traj.turns.append(TurnRecord(n))
-        out = self._out = await self._call_engine(params, traj.turns[-1])
+        out = await self._call_engine(params, traj.turns[-1])
         self.builder.add_model(out, n, extend=self.continuing)
         traj.num_turns = n
         text = self.ctx.renderer.assistant_text(out.token_ids)
@@ -397,16 +414,16 @@ class Episode:
             traj.rollout_infos.update(step.rollout_infos)
         if step.edit is not None:
             try:
-                ids = self.builder.apply_edit(step.edit, self._out)
+                ids = self.builder.apply_edit(step.edit, self.last_turn.token_ids, self.last_turn.logprobs)
             except TokenEditError as e:
                 raise EpisodeEnd(TerminationReason.INVALID_OUTPUT, str(e)) from None
-            content, text = self.messages[-1]["content"], self._last.text  # the message shows the edited tokens
+            content, text = self.messages[-1]["content"], self.last_turn.text  # the message shows the edited tokens
             self.messages[-1]["content"] = content[: len(content) - len(text)] + self.ctx.renderer.assistant_text(ids)
         if step.reward is not None:
             traj.turn_rewards.append(float(step.reward))
 
     def done_reason(self, step: StepResult) -> TerminationReason:
-        if step.termination_reason is None and self._out.finish_reason == FinishReason.LENGTH:
+        if step.termination_reason is None and self.last_turn.finish_reason == FinishReason.LENGTH:
             return self.length_reason
         return step.termination_reason or TerminationReason.ENV_DONE
 
@@ -448,7 +465,7 @@ class Episode:
     # ---- the end ---------------------------------------------------------------------------------
     def end(self, reason: TerminationReason, error: str | None = None) -> None:
         """Finish the trajectory (once: a cancellation after the end changes nothing)."""
-        if self.builder is None:
+        if self._builder is None:
             self._early = self._early or self.ctx.failed(reason, error or str(reason))
         elif self.trajectory.termination_reason is None:
             self.builder.finish(reason, error)
@@ -456,9 +473,9 @@ class Episode:
     async def close(self) -> None:
         """Close the env and release the engine's cache of this trajectory; failures become warnings."""
         problems = []
-        if self.env is not None:
+        if self._env is not None:
             try:
-                await self.env.close()
+                await self._env.close()
             except Exception as e:
                 problems.append(f"env.close raised {type(e).__name__}: {e}")
         try:
@@ -467,7 +484,7 @@ class Episode:
             problems.append(f"engine.release raised {type(e).__name__}: {e}")
         for problem in problems:
             log.warning("trajectory %s: %s", self.ctx.trajectory_id, problem)
-        if self.builder is not None:
+        if self._builder is not None:
             traj = self.trajectory
             traj.warnings += problems
             traj.metrics.update(self._metrics, total_time_s=time.perf_counter() - self._t0,
@@ -476,11 +493,12 @@ class Episode:
 
     def result(self) -> Trajectory:
         """The finished trajectory, with its images merged and checked and its token stream sanity-checked."""
-        if self.builder is None:
+        if self._builder is None:
+            assert self._early is not None, "Episode.end() first"
             return self._early
         if self.builder.images.chunks:
             _attach_images(self.ctx, self.builder)
-        _sanity_check(self.ctx, self.trajectory, self.messages, self.env.tools if self.env else None)
+        _sanity_check(self.ctx, self.trajectory, self.messages, self.env.tools)
         return self.trajectory
 
 
@@ -488,7 +506,7 @@ def _attach_images(ctx: RolloutContext, b: TrajectoryBuilder) -> None:
     """Merge the training tensors once per key and run the parity checks; a violation fails the trajectory."""
     traj = b.trajectory
     merged = b.images.merged()
-    problem = check_parity(b.token_ids, b.images, merged, ctx.renderer)
+    problem = check_parity(b.token_ids, b.images, merged, ctx.renderer)  # type: ignore[arg-type]  # images ⇒ VLM
     traj.images = [image_ref(im) for im in b.images.images]
     if problem is not None:
         log.warning("trajectory %s: multimodal parity check failed: %s", traj.id, problem)

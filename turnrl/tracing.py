@@ -156,7 +156,7 @@ class TrajectoryTracer:
         from mlflow.entities import SpanType
 
         calls = env.info.get("tool_calls") or []
-        outputs = {"reward": env.reward, "done": env.done,
+        outputs: dict[str, Any] = {"reward": env.reward, "done": env.done,
                    "info": {k: v for k, v in env.info.items() if k != "tool_calls"}}
         outputs.update(self._decoded(traj, turn, {SegmentSource.TOOL, SegmentSource.ENV}, "observation") or {})
         span = _span(parent, "env.step", SpanType.CHAIN if calls else SpanType.TOOL, env.start_ns, env.end_ns,

@@ -356,8 +356,9 @@ class Trajectory:
         response, mask = row["response_ids"], row["loss_mask"]
         logprobs = row.get("rollout_logprobs")
         segments = []
-        listed = row.get("segments")  # [] is a trajectory without segments (one that failed before its first turn)
-        for s in listed if listed is not None else [{"source": "model", "turn": 1, "start": 0, "length": len(response)}]:
+        listed: list[dict[str, Any]] | None = row.get("segments")  # [] = failed before its first turn
+        whole: list[dict[str, Any]] = [{"source": "model", "turn": 1, "start": 0, "length": len(response)}]
+        for s in listed if listed is not None else whole:
             a, b = s["start"], s["start"] + s["length"]
             segments.append(
                 Segment(
@@ -407,7 +408,7 @@ their own and added `warnings`; version-1 files still load (`_fields_from_v1_inf
 
 def _fields_from_v1_info(info: dict[str, Any]) -> dict[str, Any]:
     """Version 1 rows kept the named fields inside `info`: take them out (in place) as top-level values."""
-    moved = {key: info.pop(key) for key in ("turns", "rollout_infos", "tool_rewards", "episode_id", "reward_error")
+    moved: dict[str, Any] = {key: info.pop(key) for key in ("turns", "rollout_infos", "tool_rewards", "episode_id", "reward_error")
              if key in info}
     warnings = [str(w) for w in info.pop("logprob_issues", [])]
     for key in ("trajectory_end_error", "tool_release_error"):

@@ -223,8 +223,9 @@ def plan_next(turn: Turn, nxt: list[Message], response: TurnResponse, edit: Toke
     conversation = turn.messages
     last = conversation[-1]["content"]
     prior = last[: len(last) - len(turn.text)]  # the assistant message before this call, on a continuation
-    token_backed = edit is not None and edit.token_ids is not None
-    reply = prior + (renderer.assistant_text(edit.token_ids) if token_backed else response.text)
+    edited_ids = edit.token_ids if edit is not None else None
+    token_backed = edited_ids is not None
+    reply = prior + (renderer.assistant_text(edited_ids) if edited_ids is not None else response.text)
     head = conversation[:-1]
     if len(nxt) == len(conversation) and _same(nxt[:-1], head) and nxt[-1].get("role") == "assistant":
         content = nxt[-1].get("content")
@@ -373,8 +374,7 @@ class SchedulerRunner:
         self.turns = 0
         """Model turns of the samples finished so far."""
         self._episode: Episode | None = None
-        self._turn: Turn | None = None
-        self._response: TurnResponse | None = None
+        """The sample a run() override is taking turn by turn."""
         self._edit: TokenEdit | None = None
 
     def merge_infos(self, infos: Any, where: str) -> None:
@@ -408,10 +408,11 @@ class SchedulerRunner:
     # ---- the default path --------------------------------------------------------------------------
     async def run_hooks(self, request: RolloutRequest) -> list[Trajectory]:
         """Hooks mapped onto drive; a rewritten history continues the episode in a new sample."""
-        while request is not None and self.turns < self.max_turns:
-            env = SchedulerEnv(self, request)
-            self._add(await drive(self._sample_ctx(), env, copy.deepcopy(request.messages)))
-            request = env.next_request
+        nxt: RolloutRequest | None = request
+        while nxt is not None and self.turns < self.max_turns:
+            env = SchedulerEnv(self, nxt)
+            self._add(await drive(self._sample_ctx(), env, copy.deepcopy(nxt.messages)))
+            nxt = env.next_request
         return self.trajectories
 
     # ---- the run() path ----------------------------------------------------------------------------
@@ -419,33 +420,35 @@ class SchedulerRunner:
         """One model turn on `request`. If the request extends the conversation so far, only the new part is
         appended (mask 0); otherwise, or with `new_sample`, the current sample ends and a new one starts."""
         if self._episode is not None:
-            if self._turn.turn >= self._episode.limits.max_turns:
-                await self._end_sample(StepResult(done=True, termination_reason=TerminationReason.MAX_TURNS,
-                                                  edit=self._edit))
-                raise EpisodeOver(f"max_turns={self.max_turns} reached")
-            if list(request.images) != list(self.ctx.sample.get("images") or []):
-                raise ValueError("request.images changed; put images into message content parts instead")
-            if new_sample:
-                step, split = StepResult(done=True, termination_reason=TerminationReason.SPLIT, edit=self._edit), True
-            else:
-                step, split = plan_next(self._turn, request.messages, self._response, self._edit, self.ctx.renderer)
-            if split:
-                await self._end_sample(step)
-            else:
-                await self._step(self._apply_and_observe(step))
-        if self._episode is None:
-            if self.turns >= self.max_turns:
-                raise EpisodeOver(f"max_turns={self.max_turns} reached")
-            await self._start(request)
-        turn = await self._step(self._episode.generate(self._turn.turn + 1 if self._turn else 1))
-        self._turn, self._edit = turn, None
-        self._response = TurnResponse.of(turn, self.ctx.renderer.end_of_turn_ids)
-        return self._response
+            await self._go_on(self._episode, request, new_sample)
+        episode = self._episode or await self._start(request)
+        turn = await self._step(episode.generate(episode.trajectory.num_turns + 1))
+        self._edit = None
+        return TurnResponse.of(turn, self.ctx.renderer.end_of_turn_ids)
+
+    async def _go_on(self, episode: Episode, request: RolloutRequest, new_sample: bool) -> None:
+        """Take the current sample to `request`: observe what it appends, or end the sample (split, max_turns)."""
+        last = episode.last_turn
+        if last.turn >= episode.limits.max_turns:
+            await self._end_sample(StepResult(done=True, termination_reason=TerminationReason.MAX_TURNS,
+                                              edit=self._edit))
+            raise EpisodeOver(f"max_turns={self.max_turns} reached")
+        if list(request.images) != list(self.ctx.sample.get("images") or []):
+            raise ValueError("request.images changed; put images into message content parts instead")
+        if new_sample:
+            step, split = StepResult(done=True, termination_reason=TerminationReason.SPLIT, edit=self._edit), True
+        else:
+            response = TurnResponse.of(last, self.ctx.renderer.end_of_turn_ids)
+            step, split = plan_next(last, request.messages, response, self._edit, self.ctx.renderer)
+        if split:
+            await self._end_sample(step)
+        else:
+            await self._step(self._apply_and_observe(episode, step))
 
     def edit_last_turn(self, response_token_ids: list[int] | None = None, response_loss_mask: list[int] | None = None,
                        rollout_logprobs: list[float] | None = None) -> None:
         """ms-swift's token fields for the turn `generate` last returned; applied and validated with what comes next."""
-        if self._response is None:
+        if self._episode is None or not self._episode.trajectory.num_turns:
             raise RuntimeError("edit_last_turn() needs a turn: call generate() first")
         self._edit = _edit_of({"response_token_ids": response_token_ids, "response_loss_mask": response_loss_mask,
                                "rollout_logprobs": rollout_logprobs})
@@ -463,17 +466,20 @@ class SchedulerRunner:
             episode.end(TerminationReason.CANCELLED)
             await episode.close()
 
-    async def _start(self, request: RolloutRequest) -> None:
+    async def _start(self, request: RolloutRequest) -> Episode:
+        if self.turns >= self.max_turns:
+            raise EpisodeOver(f"max_turns={self.max_turns} reached")
         if request.messages and request.messages[-1].get("role") == "assistant":
             raise ValueError("a new sample starts from a fresh prompt (generation prompt added), so its messages "
                              "cannot end with an assistant message to continue")
-        self._episode, self._turn, self._response = Episode(self._sample_ctx()), None, None
-        await self._step(self._episode.start(EpisodeEnv(_RequestTools(request.tools)),
-                                             copy.deepcopy(request.messages)))
+        episode = self._episode = Episode(self._sample_ctx())
+        await self._step(episode.start(EpisodeEnv(_RequestTools(request.tools)), copy.deepcopy(request.messages)))
+        return episode
 
-    async def _apply_and_observe(self, step: StepResult) -> None:
-        self._episode.apply(step)
-        await self._episode.observe(step)
+    @staticmethod
+    async def _apply_and_observe(episode: Episode, step: StepResult) -> None:
+        episode.apply(step)
+        await episode.observe(step)
 
     async def _step(self, work: Awaitable[T]) -> T:
         """One Episode step; when it ends the sample (a limit, an engine error, a render error), the sample is
@@ -490,12 +496,13 @@ class SchedulerRunner:
         traj = self.trajectories[-1]
         raise EpisodeOver(f"the sample ended: {traj.termination_reason}{': ' + traj.error if traj.error else ''}")
 
-    async def _end_sample(self, step: StepResult | None, reason: TerminationReason | None = None,
+    async def _end_sample(self, step: StepResult | None, reason: TerminationReason = TerminationReason.ENV_DONE,
                           message: str | None = None) -> None:
         """Finish the current sample: with the last turn's final step (its edits applied), or with `reason`."""
         episode, self._episode = self._episode, None
+        assert episode is not None
         try:
-            if step is not None:
+            if step is not None and episode.started:
                 episode.apply(step)
                 reason = episode.done_reason(step)
             episode.end(reason, message)
@@ -515,7 +522,8 @@ class SchedulerRunner:
             traj.episode_id = self.ctx.trajectory_id
             traj.rollout_infos = dict(infos)
             if failed is not None and traj.status != RolloutStatus.FAILED:
-                traj.finish(failed.termination_reason, f"sample {failed.id} of this episode failed: {failed.error}")
+                traj.finish(failed.termination_reason or TerminationReason.ENV_ERROR,
+                            f"sample {failed.id} of this episode failed: {failed.error}")
         return trajectories
 
 
@@ -599,7 +607,8 @@ async def run_episode(scheduler: MultiTurnScheduler, ctx: RolloutContext, sample
         except EpisodeOver:  # a limit or an engine error ended a run() override: keep what was built
             result = None
         collected = await runner.finish()
-        trajectories = collected if result is None else [result] if isinstance(result, Trajectory) else list(result)
+        trajectories: list[Trajectory] = (collected if result is None else [result] if isinstance(result, Trajectory)
+                                          else list(result))
         if not trajectories or not all(isinstance(t, Trajectory) for t in trajectories):
             raise TypeError(f"{type(scheduler).__name__}.run() must return a non-empty list of Trajectory "
                             "(return await runner.finish())")

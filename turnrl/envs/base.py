@@ -177,7 +177,8 @@ class EpisodeEnv:
     async def step(self, turn: Turn) -> tuple[StepResult, int]:
         """Step with the turn (token-aware envs) or its text, retried: (result, attempts). Raises EnvStepError
         after the last failed attempt."""
-        fn, arg = (self.env.step_turn, turn) if self.token_aware else (self.env.step, turn.text)
+        env: Any = self.env
+        fn, arg = (env.step_turn, turn) if self.token_aware else (env.step, turn.text)
         error: BaseException | None = None
         for attempt in range(1, self.retries + 2):
             try:
