@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 from turnrl.data import prompt_messages
 from turnrl.engines.base import Engine
-from turnrl.envs.base import EnvFactory, EnvStepError, EpisodeEnv
+from turnrl.envs.base import Env, EnvFactory, EnvStepError, EpisodeEnv, TurnEnv
 from turnrl.multimodal import ImageBuffer, check_parity, image_ref
 from turnrl.render import ChatRenderer, SanityMode
 from turnrl.types import (
@@ -248,7 +248,8 @@ class RolloutContext:
 # ---------------------------------------------------------------------------------------------------
 # The turn loop
 # ---------------------------------------------------------------------------------------------------
-async def drive(ctx: RolloutContext, env: Any, messages: list[Message] | None = None) -> Trajectory:
+async def drive(ctx: RolloutContext, env: Env | TurnEnv | EpisodeEnv, messages: list[Message] | None = None
+                ) -> Trajectory:
     """Run one episode of `env` on `ctx.engine` and return the validated trajectory (see module docstring)."""
     episode = Episode(ctx)
     try:
