@@ -39,7 +39,6 @@ from turnrl.tools.parsers import (
     Qwen3CoderParser,
     ToolCallParser,
     get_parser,
-    split_reasoning,
 )
 from turnrl.tools.stateful import (
     StatefulTool,
@@ -85,5 +84,4 @@ __all__ = [
     "normalize_result",
     "python_exec",
     "run_python_sandboxed",
-    "split_reasoning",
 ]
