@@ -26,7 +26,10 @@ REASONING_MARKERS: tuple[tuple[str, str], ...] = (
 )
 """(open, close) marker pairs, one per model family."""
 
-_CLOSED_BLOCKS = re.compile("|".join(f"{re.escape(o)}.*?{re.escape(c)}" for o, c in REASONING_MARKERS), re.DOTALL)
+_CLOSED_BLOCKS = re.compile(
+    "|".join(f"{re.escape(open_tag)}.*?{re.escape(close_tag)}" for open_tag, close_tag in REASONING_MARKERS),
+    re.DOTALL,
+)
 
 
 def split_reasoning(text: str) -> tuple[str | None, str]:
