@@ -5,11 +5,14 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from fakes import ScriptedEngine
 
 from turnrl.loading import LoadError, load_module, load_object, module_name_for
+
+REPO = Path(__file__).resolve().parents[1]  # the subprocess imports this checkout's turnrl
 
 
 @pytest.fixture(autouse=True)
@@ -59,7 +62,7 @@ def test_module_names_are_stable_across_processes(tmp_path):
     script = f"from turnrl.loading import load_module; print(load_module({str(path)!r}).__name__)"
     for seed in ("1", "2"):  # hash() would differ between these two
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
-                             env={"PYTHONHASHSEED": seed, "PATH": "/usr/bin:/bin"})
+                             env={"PYTHONHASHSEED": seed, "PATH": "/usr/bin:/bin"}, cwd=REPO)
         assert out.stdout.strip() == here
 
 
