@@ -81,6 +81,9 @@ def load_module(spec: str, what: str = "module") -> ModuleType:
         raise LoadError(f"{what} {spec!r}: an import inside it failed: {e}", name=spec) from e
     except SyntaxError as e:
         raise LoadError(f"{what} {spec!r}: {_syntax(e)}", name=spec) from None
+    except Exception as e:
+        e.add_note(f"raised while importing {what} module {spec!r}")
+        raise
 
 
 def module_name_for(path: Path) -> str:
