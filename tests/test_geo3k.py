@@ -19,7 +19,6 @@ from turnrl.envs.geo3k import (
     build_env,
     geo3k_reward,
     last_boxed,
-    strip_reasoning,
     tool_call_format,
 )
 from turnrl.envs.geo3k_data import (
@@ -30,6 +29,7 @@ from turnrl.envs.geo3k_data import (
     load_geo3k,
     make_problem,
 )
+from turnrl.reasoning import strip_reasoning
 from turnrl.types import TerminationReason
 
 try:

@@ -120,6 +120,7 @@ def test_errors_show_a_traceback_of_the_code_only():
     assert 'File "<code>", line 2, in <module>' in result.stderr
     assert "ValueError: bad value" in result.stderr
     assert "_run" not in result.stderr and "<string>" not in result.stderr
+    assert "_sandbox_child" not in result.stderr  # the child program's own frames are cut
     assert result.to_text(FAST).endswith("ValueError: bad value\n[exit code 1]")
 
 

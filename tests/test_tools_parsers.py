@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from turnrl.tools import PARSERS, get_parser, split_reasoning
+from turnrl.tools import PARSERS, get_parser
 from turnrl.types import ToolCall
 
 hermes = get_parser("hermes")
@@ -105,12 +105,6 @@ def test_unclosed_think_makes_the_rest_reasoning():
     text = 'Answer first. <think>let me call <tool_call>{"name": "x", "arguments": {}}</tool_call>'
     result = hermes.parse(text)
     assert result.calls == [] and result.errors == [] and result.content == "Answer first."
-
-
-def test_split_reasoning_handles_several_blocks():
-    assert split_reasoning("<think>a</think>x<think>b</think>y") == ("a\nb", "xy")
-    assert split_reasoning("r</think>z") == ("r", "z")
-    assert split_reasoning("plain") == ("", "plain")
 
 
 # ---- qwen3_coder -----------------------------------------------------------------------------------

@@ -395,7 +395,7 @@ RECIPE = Path(__file__).parent.parent / "examples" / "geo3k_vlm"
 
 
 def recipe_module():
-    from turnrl.envs.base import load_module
+    from turnrl.loading import load_module
 
     return load_module(str(RECIPE / "prepare_data.py"), what="recipe script")
 

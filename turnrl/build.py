@@ -111,7 +111,8 @@ def build_rollout_manager(
     cfg: RolloutConfig, engine: Engine, renderer: ChatRenderer, reward_fn: RewardFn | None = None
 ) -> RolloutManager:
     from turnrl.agents import agent_registry
-    from turnrl.envs.base import load_env_factory, load_module
+    from turnrl.envs.base import load_env_factory
+    from turnrl.loading import load_module
 
     for plugin in cfg.plugins:
         load_module(plugin, what="plugin")

@@ -134,7 +134,7 @@ async def _rollout(model_name, cfg, engine_cfg, rows, out: Path, reward: str | N
             engine = build_engine(model, engine_cfg, eos_token_ids=sorted(renderer.end_of_turn_ids),
                                   image_processor=image_processor)
             manager = build_rollout_manager(cfg, engine, renderer, reward_fn)
-    except (ValueError, FileNotFoundError, AttributeError, ModuleNotFoundError) as e:
+    except (ValueError, FileNotFoundError, AttributeError, ImportError) as e:
         _fail(str(e))
     stats = RolloutStats()
     total = len(rows) * cfg.n

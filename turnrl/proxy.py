@@ -48,9 +48,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from turnrl.engines.base import Engine
+from turnrl.reasoning import split_reasoning
 from turnrl.render import ChatRenderer, RenderError
 from turnrl.rollout import TrajectoryBuilder, derive_seed
-from turnrl.tools.parsers import get_parser, split_reasoning
+from turnrl.tools.parsers import get_parser
 from turnrl.types import (
     FinishReason,
     GenerateOutput,

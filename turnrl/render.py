@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from turnrl.reasoning import remove_reasoning_blocks
 from turnrl.types import Message
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,6 @@ log = logging.getLogger(__name__)
 DUMMY_SYSTEM = "You are a helpful assistant."
 DUMMY_USER = "Hello."
 DUMMY_MARK = "TURNRL_DUMMY_ASSISTANT_REPLY"
-_REASONING_RE = re.compile(r"<think>.*?</think>", re.DOTALL)
 
 
 class SanityMode(StrEnum):
@@ -206,7 +206,7 @@ def _refuse_images(messages: list[Message]) -> None:
 
 
 def _normalise(text: str) -> str:
-    return re.sub(r"\s+", "", _REASONING_RE.sub("", text))
+    return re.sub(r"\s+", "", remove_reasoning_blocks(text))
 
 
 def readable_diff(stream: str, full: str, context: int = 60) -> str:

@@ -180,17 +180,13 @@ def load_reward_fn(spec: str, format_weight: float = 0.0) -> Callable[[Trajector
     if spec in BUILTIN_REWARDS:
         main = bind_reward(BUILTIN_REWARDS[spec], spec)
     else:
-        from turnrl.envs.base import load_module
+        from turnrl.loading import load_object
 
-        module_spec, sep, attr = spec.rpartition(":")
-        if not sep:
+        if ":" not in spec:
             raise ValueError(
                 f"reward {spec!r}: expected one of {sorted(BUILTIN_REWARDS)} or path.py:function / pkg.module:function"
             )
-        fn = getattr(load_module(module_spec, what="reward module"), attr, None)
-        if not callable(fn):
-            raise AttributeError(f"reward {spec!r}: {module_spec} has no function {attr!r}")
-        main = bind_reward(fn, spec)
+        main = bind_reward(load_object(spec, what="reward"), spec)
     if not format_weight:
         return main
     fmt = bind_reward(format_reward)

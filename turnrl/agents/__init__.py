@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 import turnrl.agents.schedulers_builtin  # noqa: F401  (registers the built-in schedulers into SCHEDULERS)
-from turnrl.envs.base import call, load_module
+from turnrl.envs.base import call
 from turnrl.envs.single_turn import SingleTurnEnv
+from turnrl.loading import load_object, split_object_spec
 from turnrl.rollout import Agent, RolloutContext, drive
 from turnrl.types import Trajectory
 
@@ -53,13 +54,9 @@ AGENTS: dict[str, Agent] = {
 def load_agent(spec: str) -> tuple[str, Agent]:
     """`[name=]path.py:function` or `[name=]pkg.module:function` → (name, agent)."""
     name, _, target = spec.rpartition("=") if "=" in spec else ("", "", spec)
-    module_spec, sep, attr = target.rpartition(":")
-    if not sep or not module_spec or not attr:
+    if ":" not in target:
         raise ValueError(f"agent spec {spec!r}: expected [name=]path.py:function or [name=]pkg.module:function")
-    fn = getattr(load_module(module_spec, what="agent"), attr, None)
-    if not callable(fn):
-        raise AttributeError(f"agent spec {spec!r}: {module_spec} has no callable {attr!r}")
-    return name or attr, fn
+    return name or split_object_spec(target, "agent")[1], load_object(target, what="agent")
 
 
 def agent_registry(extra_specs: list[str] = ()) -> dict[str, Agent]:

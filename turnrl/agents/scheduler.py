@@ -545,13 +545,12 @@ def get_scheduler(spec: str | type[MultiTurnScheduler]) -> type[MultiTurnSchedul
         return spec
     if spec in SCHEDULERS:
         return SCHEDULERS[spec]
-    module_spec, sep, attr = spec.rpartition(":")
-    if sep and module_spec:
-        from turnrl.envs.base import load_module
+    if ":" in spec:
+        from turnrl.loading import load_object
 
-        cls = getattr(load_module(module_spec, what="scheduler"), attr, None)
+        cls = load_object(spec, what="scheduler")
         if not isinstance(cls, type):
-            raise AttributeError(f"scheduler {spec!r}: {module_spec} has no class {attr!r}")
+            raise AttributeError(f"scheduler {spec!r}: {cls!r} is not a class")
         return cls
     raise ValueError(f"unknown scheduler {spec!r}; registered: {', '.join(sorted(SCHEDULERS))}. A plugin file "
                      "(--plugin FILE.py) registers more with multi_turns['name'] = MyScheduler, or pass path.py:Class")

@@ -32,12 +32,11 @@ from turnrl.agents.scheduler import (
 )
 from turnrl.envs.base import call
 from turnrl.envs.frozenlake import FrozenLakeText
+from turnrl.reasoning import split_reasoning
 from turnrl.rewards import last_boxed, math_equal
 from turnrl.types import FinishReason, Message, Trajectory
 
 log = logging.getLogger(__name__)
-
-_REASONING_RE = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 
 
 # ---- answers ---------------------------------------------------------------------------------------
@@ -52,7 +51,7 @@ def reference_answer(data_dict: dict[str, Any]) -> str:
 
 def is_correct(text: str, data_dict: dict[str, Any]) -> bool:
     """Whether the reply's final answer (after its reasoning) equals the row's reference under math-verify."""
-    return math_equal(text.split("</think>")[-1], reference_answer(data_dict))
+    return math_equal(split_reasoning(text)[1], reference_answer(data_dict))
 
 
 def answer_end(text: str) -> int:
@@ -85,7 +84,7 @@ def strip_reasoning(messages: list[Message]) -> list[Message]:
     for m in messages:
         if m.get("role") == "assistant" and isinstance(m.get("content"), str):
             m = {k: v for k, v in m.items() if k != "reasoning_content"}
-            m["content"] = _REASONING_RE.sub("", m["content"])
+            m["content"] = split_reasoning(m["content"])[1]
         out.append(m)
     return out
 
@@ -282,7 +281,7 @@ class RemoteEnvScheduler(MultiTurnScheduler):
 
     def parse_action(self, text: str) -> dict[str, Any]:
         """The reply as an action: a JSON object (``` fences allowed) or `{"message": text}`."""
-        body = _REASONING_RE.sub("", text).strip()
+        body = split_reasoning(text)[1]
         fenced = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", body, re.DOTALL)
         try:
             action = json.loads(fenced.group(1) if fenced else body)

@@ -1,4 +1,4 @@
-"""The environment contract (slime-compatible) and the loader that finds `build_env` by path.
+"""The environment contract (slime-compatible) and `load_env_factory`, which finds `build_env` by name or path.
 
 A user environment is message-level and never sees tokens:
 
@@ -19,15 +19,14 @@ limits, timeouts and retries, so an env stays a few dozen lines.
 from __future__ import annotations
 
 import asyncio
-import importlib
-import importlib.util
+import difflib
 import inspect
 import logging
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from turnrl.loading import load_object
 from turnrl.types import Message, StepResult, TerminationReason, Turn
 
 log = logging.getLogger(__name__)
@@ -71,35 +70,21 @@ class EnvStepError(EnvError):
         self.timed_out = isinstance(cause, TimeoutError)
 
 
-def load_module(spec: str, what: str = "module"):
-    """Import a dotted module path or a `.py` file path."""
-    if spec.endswith(".py") or "/" in spec:
-        path = Path(spec)
-        if not path.exists():
-            raise FileNotFoundError(f"{what} file {spec} does not exist")
-        name = f"turnrl_user_{path.stem}_{abs(hash(str(path.resolve())))}"
-        if name in sys.modules:
-            return sys.modules[name]
-        module_spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[name] = module
-        module_spec.loader.exec_module(module)
-        return module
-    try:
-        return importlib.import_module(spec)
-    except ModuleNotFoundError as e:
-        raise ModuleNotFoundError(f"{what} {spec!r}: cannot import it ({e})") from None
-
-
 def load_env_factory(spec: str) -> EnvFactory:
     """Find `build_env` in a built-in env name, a dotted module path, or a `.py` file."""
-    module = load_module(BUILTIN_ENVS.get(spec, spec), what="environment")
-    factory = getattr(module, "build_env", None)
-    if not callable(factory):
-        raise AttributeError(
-            f"environment {spec!r} ({getattr(module, '__file__', module)}) has no build_env(sample, config) function"
-        )
-    return factory
+    target = f"{BUILTIN_ENVS.get(spec, spec)}:build_env"
+    try:
+        return load_object(target, what="environment", expected="build_env(sample, config) function")
+    except ModuleNotFoundError as e:
+        if not spec.isidentifier() or e.name != spec:
+            raise
+        file = Path(f"{spec}.py")
+        close = [file.name] if file.is_file() else difflib.get_close_matches(spec, BUILTIN_ENVS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        builtins = ", ".join(BUILTIN_ENVS)
+        raise ModuleNotFoundError(
+            f"unknown environment {spec!r}: not a built-in ({builtins}), a module or a .py file{hint}", name=spec
+        ) from None
 
 
 async def call(fn: Callable, *args: Any) -> Any:

@@ -15,14 +15,15 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from turnrl.reasoning import strip_reasoning
+
 ACTIONS = {"left": 0, "down": 1, "right": 2, "up": 3}
 _MOVE_RE = re.compile(r"\b(left|down|right|up|[0-3])\b")
-_REASONING_RE = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
 
 
 def parse_move(text: str) -> int | None:
     """gymnasium's action id of the last move named in `text` (reasoning ignored), or None."""
-    moves = _MOVE_RE.findall(_REASONING_RE.sub("", text).lower())
+    moves = _MOVE_RE.findall(strip_reasoning(text).lower())
     if not moves:
         return None
     move = moves[-1]

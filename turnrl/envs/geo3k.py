@@ -27,10 +27,10 @@ Differences from slime, on purpose:
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from turnrl.reasoning import strip_reasoning
 from turnrl.rewards import boxed_answer_reward, last_boxed, math_equal  # noqa: F401 (re-exported)
 from turnrl.rewards import reference_parses as _reference_parses
 from turnrl.types import Message, StepResult, TerminationReason
@@ -92,17 +92,6 @@ answers_match = math_equal
 
 
 # ---- parsing -------------------------------------------------------------------------------------
-
-
-def strip_reasoning(text: str) -> str:
-    """The reply without `<think>` reasoning: closed blocks, a `</think>` whose opening tag sits in the
-    prompt (everything before it), and an unclosed `<think>` (everything after it)."""
-    text = re.sub(r"<think>.*?</think>", "", text, flags=re.DOTALL)
-    if "</think>" in text:
-        text = text.rsplit("</think>", 1)[1]
-    if "<think>" in text:
-        text = text.split("<think>", 1)[0]
-    return text
 
 
 @dataclass

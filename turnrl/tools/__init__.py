@@ -3,20 +3,11 @@
     function_tool.py   @function_tool, schema inference, ToolResult / ToolResponse, tool errors
     stateful.py        stateful tools (per-trajectory lifecycle), YAML tool configs, ToolSet, ToolSession
     parsers.py         hermes / qwen3_coder tool-call parsers (reasoning stripped, errors for the model)
-    builtin.py         calculator (ast, no eval) and a sandboxed Python interpreter
+    calculator.py      calculator (ast, no eval)
+    sandbox.py         a sandboxed Python interpreter (python_exec); its child program is _sandbox_child.py
 """
 
-from turnrl.tools.builtin import (
-    CalculatorError,
-    SandboxError,
-    SandboxLimits,
-    SandboxResult,
-    calculator,
-    evaluate_expression,
-    make_python_tool,
-    python_exec,
-    run_python_sandboxed,
-)
+from turnrl.tools.calculator import CalculatorError, calculator, evaluate_expression
 from turnrl.tools.function_tool import (
     FunctionTool,
     ToolArgumentError,
@@ -39,7 +30,14 @@ from turnrl.tools.parsers import (
     Qwen3CoderParser,
     ToolCallParser,
     get_parser,
-    split_reasoning,
+)
+from turnrl.tools.sandbox import (
+    SandboxError,
+    SandboxLimits,
+    SandboxResult,
+    make_python_tool,
+    python_exec,
+    run_python_sandboxed,
 )
 from turnrl.tools.stateful import (
     StatefulTool,
@@ -85,5 +83,4 @@ __all__ = [
     "normalize_result",
     "python_exec",
     "run_python_sandboxed",
-    "split_reasoning",
 ]

@@ -26,18 +26,17 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
-import hashlib
-import importlib.util
 import inspect
 import json
 import re
-import sys
 import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union, overload
+
+from turnrl.loading import load_module
 
 # ---- results ---------------------------------------------------------------------------------------
 
@@ -502,31 +501,9 @@ def function_tool(fn: Any = None, /, name: str | None = None, *, schema: dict[st
 # ---- loading from files ----------------------------------------------------------------------------
 
 
-def import_python_file(path: str | Path) -> types.ModuleType:
-    """Import a .py file by path under a module name unique to its absolute path (imported once)."""
-    resolved = Path(path).resolve()
-    if not resolved.is_file():
-        raise FileNotFoundError(f"tool file {path} not found (resolved to {resolved})")
-    digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:12]
-    module_name = f"_turnrl_tools_{re.sub(r'[^0-9A-Za-z_]', '_', resolved.stem)}_{digest}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    spec = importlib.util.spec_from_file_location(module_name, resolved)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import {path} as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # before exec: dataclasses and pickling look the module up
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[module_name]
-        raise
-    return module
-
-
 def load_function_tools(path: str | Path) -> list[FunctionTool]:
     """Import the .py file at `path` and return its module-level `FunctionTool`s, in definition order."""
-    module = import_python_file(path)
+    module = load_module(str(path), what="tool")
     tools: dict[str, tuple[str, FunctionTool]] = {}
     for attr, obj in vars(module).items():
         if not isinstance(obj, FunctionTool):

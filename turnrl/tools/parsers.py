@@ -19,9 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from turnrl.reasoning import split_reasoning
 from turnrl.types import ToolCall
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 
@@ -36,7 +36,7 @@ class ParseResult:
     """One message per malformed call, e.g. `invalid JSON in <tool_call> #1: Expecting ',' delimiter at
     char 23`. Blocks are numbered from 1 in the order they appear."""
     reasoning: str = ""
-    """The reasoning text that was removed (without the think tags)."""
+    """The reasoning text that was removed (without its markers; see turnrl.reasoning)."""
 
 
 class ToolCallParser(Protocol):
@@ -47,32 +47,6 @@ class ToolCallParser(Protocol):
     def has_call_syntax(self, text: str) -> bool:
         """True when the text (outside reasoning) tries to call a tool, well-formed or not."""
         ...
-
-
-def split_reasoning(text: str) -> tuple[str, str]:
-    """Return (reasoning, rest): the text of `<think>...</think>` blocks, and everything else.
-
-    A `</think>` with no opening tag before it closes reasoning that started before the text (Qwen3
-    templates put `<think>` in the prompt), so everything up to it is reasoning. An unclosed `<think>`
-    makes the rest of the text reasoning (generation stopped mid-thought).
-    """
-    reasoning: list[str] = []
-    close = text.find(THINK_CLOSE)
-    if close != -1 and THINK_OPEN not in text[:close]:
-        reasoning.append(text[:close])
-        text = text[close + len(THINK_CLOSE) :]
-    rest: list[str] = []
-    while (start := text.find(THINK_OPEN)) != -1:
-        rest.append(text[:start])
-        end = text.find(THINK_CLOSE, start)
-        if end == -1:
-            reasoning.append(text[start + len(THINK_OPEN) :])
-            text = ""
-            break
-        reasoning.append(text[start + len(THINK_OPEN) : end])
-        text = text[end + len(THINK_CLOSE) :]
-    rest.append(text)
-    return "\n".join(r.strip() for r in reasoning).strip(), "".join(rest)
 
 
 def _call_blocks(text: str) -> tuple[list[str], list[str], list[str]]:
@@ -118,7 +92,7 @@ class HermesParser:
     def parse(self, text: str) -> ParseResult:
         reasoning, rest = split_reasoning(text)
         outside, bodies, block_errors = _call_blocks(rest)
-        result = ParseResult(content=_join_content(outside), reasoning=reasoning)
+        result = ParseResult(content=_join_content(outside), reasoning=reasoning or "")
         for number, body in enumerate(bodies, start=1):
             call_or_error = _hermes_call(body, number, f"call_{len(result.calls)}")
             if isinstance(call_or_error, ToolCall):
@@ -197,7 +171,7 @@ class Qwen3CoderParser:
     def parse(self, text: str) -> ParseResult:
         reasoning, rest = split_reasoning(text)
         outside, bodies, block_errors = _call_blocks(rest)
-        result = ParseResult(content=_join_content(outside), reasoning=reasoning)
+        result = ParseResult(content=_join_content(outside), reasoning=reasoning or "")
         for number, body in enumerate(bodies, start=1):
             functions = _FUNCTION_RE.findall(body)
             if not functions:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import importlib
 import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import yaml
 
+from turnrl.loading import load_object
 from turnrl.tools.function_tool import (
     FunctionTool,
     ToolError,
@@ -37,7 +37,6 @@ from turnrl.tools.function_tool import (
     ToolTimeout,
     check_arguments,
     function_tool,
-    import_python_file,
     load_function_tools,
     normalize_result,
     normalize_tool_schema,
@@ -226,18 +225,16 @@ def _import_class(ref: str, base_dir: Path, where: str) -> Any:
         found = next((c for c in candidates if c.is_file()), None)
         if found is None:
             raise FileNotFoundError(f"{where}: tool file {file_ref} not found (tried {', '.join(map(str, candidates))})")
-        module: Any = import_python_file(found)
+        spec = f"{found}:{attr}"
     else:
         module_name, _, attr = ref.rpartition(".")
         if not module_name:
             raise ValueError(f"{where}: class_name {ref!r} must be `package.module.Class` or `file.py:Class`")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as e:
-            raise ValueError(f"{where}: cannot import module {module_name!r} for class_name {ref!r}: {e}") from e
-    if not hasattr(module, attr):
-        raise ValueError(f"{where}: {module.__name__} has no attribute {attr!r} (class_name {ref!r})")
-    return getattr(module, attr)
+        spec = f"{module_name}:{attr}"
+    try:
+        return load_object(spec, what="tool")
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{where}: {e}") from e
 
 
 # ---- the tool set ----------------------------------------------------------------------------------

@@ -1,6 +1,4 @@
-"""Built-in tools: a safe calculator and a sandboxed Python interpreter.
-
-`calculator` evaluates arithmetic by walking the `ast`; it never calls `eval`.
+"""A sandboxed Python interpreter for tools.
 
 `python_exec` (or `make_python_tool(...)` for other limits) runs model-written code in a child process.
 What protects the host, from strongest to weakest (`SandboxResult.layers` says which were active):
@@ -46,7 +44,6 @@ use these limits on top.
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import grp
 import json
@@ -66,140 +63,6 @@ from pathlib import Path
 from typing import Any
 
 from turnrl.tools.function_tool import FunctionTool, ToolResult, function_tool
-
-# ---- calculator ------------------------------------------------------------------------------------
-
-
-class CalculatorError(ValueError):
-    """The expression is invalid, unsupported, or its value is out of range."""
-
-
-MAX_EXPRESSION_CHARS = 1000
-MAX_EXPONENT = 1000
-MAX_INT_BITS = 4000  # ~1200 decimal digits; also keeps str() under Python's 4300-digit limit
-
-_BINARY_OPS: dict[type[ast.operator], Any] = {
-    ast.Add: lambda a, b: a + b,
-    ast.Sub: lambda a, b: a - b,
-    ast.Mult: lambda a, b: a * b,
-    ast.Div: lambda a, b: a / b,
-    ast.FloorDiv: lambda a, b: a // b,
-    ast.Mod: lambda a, b: a % b,
-    ast.Pow: lambda a, b: _power(a, b),
-}
-_FUNCTIONS: dict[str, Any] = {
-    "sqrt": math.sqrt,
-    "abs": abs,
-    "round": round,
-    "min": min,
-    "max": max,
-    "floor": math.floor,
-    "ceil": math.ceil,
-    "log": math.log,
-    "exp": math.exp,
-}
-_CONSTANTS = {"pi": math.pi, "e": math.e}
-
-
-def evaluate_expression(expression: str) -> int | float:
-    """Evaluate arithmetic: numbers, + - * / // % **, unary +/-, parentheses, the functions in
-    `_FUNCTIONS` and the constants pi and e. Raises `CalculatorError` with a readable message."""
-    if len(expression) > MAX_EXPRESSION_CHARS:
-        raise CalculatorError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
-    try:
-        tree = ast.parse(expression.strip(), mode="eval")
-    except (SyntaxError, ValueError) as e:
-        raise CalculatorError(f"invalid expression: {getattr(e, 'msg', e)}") from None
-    try:
-        return _checked(_eval_node(tree.body))
-    except ZeroDivisionError:
-        raise CalculatorError("division by zero") from None
-    except OverflowError:
-        raise CalculatorError("result too large") from None
-    except (ValueError, TypeError) as e:  # math domain errors, round() of inf, ...
-        raise CalculatorError(str(e)) from None
-
-
-def _eval_node(node: ast.AST) -> int | float:
-    if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool):
-        return node.value
-    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY_OPS:
-        left, right = _eval_node(node.left), _eval_node(node.right)
-        return _checked(_BINARY_OPS[type(node.op)](left, right))
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
-        value = _eval_node(node.operand)
-        return -value if isinstance(node.op, ast.USub) else value
-    if isinstance(node, ast.Name) and node.id in _CONSTANTS:
-        return _CONSTANTS[node.id]
-    if isinstance(node, ast.Call):
-        return _eval_call(node)
-    raise CalculatorError(_unsupported(node))
-
-
-def _eval_call(node: ast.Call) -> int | float:
-    if not isinstance(node.func, ast.Name) or node.func.id not in _FUNCTIONS:
-        called = node.func.id if isinstance(node.func, ast.Name) else ast.unparse(node.func)
-        raise CalculatorError(f"unsupported function {called!r}; available: {', '.join(_FUNCTIONS)}")
-    if node.keywords:
-        raise CalculatorError(f"{node.func.id}() takes no keyword arguments")
-    args = [_eval_node(a) for a in node.args]
-    return _checked(_FUNCTIONS[node.func.id](*args))
-
-
-def _unsupported(node: ast.AST) -> str:
-    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitXor):
-        return "unsupported operator ^ (use ** for powers)"
-    if isinstance(node, ast.Name):
-        return f"unknown name {node.id!r}; constants: {', '.join(_CONSTANTS)}"
-    if isinstance(node, ast.Constant):
-        return f"unsupported literal {node.value!r}; only int and float numbers"
-    return f"unsupported syntax: {type(node).__name__} ({ast.unparse(node)})"
-
-
-def _power(base: int | float, exponent: int | float) -> int | float:
-    if abs(exponent) > MAX_EXPONENT:
-        raise CalculatorError(f"exponent {exponent} too large (at most {MAX_EXPONENT})")
-    if isinstance(base, int) and isinstance(exponent, int) and base.bit_length() * exponent > MAX_INT_BITS:
-        raise CalculatorError("result too large")
-    return base**exponent
-
-
-def _checked(value: Any) -> int | float:
-    if isinstance(value, complex):
-        raise CalculatorError("result is not a real number")
-    if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:
-        raise CalculatorError("result too large")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise CalculatorError("result too large" if math.isinf(value) else "result is not a number")
-    return value
-
-
-def format_number(value: int | float) -> str:
-    """Integers (and integral floats below 1e15) without `.0`; other floats to 12 significant digits."""
-    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
-        return str(int(value))
-    if isinstance(value, float):
-        return format(value, ".12g")
-    return str(value)
-
-
-@function_tool
-def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression and return the result.
-
-    Supports numbers, + - * / // % ** (exponents up to 1000), parentheses, sqrt, abs, round, min, max,
-    floor, ceil, log, exp, pi and e.
-
-    Args:
-        expression: The expression, e.g. "(3 + 4) * 2 ** 3".
-    """
-    try:
-        return format_number(evaluate_expression(expression))
-    except CalculatorError as e:
-        return f"Error: {e}"
-
-
-# ---- sandboxed Python ------------------------------------------------------------------------------
 
 
 class SandboxError(RuntimeError):
@@ -317,12 +180,14 @@ def run_python_sandboxed(code: str, limits: SandboxLimits | None = None) -> Sand
     return SandboxResult(stdout, stderr, exit_code, timed_out, wall_s, out_cut or err_cut, report["layers"])
 
 
+_CHILD_PROGRAM = str(Path(__file__).with_name("_sandbox_child.py"))
+"""Run by path, not `-m`: under `python -I` (and maybe another interpreter) turnrl need not be importable."""
 _BACKSTOP_GRACE_S = 5.0  # the in-sandbox supervisor enforces timeout_s; this catches a dead supervisor
 
 
 def _spawn_and_wait(limits: SandboxLimits, control: str, workdir: str, report_w: int) -> tuple[int, bool, float]:
-    """Start the supervisor (`_BOOTSTRAP`) and wait for it; SIGKILL its process group if it overstays."""
-    argv = [limits.python, "-I", "-B", "-u", "-c", _BOOTSTRAP, str(Path(control, "config.json"))]
+    """Start the supervisor (`_sandbox_child.py`) and wait for it; SIGKILL its process group if it overstays."""
+    argv = [limits.python, "-I", "-B", "-u", _CHILD_PROGRAM, str(Path(control, "config.json"))]
     start = time.monotonic()
     with open(Path(control, "stdout"), "wb") as out, open(Path(control, "stderr"), "wb") as err:
         proc = subprocess.Popen(
@@ -528,208 +393,6 @@ def _user_task_count(uid: int) -> int:
             total += int(fields.get("Threads", "1"))
     return total
 
-
-# ---- the child side --------------------------------------------------------------------------------
-# `python -I -B -u -c _BOOTSTRAP config.json` starts as the *supervisor*: it applies the limits and
-# namespaces (inherited by everything it starts), makes itself the subreaper of the run, and forks the
-# *worker*, which drops privileges, reports the active layers, installs the audit hook and runs the code.
-# The supervisor keeps its privileges only to enforce the wall-clock timeout and to kill and reap every
-# process of the run afterwards (orphans are reparented to it, so none is left as a zombie either).
-
-_BOOTSTRAP = r'''
-import json, linecache, os, resource, select, socket, sys, time, traceback
-try:
-    import ctypes
-except ImportError:
-    ctypes = None
-
-def _report(fd, **message):
-    os.write(fd, (json.dumps(message) + "\n").encode())
-
-def _setup_supervisor(cfg):
-    for name, (soft, hard) in cfg["rlimits"].items():
-        current_hard = resource.getrlimit(getattr(resource, name))[1]
-        if current_hard != resource.RLIM_INFINITY:  # a non-root parent cannot raise its hard limits
-            soft, hard = min(soft, current_hard), min(hard, current_hard)
-        resource.setrlimit(getattr(resource, name), (soft, hard))
-    layers = {"rlimits": True, "netns": False, "no_new_privs": False, "subreaper": False}
-    if sys.platform.startswith("linux") and ctypes is not None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        flags = 0x40000000 if os.geteuid() == 0 else 0x40000000 | 0x10000000  # NEWNET (| NEWUSER)
-        layers["netns"] = cfg["network_namespace"] and libc.unshare(flags) == 0
-        layers["no_new_privs"] = libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS
-        layers["subreaper"] = libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
-    return layers
-
-def _drop_privileges(uid, keep_dac_read_search):
-    libc = ctypes.CDLL(None, use_errno=True)
-    if keep_dac_read_search and libc.prctl(8, 1, 0, 0, 0) != 0:  # PR_SET_KEEPCAPS
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_KEEPCAPS)")
-    os.setgroups([])
-    os.setgid(uid)
-    os.setuid(uid)
-    if keep_dac_read_search:  # permitted = effective = {CAP_DAC_READ_SEARCH}, nothing else
-        class Header(ctypes.Structure):
-            _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-        class Data(ctypes.Structure):
-            _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
-        data = (Data * 2)()
-        data[0].effective = data[0].permitted = 1 << 2
-        if libc.capset(ctypes.byref(Header(0x20080522, 0)), data) != 0:
-            raise OSError(ctypes.get_errno(), "capset(CAP_DAC_READ_SEARCH)")
-
-def _install_audit_hook(root, block_network, allow_subprocess):
-    realpath, dirname, basename, sep = os.path.realpath, os.path.dirname, os.path.basename, os.sep
-    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-    follow = {"os.chmod": (0,), "os.chown": (0,), "os.truncate": (0,), "os.utime": (0,)}
-    no_follow = {"os.remove": (0,), "os.rmdir": (0,), "os.mkdir": (0,), "os.rename": (0, 1),
-                 "os.link": (0, 1), "os.symlink": (1,), "shutil.rmtree": (0,)}
-    spawn = {"os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen"}
-    net = {"socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg"}
-    unix = getattr(socket, "AF_UNIX", None)
-
-    def inside(path, follow_last=True):
-        if isinstance(path, int):
-            return True  # an already open file descriptor
-        path = os.path.abspath(os.fsdecode(os.fspath(path)))
-        path = realpath(path) if follow_last else os.path.join(realpath(dirname(path)), basename(path))
-        return path == root or path.startswith(root + sep) or path == "/dev/null"
-
-    def hook(event, args):
-        if event == "open":
-            flags = args[2] if isinstance(args[2], int) else 0
-            if flags & write_flags and not inside(args[0]):
-                raise PermissionError(f"sandbox: writing outside the working directory is not allowed: {args[0]}")
-        elif event in follow or event in no_follow:
-            for i in follow.get(event) or no_follow[event]:
-                if not inside(args[i], event in follow):
-                    raise PermissionError(f"sandbox: {event} outside the working directory is not allowed: {args[i]}")
-        elif event in spawn and not allow_subprocess:
-            raise PermissionError(f"sandbox: starting programs ({event}) is not allowed")
-        elif block_network and (event == "socket.getaddrinfo"
-                                or (event == "socket.__new__" and args[1] != unix)
-                                or (event in net and isinstance(args[1], tuple))):
-            raise PermissionError(f"sandbox: network access ({event}) is not allowed")
-
-    sys.addaudithook(hook)
-
-def _worker(cfg, layers):
-    try:
-        if cfg["uid"] is not None:
-            _drop_privileges(cfg["uid"], cfg["keep_dac_read_search"])
-            layers.update(uid=cfg["uid"], read_anywhere=cfg["keep_dac_read_search"])
-        else:
-            layers.update(uid=None, read_anywhere=os.geteuid() == 0)
-        os.chdir(cfg["cwd"])
-        block_network = not layers["netns"]
-        _install_audit_hook(os.path.realpath(cfg["cwd"]), block_network, cfg["allow_subprocess"])
-        layers.update(audit_hook=True, network_hook=block_network)
-    except BaseException as e:
-        _report(cfg["report_fd"], setup_error=f"{type(e).__name__}: {e}")
-        os._exit(125)
-    _report(cfg["report_fd"], layers=layers)
-    os.close(cfg["report_fd"])
-    _run(cfg.pop("code"))
-
-def _run(code):
-    linecache.cache["<code>"] = (len(code), None, code.splitlines(True), "<code>")
-    sys.argv = ["<code>"]
-    sys.path.insert(0, os.getcwd())
-    try:
-        exec(compile(code, "<code>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-    except SystemExit:
-        raise
-    except BaseException as e:
-        report = traceback.TracebackException(type(e), e, e.__traceback__)
-        report.stack = traceback.StackSummary.from_list([f for f in report.stack if f.filename != "<string>"])
-        sys.stderr.write("".join(report.format()))  # the traceback without this bootstrap's frames
-        sys.exit(1)
-
-def _wait(pid, timeout_s):
-    try:
-        pidfd = os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        pidfd = None
-    deadline = time.monotonic() + timeout_s
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return status
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return None
-        if pidfd is not None:
-            select.select([pidfd], [], [], remaining)
-        else:
-            time.sleep(min(remaining, 0.005))
-
-def _children():
-    me = str(os.getpid())
-    try:
-        with open(f"/proc/self/task/{me}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except OSError:
-        pass
-    pids = []
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                if entry.isdigit() and f.read().rsplit(")", 1)[1].split()[1] == me:
-                    pids.append(int(entry))
-        except (OSError, IndexError):
-            pass
-    return pids
-
-def _kill_all(uid):
-    if uid is not None:  # kill(-1) as the run's uid reaches its every process, wherever it is
-        killer = os.fork()
-        if killer == 0:
-            try:
-                os.setgroups([]); os.setgid(uid); os.setuid(uid); os.kill(-1, 9)
-            finally:
-                os._exit(0)
-        os.waitpid(killer, 0)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:  # orphans are reparented here: kill and reap until none is left
-        for pid in _children():
-            try:
-                os.kill(pid, 9)
-            except OSError:
-                pass
-        try:
-            if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                time.sleep(0.001)
-        except ChildProcessError:
-            return
-
-def _supervise(cfg, worker):
-    status = _wait(worker, cfg["timeout_s"])
-    _kill_all(cfg["uid"])
-    if status is None:
-        exit_code = -9
-    elif os.WIFSIGNALED(status):
-        exit_code = -os.WTERMSIG(status)
-    else:
-        exit_code = os.WEXITSTATUS(status)
-    _report(cfg["report_fd"], exit_code=exit_code, timed_out=status is None)
-    os._exit(exit_code if exit_code >= 0 else 128 - exit_code)
-
-def _main():
-    with open(sys.argv[1]) as f:
-        cfg = json.load(f)
-    try:
-        layers = _setup_supervisor(cfg)
-    except BaseException as e:
-        _report(cfg["report_fd"], setup_error=f"{type(e).__name__}: {e}")
-        os._exit(125)
-    worker = os.fork()
-    if worker == 0:
-        _worker(cfg, layers)
-        sys.exit(0)
-    _supervise(cfg, worker)
-
-_main()
-'''
 
 
 def make_python_tool(
