@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 from turnrl.data import prompt_messages
 from turnrl.engines.base import Engine
-from turnrl.envs.base import Env, EnvFactory, EnvStepError, EpisodeEnv, TurnEnv
+from turnrl.envs.base import Env, EnvFactory, EnvStepError, EnvThreads, EpisodeEnv, TurnEnv
 from turnrl.multimodal import ImageBuffer, check_parity, image_ref
 from turnrl.render import ChatRenderer, SanityMode
 from turnrl.types import (
@@ -76,6 +76,9 @@ class RolloutLimits:
     """Extra attempts of a failing env.step within one turn (only for envs whose step is safe to repeat)."""
     trajectory_timeout_s: float | None = None
     """Wall-clock limit of a whole trajectory (FAILED/timeout, content so far kept)."""
+    cleanup_timeout_s: float = 10.0
+    """Bound on each cleanup call of a finished trajectory (env.close, engine.release): a hung env or engine
+    never holds a finished trajectory, or a cancelled one, forever."""
 
     def __post_init__(self) -> None:
         if self.max_turns < 1:
@@ -225,6 +228,8 @@ class RolloutContext:
     tools: Any = None
     """The agent's ToolSet (turnrl.tools), if any."""
     sanity_mode: SanityMode = SanityMode.STRICT
+    env_threads: EnvThreads | None = None
+    """Where sync env methods run (the RolloutManager's, sized to its concurrency)."""
     partial: Trajectory | None = None
     """Set by `drive` when the trajectory is cancelled, so a timeout keeps the content produced so far."""
 
@@ -253,7 +258,8 @@ async def drive(ctx: RolloutContext, env: Env | TurnEnv | EpisodeEnv, messages: 
     """Run one episode of `env` on `ctx.engine` and return the validated trajectory (see module docstring)."""
     episode = Episode(ctx)
     try:
-        await episode.start(EpisodeEnv.of(env, ctx.limits.env_timeout_s, ctx.limits.env_retries), messages)
+        limits = ctx.limits
+        await episode.start(EpisodeEnv.of(env, limits.env_timeout_s, limits.env_retries, ctx.env_threads), messages)
         episode.end(await _turn_loop(episode))
     except EpisodeEnd as end:
         episode.end(end.reason, end.message)
@@ -473,15 +479,15 @@ class Episode:
 
     async def close(self) -> None:
         """Close the env and release the engine's cache of this trajectory; failures become warnings."""
-        problems = []
+        problems, bound = [], self.limits.cleanup_timeout_s
         if self._env is not None:
             try:
-                await self._env.close()
+                await asyncio.wait_for(self._env.close(), bound)
             except Exception as e:
                 problems.append(f"env.close raised {type(e).__name__}: {e}")
-        try:
-            await self.ctx.engine.release(self.ctx.trajectory_id)
-        except Exception as e:  # releasing a cache entry must never fail a finished trajectory
+        try:  # releasing a cache entry must never fail, or hold, a finished trajectory
+            await asyncio.wait_for(self.ctx.engine.release(self.ctx.trajectory_id), bound)
+        except Exception as e:
             problems.append(f"engine.release raised {type(e).__name__}: {e}")
         for problem in problems:
             log.warning("trajectory %s: %s", self.ctx.trajectory_id, problem)
@@ -579,6 +585,7 @@ class RolloutManager:
         self.limits = limits or RolloutLimits()
         self.env_factory, self.env_config, self.tools = env_factory, dict(env_config or {}), tools
         self.concurrency, self.sanity_mode, self.reward_fn = concurrency, SanityMode(sanity_mode), reward_fn
+        self.env_threads = EnvThreads(concurrency)
 
     def context(self, row: dict[str, Any], trajectory_id: str, group_id: str, sample_index: int,
                 sampling: SamplingParams | None = None) -> RolloutContext:
@@ -589,7 +596,7 @@ class RolloutManager:
             engine=self.engine, renderer=self.renderer, sampling=sampling or self.sampling, limits=self.limits,
             trajectory_id=trajectory_id, group_id=group_id, sample_index=sample_index, sample=row,
             agent_name=agent_name, env_factory=self.env_factory, env_config=self.env_config, tools=self.tools,
-            sanity_mode=self.sanity_mode,
+            sanity_mode=self.sanity_mode, env_threads=self.env_threads,
         )
 
     async def stream(

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import turnrl.agents.schedulers_builtin  # noqa: F401  (registers the built-in schedulers into SCHEDULERS)
-from turnrl.envs.base import call
+from turnrl.envs.base import EnvError, call
 from turnrl.envs.single_turn import SingleTurnEnv
 from turnrl.loading import load_object, split_object_spec
 from turnrl.rollout import Agent, RolloutContext, drive
@@ -26,7 +26,10 @@ async def env_agent(ctx: RolloutContext, sample: dict[str, Any]) -> Trajectory:
     """The slime-style loop: `build_env(sample, config)` from `--env`, then the turn loop."""
     if ctx.env_factory is None:
         raise ValueError("agent 'env_agent' needs an environment: pass --env NAME|module|file.py")
-    env = await call(ctx.env_factory, sample, ctx.env_config)
+    env = await call(ctx.env_factory, sample, ctx.env_config, threads=ctx.env_threads)
+    if env is None:
+        where = getattr(ctx.env_factory, "__module__", "the environment")
+        raise EnvError(f"build_env(sample, config) of {where} returned None; it must return the environment")
     return await drive(ctx, env)
 
 

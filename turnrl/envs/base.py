@@ -22,9 +22,14 @@ import asyncio
 import difflib
 import inspect
 import logging
+import math
+import threading
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
 
 from turnrl.loading import load_object
 from turnrl.types import Message, StepResult, TerminationReason, Turn
@@ -87,37 +92,114 @@ def load_env_factory(spec: str) -> EnvFactory:
         ) from None
 
 
-async def call(fn: Callable, *args: Any) -> Any:
-    """Call a sync-or-async function: coroutines are awaited, sync functions run in a thread."""
+class EnvThreads:
+    """The threads sync env methods run in: their own, never asyncio's shared default pool.
+
+    At most `size` calls run at once (the rollout sizes it to its concurrency); a call's timeout counts from
+    when it starts running, never from when it was queued behind others. A call past its timeout is abandoned:
+    Python cannot kill a thread, so it runs on, but in a daemon thread that no longer holds a slot (a hung env
+    cannot starve the other trajectories) and never holds up process exit."""
+
+    def __init__(self, size: int = 64):
+        if size < 1:
+            raise ValueError(f"EnvThreads size must be >= 1, got {size}")
+        self.size = size
+        self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
+            weakref.WeakKeyDictionary())  # one per event loop: asyncio primitives belong to one loop
+
+    async def run(self, fn: Callable, *args: Any, timeout_s: float | None = None) -> Any:
+        loop = asyncio.get_running_loop()
+        slots = self._slots.setdefault(loop, asyncio.Semaphore(self.size))
+        async with slots:
+            done: asyncio.Future = loop.create_future()
+            threading.Thread(target=_run_in_thread, args=(loop, done, fn, args), daemon=True,
+                             name=f"turnrl-env-{getattr(fn, '__qualname__', 'call')}").start()
+            return await asyncio.wait_for(done, timeout_s)  # a timeout frees the slot; the thread is abandoned
+
+
+def _run_in_thread(loop: asyncio.AbstractEventLoop, done: asyncio.Future, fn: Callable, args: tuple) -> None:
+    try:
+        result, error = fn(*args), None
+    except BaseException as e:  # handed to the awaiting coroutine
+        result, error = None, e
+    try:
+        loop.call_soon_threadsafe(_settle, done, result, error)
+    except RuntimeError:  # the loop closed while an abandoned call was still running: nobody waits for it
+        pass
+
+
+def _settle(done: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if done.done():  # timed out or cancelled meanwhile
+        return
+    if error is not None:
+        done.set_exception(error)
+    else:
+        done.set_result(result)
+
+
+DEFAULT_THREADS = EnvThreads()
+"""For env calls outside a rollout (env factories, tests); a RolloutManager brings its own, sized to it."""
+
+
+async def call(fn: Callable, *args: Any, timeout_s: float | None = None, threads: EnvThreads | None = None) -> Any:
+    """Call a sync-or-async function: coroutines are awaited, sync functions run in `threads`; either way
+    bounded by `timeout_s` from when it starts running (TimeoutError)."""
     if inspect.iscoroutinefunction(fn):
-        return await fn(*args)
-    result = await asyncio.to_thread(fn, *args)
+        return await asyncio.wait_for(fn(*args), timeout_s)
+    result = await (threads or DEFAULT_THREADS).run(fn, *args, timeout_s=timeout_s)
     if inspect.isawaitable(result):
-        result = await result
+        result = await asyncio.wait_for(result, timeout_s)
     return result
 
 
 def normalise_step(result: Any) -> StepResult:
-    """Accept StepResult, slime's (observation, done, info) and gym's (observation, reward, done, info)."""
-    if isinstance(result, StepResult):
-        return result
+    """Accept StepResult, slime's (observation, done, info) and gym's (observation, reward, done, info), and
+    check what the trainer relies on: `done` a bool, the reward a finite number (or None), `info` a dict."""
     if isinstance(result, tuple) and len(result) == 3:
         observation, done, info = result
-        info = dict(info or {})
-        return StepResult(observation, info.get("reward"), bool(done), info, _reason(info))
-    if isinstance(result, tuple) and len(result) == 4:
+        step = StepResult(observation, _info(info).get("reward"), done, _info(info))
+    elif isinstance(result, tuple) and len(result) == 4:
         observation, reward, done, info = result
-        info = dict(info or {})
-        return StepResult(observation, reward, bool(done), info, _reason(info))
-    raise EnvError(
-        "env.step must return a StepResult, (observation, done, info) or (observation, reward, done, info); "
-        f"got {type(result).__name__}"
-    )
+        step = StepResult(observation, reward, done, _info(info))
+    elif isinstance(result, StepResult):
+        step = result
+    else:
+        raise EnvError("env.step must return a StepResult, (observation, done, info) or (observation, reward, "
+                       f"done, info); got {type(result).__name__}")
+    step.done = _as_bool(step.done)
+    step.reward = _as_reward(step.reward)
+    if step.termination_reason is None and step.info.get("termination_reason") is not None:
+        step.termination_reason = TerminationReason(step.info["termination_reason"])
+    return step
 
 
-def _reason(info: dict[str, Any]) -> TerminationReason | None:
-    reason = info.get("termination_reason")
-    return None if reason is None else TerminationReason(reason)
+def _info(info: Any) -> dict[str, Any]:
+    if info is None:
+        return {}
+    if not isinstance(info, dict):
+        raise EnvError(f"env.step's info must be a dict (or None), got {type(info).__name__}")
+    return dict(info)
+
+
+def _as_bool(done: Any) -> bool:
+    if isinstance(done, bool | np.bool_) or (type(done) is int and done in (0, 1)):
+        return bool(done)
+    raise EnvError(f"env.step's done must be a bool, got {done!r:.40} ({type(done).__name__})")
+
+
+def _as_reward(reward: Any) -> float | None:
+    if reward is None:
+        return None
+    if isinstance(reward, bool) or not isinstance(reward, int | float | np.number):
+        raise EnvError(f"env.step's reward must be a number or None, got {reward!r:.40} ({type(reward).__name__})")
+    if not math.isfinite(reward):
+        raise EnvError(f"env.step returned a non-finite reward ({reward}); it would make the whole group's "
+                       "advantages NaN, so this trajectory fails instead of being trained on")
+    return float(reward)
+
+
+ROLES = frozenset({"system", "user", "assistant", "tool"})
+"""Message roles an env may return: chat templates drop others silently, so they are refused."""
 
 
 def as_messages(value: Any, what: str) -> list[Message]:
@@ -126,38 +208,44 @@ def as_messages(value: Any, what: str) -> list[Message]:
         return []
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
-    if isinstance(value, dict) and "role" in value:
-        return [value]
-    if isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value):
-        return list(value)
-    raise EnvError(f"{what} must return a chat message, a list of messages or a string; got {value!r:.100}")
+    messages = [value] if isinstance(value, dict) and "role" in value else value
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+        raise EnvError(f"{what} must return a chat message, a list of messages or a string; got {value!r:.100}")
+    for m in messages:
+        if m["role"] not in ROLES:
+            raise EnvError(f"{what} returned a message with role {m['role']!r}; roles are {', '.join(sorted(ROLES))}")
+    return list(messages)
 
 
 class EpisodeEnv:
     """One episode's environment as the driver sees it, built once per episode (`EpisodeEnv.of`): every optional
-    method present, sync methods run in a thread, step results normalised to `StepResult`, a step bounded by a
-    timeout and retried. Nothing inside the turn loop probes the env."""
+    method present, sync methods run in `threads`, step results normalised to `StepResult` and checked, a step
+    bounded by a timeout and retried, errors naming the env. Nothing inside the turn loop probes the env."""
 
-    def __init__(self, env: Env | TurnEnv, timeout_s: float | None = None, retries: int = 0):
+    def __init__(self, env: Env | TurnEnv, timeout_s: float | None = None, retries: int = 0,
+                 threads: EnvThreads | None = None):
         self.env = env
+        self.name = f"{type(env).__module__}.{type(env).__qualname__}"
         self.tools: list[dict] | None = getattr(env, "tools", None)
         self.token_aware = isinstance(env, TurnEnv)
         """Token-aware envs get the `Turn` and see length-truncated turns (plain envs never do)."""
-        self.timeout_s, self.retries = timeout_s, retries
+        self.timeout_s, self.retries, self.threads = timeout_s, retries, threads
 
     @classmethod
-    def of(cls, env: Any, timeout_s: float | None = None, retries: int = 0) -> EpisodeEnv:
+    def of(cls, env: Any, timeout_s: float | None = None, retries: int = 0,
+           threads: EnvThreads | None = None) -> EpisodeEnv:
         if isinstance(env, EpisodeEnv):
             return env
         if env is None or not (callable(getattr(env, "step", None)) or callable(getattr(env, "step_turn", None))):
-            raise EnvError(f"an environment needs a step(response_text) method; got {type(env).__name__}")
-        return cls(env, timeout_s, retries)
+            raise EnvError(f"an environment needs a step(response_text) method; got {type(env).__name__} (does "
+                           "build_env return the env?)")
+        return cls(env, timeout_s, retries, threads)
 
     async def reset(self) -> list[Message]:
         """Extra prompt messages from `reset()` (slime's reset returns (obs, info), which it ignores)."""
         reset = getattr(self.env, "reset", None)
-        extra = await call(reset) if reset is not None else None
-        return as_messages(extra, "env.reset") if isinstance(extra, dict | list) else []
+        extra = await self._call(reset) if reset is not None else None
+        return self._messages(extra, "reset") if isinstance(extra, dict | list) else []
 
     async def step(self, turn: Turn) -> tuple[StepResult, int]:
         """Step with the turn (token-aware envs) or its text, retried: (result, attempts). Raises EnvStepError
@@ -167,13 +255,15 @@ class EpisodeEnv:
         error: BaseException | None = None
         for attempt in range(1, self.retries + 2):
             try:
-                return normalise_step(await asyncio.wait_for(call(fn, arg), self.timeout_s)), attempt
+                return normalise_step(await self._call(fn, arg, timeout_s=self.timeout_s)), attempt
             except TimeoutError:
-                error = TimeoutError(f"env.step exceeded env_timeout_s={self.timeout_s}")
+                error = TimeoutError(f"{self.name}.step exceeded env_timeout_s={self.timeout_s}")
+            except EnvError as e:  # a malformed result: the same env would return it again
+                raise EnvStepError(EnvError(f"{self.name}: {e}"), attempt) from None
             except Exception as e:
                 error = e
             if attempt <= self.retries:
-                log.warning("env.step failed (%s); retry %d of %d", error, attempt, self.retries)
+                log.warning("%s.step failed (%s); retry %d of %d", self.name, error, attempt, self.retries)
         raise EnvStepError(error, self.retries + 1)
 
     async def observation(self, observation: Any) -> list[Message]:
@@ -181,10 +271,16 @@ class EpisodeEnv:
         if observation is None:
             return []
         fmt = getattr(self.env, "format_observation", None)
-        formatted = await call(fmt, observation) if fmt is not None else observation
-        return as_messages(formatted, "env.format_observation")
+        formatted = await self._call(fmt, observation) if fmt is not None else observation
+        return self._messages(formatted, "format_observation")
 
     async def close(self) -> None:
         close = getattr(self.env, "close", None)
         if close is not None:
-            await call(close)
+            await self._call(close, timeout_s=self.timeout_s)
+
+    async def _call(self, fn: Callable, *args: Any, timeout_s: float | None = None) -> Any:
+        return await call(fn, *args, timeout_s=timeout_s, threads=self.threads)
+
+    def _messages(self, value: Any, method: str) -> list[Message]:
+        return as_messages(value, f"{self.name}.{method}")
