@@ -51,13 +51,6 @@ log = logging.getLogger(__name__)
 _DONE = object()
 
 
-class RolloutServerEngine(HttpEngine):
-    """HttpEngine on a rollout server, with the `close()` the CLI and trainer call on their engines."""
-
-    def close(self) -> None:
-        self._client = self._client_loop = None
-
-
 class RemoteRollout:
     """`run_groups` / `stream` / `sampling` / `renderer` / `reward_fn` / `engine`, as the Trainer uses a
     RolloutManager, against a `turnrl serve` rollout server (module docstring).
@@ -106,7 +99,7 @@ class RemoteRollout:
         self.renderer = renderer
         self.sampling = sampling if sampling is not None else sampling_from_json(self.info.get("sampling") or {})
         self.reward_fn = reward_fn
-        self.engine = RolloutServerEngine(self.base_url, token=self.token, connect_timeout_s=connect_timeout_s)
+        self.engine = HttpEngine(self.base_url, token=self.token, connect_timeout_s=connect_timeout_s)
         self._client: httpx.AsyncClient | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
 

@@ -130,6 +130,9 @@ class RayEngine:
     async def release(self, request_id: str) -> None:
         await self.actor.release.remote(request_id)
 
+    def close(self) -> None:
+        return None  # a handle: the actor belongs to the RayEngineGroup that started it, which stops it
+
 
 class RayEngineGroup:
     """The driver's engine: `generate` through a Router over every engine actor (evaluation, serving from the
@@ -139,6 +142,7 @@ class RayEngineGroup:
         if not actors:
             raise ValueError("RayEngineGroup needs at least one EngineActor")
         self.actors = list(actors)
+        self._closed = False
         self.router = Router({f"engine{i}": RayEngine(a) for i, a in enumerate(self.actors)})
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str,
@@ -161,8 +165,11 @@ class RayEngineGroup:
         await self.router.release(request_id)
 
     def close(self) -> None:
-        for actor in self.actors:
-            ray.kill(actor)
+        """Stop the engine actors (once: a later call does nothing)."""
+        if not self._closed:
+            self._closed = True
+            for actor in self.actors:
+                ray.kill(actor)
 
 
 # ---------------------------------------------------------------------------------------------------
