@@ -20,7 +20,7 @@ from turnrl.build import build_engine, build_renderer, build_rollout_manager  # 
 from turnrl.config import EngineConfig, RolloutConfig, SamplingConfig, TrainConfig  # noqa: E402
 from turnrl.dist.ray import EngineActor, RayEngineGroup, RayRollout, RolloutWorker  # noqa: E402
 from turnrl.models import load_model  # noqa: E402
-from turnrl.rollout import group_ids  # noqa: E402
+from turnrl.rollout import group_ids, run_groups  # noqa: E402
 from turnrl.testing import LatencyDraw, latency_rows  # noqa: E402
 from turnrl.types import SamplingParams, TerminationReason  # noqa: E402
 
@@ -72,11 +72,11 @@ def flat(groups):
 
 def test_two_workers_two_engines_give_the_single_process_trajectories(env_rollout, engines, renderer):
     rows = latency_rows(6, LatencyDraw(mean_s=0.0, seed=5))  # 1 to 6 turns, no tool latency
-    ray_groups = asyncio.run(env_rollout.run_groups(rows, n=2, id_prefix="s1-"))
+    ray_groups = asyncio.run(run_groups(env_rollout, rows, n=2, id_prefix="s1-"))
     local_engine = build_engine(load_model(MODEL), EngineConfig(), eos_token_ids=sorted(renderer.end_of_turn_ids))
     try:
         local = build_rollout_manager(ENV_CFG, local_engine, renderer)
-        local_groups = asyncio.run(local.run_groups(rows, n=2, id_prefix="s1-"))
+        local_groups = asyncio.run(run_groups(local, rows, n=2, id_prefix="s1-"))
     finally:
         local_engine.close()
     assert [g[0].group_id for g in ray_groups] == group_ids(rows, "s1-")  # row order kept
@@ -96,7 +96,7 @@ def test_two_workers_two_engines_give_the_single_process_trajectories(env_rollou
 def test_a_failing_env_in_one_worker_fails_only_its_trajectory(env_rollout):
     rows = latency_rows(4, LatencyDraw(mean_s=0.0, min_turns=3, max_turns=3, seed=1))
     rows[1]["fail_on_turn"] = 2  # row 1 goes to worker 1 (round-robin), rows 0, 2 to worker 0
-    trajs = flat(asyncio.run(env_rollout.run_groups(rows, n=1)))
+    trajs = flat(asyncio.run(run_groups(env_rollout, rows, n=1)))
     assert [t.status for t in trajs] == ["completed", "failed", "completed", "completed"]
     assert trajs[1].termination_reason == TerminationReason.ENV_ERROR and "fail_on_turn" in trajs[1].error
     assert trajs[1].num_turns == 2 and all(t.num_turns == 3 for t in trajs if t.status == "completed")
@@ -165,7 +165,7 @@ def test_a_plugin_scheduler_is_registered_in_the_worker_processes(engines, rende
     rollout = start_rollout(engines, renderer, cfg)
     try:
         assert all("scheduler" in names for names in ray.get([w.agents.remote() for w in rollout.workers]))
-        trajs = flat(asyncio.run(rollout.run_groups([{"prompt": f"q{i}"} for i in range(4)], n=1)))
+        trajs = flat(asyncio.run(run_groups(rollout, [{"prompt": f"q{i}"} for i in range(4)], n=1)))
     finally:
         for w in rollout.workers:
             ray.kill(w)

@@ -71,7 +71,7 @@ def test_one_update_changes_parameters_and_lowers_the_loss(tiny_qwen3, qwen3_tok
     policy = copy.deepcopy(tiny_qwen3)
     cfg = TrainConfig(model="tiny-qwen3", train_data="x", output_dir=str(tmp_path),
                       optim={"lr": 1e-2, "grad_clip": None}, algo={"is_mode": "none"})
-    trainer = Trainer(cfg, policy, engine=None, manager=None, train_rows=[{}], eval_rows=[])
+    trainer = Trainer(cfg, policy, engine=None, rollout=None, train_rows=[{}], eval_rows=[])
     samples = _fixed_samples(qwen3_tokenizer)
 
     def surrogate() -> float:  # -mean(A * logp) over tokens: what the first PPO step decreases

@@ -2,7 +2,7 @@
 
     for step in steps:
         rows     = sampler.next_batch()                       # deterministic, resumable data order
-        groups   = rollout(rows, n)                           # RolloutManager: async, rewards streamed
+        groups   = run_groups(rollout, rows, n)               # local, Ray or remote: async, rewards streamed
         samples  = advantages(groups)                         # per group, over the trajectories we train on
         update(samples)                                       # packed sequences, loss only where mask = 1
         engine.update_weights(policy)                         # the engine samples from the new policy
@@ -48,7 +48,7 @@ from turnrl.data import load_rows
 from turnrl.models import load_model
 from turnrl.observe import RolloutStats, TrajectoryWriter
 from turnrl.packing import pack_sequences, packed_token_logprobs, unpack_to_padded, use_varlen_attention
-from turnrl.rollout import Rollout
+from turnrl.rollout import Rollout, run_groups
 from turnrl.tracing import TrajectoryTracer
 from turnrl.types import SamplingParams, Trajectory
 
@@ -140,9 +140,14 @@ def to_sample(traj: Trajectory, advantage: float) -> TrainSample:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, policy: torch.nn.Module, engine: Any, manager: Rollout,
-                 train_rows: list[dict], eval_rows: list[dict], console: Console | None = None):
-        self.cfg, self.policy, self.engine, self.manager = cfg, policy, engine, manager
+    """The training loop over built components (turnrl.build makes them from a config): `rollout` runs the
+    trajectories on `engine`, which gets the new weights after each step; `tracer` exports trajectories
+    (None: no tracing)."""
+
+    def __init__(self, cfg: TrainConfig, policy: torch.nn.Module, engine: Any, rollout: Rollout,
+                 train_rows: list[dict], eval_rows: list[dict], console: Console | None = None,
+                 tracer: TrajectoryTracer | None = None):
+        self.cfg, self.policy, self.engine, self.rollout = cfg, policy, engine, rollout
         self.device = next(policy.parameters()).device
         self.train_rows, self.eval_rows = train_rows, eval_rows
         self.console = console or Console()
@@ -165,7 +170,7 @@ class Trainer:
         self.sampler = PromptSampler(len(train_rows), cfg.prompts_per_step, cfg.seed, cfg.shuffle)
         self.step = 0
         self.history: list[dict[str, float]] = []
-        self.tracer = TrajectoryTracer.from_config(cfg.rollout, manager.renderer.tokenizer if manager else None)
+        self.tracer = tracer if tracer is not None else TrajectoryTracer(None)
 
     # ---- the loop ---------------------------------------------------------------------------------
     async def train(self) -> list[dict[str, float]]:
@@ -195,8 +200,8 @@ class Trainer:
         t0 = time.perf_counter()
         rows = [self.train_rows[i] for i in self.sampler.next_batch()]
         stats = RolloutStats()
-        groups = await self.manager.run_groups(rows, self.cfg.rollout.n, id_prefix=f"s{self.step}-",
-                                               on_trajectory=stats.add)
+        groups = await run_groups(self.rollout, rows, self.cfg.rollout.n, id_prefix=f"s{self.step}-",
+                                  on_trajectory=stats.add)
         t_rollout = time.perf_counter() - t0
         with TrajectoryWriter(self.out / "trajectories" / "last_step.jsonl") as writer:
             for group in groups:
@@ -312,14 +317,14 @@ class Trainer:
         metrics = {"step": float(self.step), "eval/tag": tag,
                    **await self._eval_pass(f"{tag}", greedy, self.cfg.eval_n, "eval/")}
         if self.cfg.eval_sampled_n:
-            metrics.update(await self._eval_pass(f"{tag}-sampled", self.manager.sampling, self.cfg.eval_sampled_n,
+            metrics.update(await self._eval_pass(f"{tag}-sampled", self.rollout.sampling, self.cfg.eval_sampled_n,
                                                  "eval/sampled_"))
         return metrics
 
     async def _eval_pass(self, tag: str, sampling: SamplingParams, n: int, prefix: str) -> dict[str, float]:
         stats = RolloutStats()
         with TrajectoryWriter(self.out / "trajectories" / f"eval_{tag}.jsonl") as writer:
-            async for traj in self.manager.stream(self.eval_rows, n, id_prefix=f"eval-{tag}-", sampling=sampling):
+            async for traj in self.rollout.stream(self.eval_rows, n, id_prefix=f"eval-{tag}-", sampling=sampling):
                 stats.add(traj)
                 self.tracer.export(traj, self.step, "eval")
                 writer.write(traj)
@@ -352,7 +357,7 @@ class Trainer:
     def _save_tokenizer(self, where: Path) -> None:
         """Tokenizer (and a VLM's image processor and chat template) beside the weights: a self-contained dir.
         The processor is saved piecewise: without a video processor its own save_pretrained fails."""
-        renderer = getattr(self.manager, "renderer", None)
+        renderer = getattr(self.rollout, "renderer", None)
         if getattr(renderer, "tokenizer", None) is not None:
             renderer.tokenizer.save_pretrained(where)
         processor = getattr(renderer, "processor", None)
@@ -452,7 +457,8 @@ def run_training(cfg: TrainConfig, console: Console | None = None) -> list[dict[
     from turnrl.plots import plot_curves
 
     policy, engine, manager, train_rows, eval_rows = setup(cfg)
-    trainer = Trainer(cfg, policy, engine, manager, train_rows, eval_rows, console)
+    trainer = Trainer(cfg, policy, engine, manager, train_rows, eval_rows, console,
+                      TrajectoryTracer.from_config(cfg.rollout, manager.renderer.tokenizer))
 
     try:
         history = asyncio.run(trainer.train())
@@ -471,7 +477,8 @@ def run_evaluation(cfg: TrainConfig, checkpoint: Path | None = None, out: Path |
     policy, engine, manager, _, eval_rows = setup(cfg, checkpoint=checkpoint / "model" if checkpoint else None)
     if not eval_rows:
         raise SystemExit("eval_data is not set in the config")
-    trainer = Trainer(cfg, policy, engine, manager, [{}], eval_rows, console)
+    trainer = Trainer(cfg, policy, engine, manager, [{}], eval_rows, console,
+                      TrajectoryTracer.from_config(cfg.rollout, manager.renderer.tokenizer))
     if out is not None:
         trainer.out = out.parent
     try:

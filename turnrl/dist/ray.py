@@ -1,7 +1,7 @@
 """Ray: engine replicas and rollout workers as actors around the components a single process uses.
 
     driver (Trainer)                              worker processes
-    RayRollout.run_groups(rows, n)  ─ shard k ─▶  RolloutWorker k: build_rollout_manager(...)   (imports
+    RayRollout.stream(rows, n)      ─ shard k ─▶  RolloutWorker k: build_rollout_manager(...)   (imports
       rows round-robin, results in row order        RolloutManager.stream ─▶ drive ─▶ Router     plugins)
                                                                                           │ RayEngine
     RayEngineGroup.update_weights(state_dict)                                             ▼
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -35,7 +36,7 @@ import ray
 from turnrl.config import ConfigError, EngineConfig, RewardConfig, RolloutConfig
 from turnrl.engines.base import NamedTensors
 from turnrl.engines.router import Router
-from turnrl.rollout import RewardFn, collect_groups, group_ids
+from turnrl.rollout import RewardFn, drain, group_ids
 from turnrl.types import GenerateOutput, SamplingParams, Trajectory
 
 log = logging.getLogger(__name__)
@@ -203,12 +204,9 @@ class RolloutWorker:
         return True
 
 
-_DONE = object()
-
-
 class RayRollout:
-    """The driver's stand-in for a RolloutManager: `run_groups` and `stream` take the same arguments and give
-    the same results (groups in row order, each sorted by sample index); rows go round-robin to the workers."""
+    """The driver's stand-in for a RolloutManager (a `turnrl.rollout.Rollout`): `stream` takes the same
+    arguments and gives the same trajectories; rows go round-robin to the workers."""
 
     def __init__(self, workers: Sequence[Any], engine: RayEngineGroup, renderer: Any):
         if not workers:
@@ -239,33 +237,10 @@ class RayRollout:
         """Yield trajectories as they finish in any worker (rewards already computed there)."""
         ids = group_ids(rows, id_prefix)
         shards = [range(k, len(rows), len(self.workers)) for k in range(len(self.workers))]
-        queue: asyncio.Queue = asyncio.Queue()
-        pumps = [
-            asyncio.create_task(_pump(worker, [rows[i] for i in shard], n, [ids[i] for i in shard], sampling, queue))
-            for worker, shard in zip(self.workers, shards, strict=True) if len(shard)
-        ]
-        try:
-            running = len(pumps)
-            while running:
-                item = await queue.get()
-                if item is _DONE:
-                    running -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
-        finally:
-            for p in pumps:
-                p.cancel()
-            await asyncio.gather(*pumps, return_exceptions=True)
-
-    async def run_groups(
-        self, rows: Sequence[dict[str, Any]], n: int = 1, *, id_prefix: str = "",
-        sampling: SamplingParams | None = None, on_trajectory: Callable[[Trajectory], None] | None = None,
-    ) -> list[list[Trajectory]]:
-        """All trajectories grouped by prompt, in row order (each group sorted by sample index)."""
-        return await collect_groups(self.stream(rows, n, id_prefix=id_prefix, sampling=sampling), rows, id_prefix,
-                                    on_trajectory)
+        pumps = [functools.partial(_pump, worker, [rows[i] for i in shard], n, [ids[i] for i in shard], sampling)
+                 for worker, shard in zip(self.workers, shards, strict=True) if len(shard)]
+        async for traj in drain(pumps):
+            yield traj
 
     def close(self) -> None:
         """Stop the workers and the engine actors."""
@@ -275,16 +250,13 @@ class RayRollout:
 
 
 async def _pump(worker: Any, rows: list[dict[str, Any]], n: int, ids: list[str], sampling: SamplingParams | None,
-                queue: asyncio.Queue) -> None:
-    """Move one worker's streamed trajectories into `queue`, then `_DONE` (or the worker's error)."""
+                put: Callable[[Trajectory], None]) -> None:
+    """Put one worker's streamed trajectories (a dead worker raises: the caller's batch fails loudly)."""
     trajectories = worker.stream.remote(rows, n, ids, sampling)
     try:
         async for ref in trajectories:
-            queue.put_nowait(await ref)
-        queue.put_nowait(_DONE)
+            put(await ref)
     except asyncio.CancelledError:
         with contextlib.suppress(Exception):
             ray.cancel(trajectories)
         raise
-    except Exception as e:  # a dead worker or a bug in it: the caller's batch fails loudly
-        queue.put_nowait(e)
