@@ -7,6 +7,7 @@ process that imports torch; starting them dominates the runtime).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import textwrap
@@ -16,7 +17,13 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from turnrl.build import build_engine, build_renderer, build_rollout_manager  # noqa: E402
+from turnrl.build import (  # noqa: E402
+    build_engine,
+    build_renderer,
+    build_rollout_manager,
+    build_worker_manager,
+    load_engine,
+)
 from turnrl.config import EngineConfig, RolloutConfig, SamplingConfig, TrainConfig  # noqa: E402
 from turnrl.dist.ray import EngineActor, RayEngineGroup, RayRollout, RolloutWorker  # noqa: E402
 from turnrl.models import load_model  # noqa: E402
@@ -50,13 +57,15 @@ def renderer(qwen3_tokenizer):
 @pytest.fixture(scope="module")
 def engines(cluster, renderer):
     eos = sorted(renderer.end_of_turn_ids)
-    actors = [EngineActor.remote(MODEL, EngineConfig(), eos_token_ids=eos) for _ in range(2)]
+    actors = [EngineActor.remote(functools.partial(load_engine, MODEL, EngineConfig(), eos_token_ids=eos))
+              for _ in range(2)]
     ray.get([a.ready.remote() for a in actors])
     return actors
 
 
 def start_rollout(engines, renderer, cfg, workers=2):
-    handles = [RolloutWorker.remote(MODEL, cfg, engines) for _ in range(workers)]
+    handles = [RolloutWorker.remote(functools.partial(build_worker_manager, MODEL, cfg, None), engines)
+               for _ in range(workers)]
     ray.get([w.ready.remote() for w in handles])
     return RayRollout(handles, RayEngineGroup(engines), renderer)
 
@@ -175,22 +184,24 @@ def test_a_plugin_scheduler_is_registered_in_the_worker_processes(engines, rende
     assert len(pids) == 2 and os.getpid() not in pids  # ran in both worker processes
 
 
-def test_trainer_setup_builds_the_ray_rollout_when_configured(cluster, tmp_path):
-    from turnrl.trainer import Trainer, setup
+def test_build_trainer_builds_the_ray_rollout_when_configured(cluster, tmp_path):
+    from turnrl.build import build_trainer
 
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in latency_rows(2, LatencyDraw(mean_s=0.0, seed=2))))
     cfg = TrainConfig(model=MODEL, train_data=str(data), output_dir=str(tmp_path / "run"), prompts_per_step=2,
                       steps=1, rollout=ENV_CFG.model_copy(update={"n": 2}),
                       engine=EngineConfig(distributed="ray", ray_workers=1))
-    policy, engine, manager, train_rows, eval_rows = setup(cfg)
+    trainer, stack = build_trainer(cfg)
     try:
-        assert isinstance(manager, RayRollout) and engine is manager.engine
-        trainer = Trainer(cfg, policy, engine, manager, train_rows, eval_rows)
+        assert isinstance(trainer.rollout, RayRollout) and trainer.engine is stack.engine is trainer.rollout.engine
         trainer.step = 1
         metrics = asyncio.run(trainer.train_step())
-        version = ray.get(engine.actors[0].generate.remote([1, 2, 3], SamplingParams(max_new_tokens=1), "v"))
+        version = ray.get(stack.engine.actors[0].generate.remote([1, 2, 3], SamplingParams(max_new_tokens=1), "v"))
+        workers = trainer.rollout.workers
     finally:
-        manager.close()
+        stack.close()
+    with pytest.raises(ray.exceptions.RayActorError):  # the stack stopped the workers with the engines
+        ray.get(workers[0].ready.remote())
     assert metrics["rollout/trajectories"] == 4.0 and metrics["rollout/reward_mean"] == 1.0
     assert metrics["train/policy_version"] == 1.0 and version.policy_version == 1

@@ -148,7 +148,7 @@ class WhereScheduler(MultiTurnScheduler):
 
     async def on_turn_end(self, request, response, turn):
         return {"rollout_infos": {"hook_thread": threading.current_thread().name,
-                                  "imported_by_run_server": "run_server" in IMPORTED_BY}}
+                                  "imported_by_the_build": "build_rollout_manager" in IMPORTED_BY}}
 
     def check_finished(self, request, response, turn):
         return turn >= 2
@@ -177,7 +177,7 @@ def test_turnrl_serve_imports_the_plugin_and_takes_weight_updates(tmp_path, tiny
 
     seen = {}
 
-    def serve_and_check(app, **_):  # stands in for uvicorn.run: the app run_server built, on a free port
+    def serve_and_check(app, **_):  # stands in for uvicorn.run: the app `turnrl serve` built, on a free port
         server = ServerThread(app)
         url = server.start()
         try:
@@ -201,7 +201,7 @@ def test_turnrl_serve_imports_the_plugin_and_takes_weight_updates(tmp_path, tiny
     if result.exception is not None:
         raise result.exception
     assert result.exit_code == 0, result.output
-    assert "serve_where_plugin" in multi_turns  # imported by the server's build (run_server), in this process
+    assert "serve_where_plugin" in multi_turns  # imported by the server's build (build_stack), in this process
 
     info = seen["info"]
     assert (info["model"], info["agent"], info["agent_loop"]) == ("tiny-qwen3", "scheduler", "scheduler[WhereScheduler]")
@@ -213,7 +213,7 @@ def test_turnrl_serve_imports_the_plugin_and_takes_weight_updates(tmp_path, tiny
         traj.validate()
         assert traj.num_turns == 2 and traj.status != RolloutStatus.FAILED
         infos = traj.info["rollout_infos"]
-        assert infos["imported_by_run_server"] and infos["hook_thread"].startswith("turnrl-http-")
+        assert infos["imported_by_the_build"] and infos["hook_thread"].startswith("turnrl-http-")
         assert traj.policy_versions == [0]
     assert [t.reward for t in before] == [2.0] * 4 and set(reward_threads) == {threading.main_thread().name}
     assert seen["version"] == 7
@@ -330,8 +330,8 @@ def test_client_side_reward_errors_are_recorded_not_scored(qwen3_tokenizer):
 
 
 # ---- the trainer over a rollout server -------------------------------------------------------------
-def test_trainer_setup_uses_the_rollout_server_and_pushes_weights(qwen3_tokenizer, tmp_path, monkeypatch):
-    from turnrl.trainer import Trainer, setup
+def test_build_trainer_uses_the_rollout_server_and_pushes_weights(qwen3_tokenizer, tmp_path, monkeypatch):
+    from turnrl.build import build_trainer
 
     monkeypatch.delenv("TURNRL_SERVE_TOKEN", raising=False)
     data = tmp_path / "rows.jsonl"
@@ -342,12 +342,13 @@ def test_trainer_setup_uses_the_rollout_server_and_pushes_weights(qwen3_tokenize
         cfg = TrainConfig(model="tiny-qwen3", train_data=str(data), output_dir=str(tmp_path / "run"), steps=1,
                           prompts_per_step=2, rollout_server=url, reward={"function": "math"},
                           rollout={"n": 2, "sampling": {"temperature": 0.7}})
-        policy, engine_client, manager, train_rows, eval_rows = setup(cfg)
-        assert isinstance(manager, RemoteRollout) and engine_client is manager.engine
-        assert (manager.sampling.temperature, manager.sampling.seed) == (0.7, cfg.seed)  # the trainer's sampling
-        trainer = Trainer(cfg, policy, engine_client, manager, train_rows, eval_rows)
+        trainer, stack = build_trainer(cfg)
+        remote = trainer.rollout
+        assert isinstance(remote, RemoteRollout) and trainer.engine is stack.engine is remote.engine
+        assert (remote.sampling.temperature, remote.sampling.seed) == (0.7, cfg.seed)  # the trainer's sampling
         trainer.step = 1
         metrics = asyncio.run(trainer.train_step())
+        stack.close()
     assert engine.calls and {c.params.temperature for c in engine.calls} == {0.7}
     assert metrics["rollout/reward_mean"] == 0.5 and metrics["train/samples"] == 4.0  # rewards computed here
     assert metrics["train/policy_version"] == 1.0 and engine.policy_version == 1  # weights reached the server

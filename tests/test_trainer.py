@@ -8,10 +8,11 @@ import json
 import pytest
 import torch
 
+from turnrl.cli import run_training
 from turnrl.config import TrainConfig, load_config
 from turnrl.engines.embedded import EmbeddedEngine
 from turnrl.packing import pack_sequences, packed_token_logprobs, use_varlen_attention
-from turnrl.trainer import PromptSampler, Trainer, TrainSample, group_advantages, run_training
+from turnrl.trainer import PromptSampler, Trainer, TrainSample, group_advantages
 from turnrl.types import RolloutStatus, SamplingParams, TerminationReason, Trajectory
 
 

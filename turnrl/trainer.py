@@ -25,7 +25,6 @@ What is kept from GRPO/PPO and what is not (see turnrl.algos for the formulas):
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
 import logging
@@ -42,10 +41,7 @@ import torch
 from rich.console import Console
 
 from turnrl import algos
-from turnrl.build import DTYPES, build_engine, build_policy_renderer, build_reward_fn, build_rollout_manager
 from turnrl.config import TrainConfig
-from turnrl.data import load_rows
-from turnrl.models import load_model
 from turnrl.observe import RolloutStats, TrajectoryWriter
 from turnrl.packing import pack_sequences, packed_token_logprobs, unpack_to_padded, use_varlen_attention
 from turnrl.rollout import Rollout, run_groups
@@ -412,79 +408,3 @@ def format_step_line(m: dict[str, Any], total: int) -> str:
             f"±{m.get('rollout/reward_std', float('nan')):.2f}  turns {m['rollout/turns_mean']:.2f}  ({reason_text})  "
             f"gen {m['rollout/tokens_per_s']:.0f} tok/s  train {m.get('train/tokens_per_s', 0):.0f} tok/s  {loss}  "
             f"step {m['time/step_s']:.1f}s")
-
-
-# ---- entry points ----------------------------------------------------------------------------------
-def setup(cfg: TrainConfig, checkpoint: Path | None = None):
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    if cfg.rollout.sampling.seed is None:  # seeded samplers make runs (and resumes) reproducible
-        cfg.rollout.sampling.seed = cfg.seed
-    renderer, image_processor = build_policy_renderer(cfg.model, cfg.rollout)
-    policy = load_model(str(checkpoint) if checkpoint else cfg.model, dtype=DTYPES[cfg.dtype]).eval()
-    if cfg.rollout_server:  # a `turnrl serve` rollout server runs the turns next to its engine (turnrl.remote)
-        from turnrl.build import sampling_params
-        from turnrl.remote import RemoteRollout
-
-        r = cfg.rollout
-        if r.scheduler or r.plugins or r.env or r.tools or r.agents:
-            log.warning("rollout_server is set: rollout.scheduler/plugins/env/tools/agents are not used here; "
-                        "the server runs the turns with its own (turnrl serve --scheduler/--plugin/...)")
-        manager = RemoteRollout(cfg.rollout_server, model=cfg.model, renderer=renderer,
-                                sampling=sampling_params(cfg.rollout), reward_fn=build_reward_fn(cfg.reward))
-        engine = manager.engine
-        if checkpoint:  # the server's engine holds its own weights: give it the checkpoint's
-            asyncio.run(engine.update_weights(policy.state_dict()))
-    elif cfg.engine.distributed == "ray":  # engine replicas and rollout workers as Ray actors (turnrl.dist.ray)
-        from turnrl.dist.ray import RayRollout
-
-        manager = RayRollout.start(cfg.model, cfg.rollout, cfg.engine, renderer=renderer, reward=cfg.reward,
-                                   weights=str(checkpoint) if checkpoint else None, dtype=cfg.dtype,
-                                   image_processor=image_processor)
-        engine = manager.engine
-    else:
-        engine = build_engine(copy.deepcopy(policy), cfg.engine, eos_token_ids=sorted(renderer.end_of_turn_ids),
-                              image_processor=image_processor, model_path=str(checkpoint) if checkpoint else cfg.model)
-        manager = build_rollout_manager(cfg.rollout, engine, renderer, build_reward_fn(cfg.reward))
-    train_rows = load_rows(cfg.train_data)
-    eval_rows = load_rows(cfg.eval_data) if cfg.eval_data else []
-    # the embedded engine above kept its own CPU copy; the policy moves to where it trains
-    return policy.to(cfg.device), engine, manager, train_rows, eval_rows
-
-
-def run_training(cfg: TrainConfig, console: Console | None = None) -> list[dict[str, float]]:
-    from turnrl.plots import plot_curves
-
-    policy, engine, manager, train_rows, eval_rows = setup(cfg)
-    trainer = Trainer(cfg, policy, engine, manager, train_rows, eval_rows, console,
-                      TrajectoryTracer.from_config(cfg.rollout, manager.renderer.tokenizer))
-
-    try:
-        history = asyncio.run(trainer.train())
-    finally:
-        trainer.tracer.close()
-        if hasattr(engine, "close"):
-            engine.close()
-    plot_curves(history, trainer.out / "curves.png")
-    trainer.console.print(f"wrote {trainer.out / 'curves.png'}, {trainer.out / 'metrics.jsonl'}, "
-                          f"{trainer.out / 'trajectories'}")
-    return history
-
-
-def run_evaluation(cfg: TrainConfig, checkpoint: Path | None = None, out: Path | None = None,
-                   console: Console | None = None) -> dict[str, float]:
-    policy, engine, manager, _, eval_rows = setup(cfg, checkpoint=checkpoint / "model" if checkpoint else None)
-    if not eval_rows:
-        raise SystemExit("eval_data is not set in the config")
-    trainer = Trainer(cfg, policy, engine, manager, [{}], eval_rows, console,
-                      TrajectoryTracer.from_config(cfg.rollout, manager.renderer.tokenizer))
-    if out is not None:
-        trainer.out = out.parent
-    try:
-        metrics = asyncio.run(trainer.evaluate("cli"))
-    finally:
-        trainer.tracer.close()
-        engine.close()
-    trainer.console.print(format_step_line(metrics, 0))
-    return metrics
