@@ -286,6 +286,19 @@ async def test_openai_agent_timeout_keeps_the_tokens_generated(qwen3_tokenizer):
     assert traj.response_ids == engine.outputs[0].token_ids
 
 
+async def test_a_bad_openai_agent_spec_fails_its_trajectory_naming_the_spec(qwen3_tokenizer):
+    engine = RecordingEngine(qwen3_tokenizer, calculator_script)
+    rows = [{"id": "colon", **QUESTION, "openai_agent": str(EXAMPLE)},
+            {"id": "attr", **QUESTION, "openai_agent": f"{EXAMPLE}:nope"},
+            {"id": "file", **QUESTION, "openai_agent": "/nonexistent/agent.py:run"}]
+    groups = await run_groups(_manager(engine, qwen3_tokenizer, f"{EXAMPLE}:run"), rows)
+    errors = [traj.error for [traj] in groups]
+    assert all(traj.status == RolloutStatus.FAILED for [traj] in groups) and not engine.calls
+    assert "expected path.py:function or pkg.module:function" in errors[0]
+    assert f"{EXAMPLE} has no callable 'nope'" in errors[1]
+    assert "openai agent file /nonexistent/agent.py does not exist" in errors[2]
+
+
 async def test_openai_agent_runs_the_langgraph_example(qwen3_tokenizer):
     pytest.importorskip("langgraph")
     pytest.importorskip("langchain_openai")

@@ -49,6 +49,7 @@ from typing import Any
 from urllib.parse import quote
 
 from turnrl.engines.base import Engine
+from turnrl.envs.base import load_module
 from turnrl.proxy import ChatProxy, Session, assemble_trajectories
 from turnrl.render import ChatRenderer
 from turnrl.rollout import RolloutContext
@@ -158,10 +159,16 @@ _RUNS: dict[str, Callable[..., Any]] = {}
 
 
 def _load_run(spec: str) -> Callable[..., Any]:
+    """`path.py:function` or `pkg.module:function`, loaded once. Through the generic loader, not the agent
+    registry (`turnrl.agents`), which imports this module."""
     if spec not in _RUNS:
-        from turnrl.agents import load_agent
-
-        _RUNS[spec] = load_agent(spec)[1]
+        module_spec, sep, attr = spec.rpartition(":")
+        if not sep or not module_spec or not attr:
+            raise ValueError(f"openai agent {spec!r}: expected path.py:function or pkg.module:function")
+        run = getattr(load_module(module_spec, what="openai agent"), attr, None)
+        if not callable(run):
+            raise AttributeError(f"openai agent {spec!r}: {module_spec} has no callable {attr!r}")
+        _RUNS[spec] = run
     return _RUNS[spec]
 
 
