@@ -43,7 +43,7 @@ from turnrl.engines.base import Engine
 from turnrl.engines.embedded import EmbeddedEngine
 from turnrl.models import load_model, load_tokenizer
 from turnrl.render import ChatRenderer
-from turnrl.rollout import RolloutLimits, RolloutManager
+from turnrl.rollout import RolloutLimits, RolloutManager, run_groups
 from turnrl.testing import LatencyDraw, LatencyEngine, LockstepEngine, build_env, latency_rows
 from turnrl.types import SamplingParams
 
@@ -83,7 +83,7 @@ async def rollout(engine: Engine, renderer: ChatRenderer, rows: list[dict], args
     )
     before = dict(getattr(engine, "stats", {}))
     t0 = time.perf_counter()
-    trajs = [t for g in await manager.run_groups(rows) for t in g]
+    trajs = [t for g in await run_groups(manager, rows) for t in g]
     wall = time.perf_counter() - t0
     counters = {k: engine.stats[k] - before[k] for k in ("requests", "decode_steps", "generated_tokens", "busy_s")
                 if "decode_steps" in before}
@@ -138,8 +138,7 @@ async def bench_engine(name: str, args, table: Table, console: Console) -> None:
             results.append((label, sync, run, chain))
         pure.append(await pure_generation(engine, renderer, zero, args, console, name))
     finally:
-        if hasattr(engine, "close"):
-            engine.close()
+        engine.close()
     gen = min(pure)  # the machine is shared: the least contended measurement is the bound's best estimate
     for label, sync, run, chain in results:
         bound = max(gen, chain)

@@ -190,7 +190,7 @@ class TurnrlUpdate:
         cfg = TrainConfig(model=MODEL, train_data="unused", output_dir=str(out_dir),
                           algo={"is_mode": "none", "loss_agg": "token_mean", "clip_low": 0.2, "clip_high": 0.2},
                           optim={"lr": LR, "grad_clip": 1.0, "weight_decay": 0.0})
-        self.trainer = Trainer(cfg, load_model(MODEL), engine=None, manager=None, train_rows=[{}], eval_rows=[])
+        self.trainer = Trainer(cfg, load_model(MODEL), engine=None, rollout=None, train_rows=[{}], eval_rows=[])
         if legacy:
             use_legacy_update(self.trainer)
         self.samples = [TrainSample(p, c, [1] * len(c), None, a)

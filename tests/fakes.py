@@ -32,6 +32,8 @@ class ScriptedEngine:
     calls: list[Call] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
     policy_version: int = 0
+    closed: int = 0
+    """How many times close() was called."""
 
     def __post_init__(self):
         if self.end_token_id is None:
@@ -67,3 +69,6 @@ class ScriptedEngine:
 
     async def release(self, request_id: str) -> None:
         self.released.append(request_id)
+
+    def close(self) -> None:
+        self.closed += 1

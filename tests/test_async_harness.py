@@ -10,7 +10,7 @@ import pytest
 
 from turnrl.agents import AGENTS
 from turnrl.render import ChatRenderer
-from turnrl.rollout import RolloutLimits, RolloutManager
+from turnrl.rollout import RolloutLimits, RolloutManager, run_groups
 from turnrl.testing import LatencyDraw, LatencyEngine, LockstepEngine, build_env, latency_rows
 from turnrl.types import SamplingParams, TerminationReason
 
@@ -59,7 +59,7 @@ def manager(tok, engine, concurrency=64):
 
 async def timed(mgr, rows):
     t0 = time.perf_counter()
-    groups = await mgr.run_groups(rows)
+    groups = await run_groups(mgr, rows)
     return time.perf_counter() - t0, [t for g in groups for t in g]
 
 

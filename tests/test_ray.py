@@ -7,6 +7,7 @@ process that imports torch; starting them dominates the runtime).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import textwrap
@@ -16,11 +17,17 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from turnrl.build import build_engine, build_renderer, build_rollout_manager  # noqa: E402
+from turnrl.build import (  # noqa: E402
+    build_engine,
+    build_renderer,
+    build_rollout_manager,
+    build_worker_manager,
+    load_engine,
+)
 from turnrl.config import EngineConfig, RolloutConfig, SamplingConfig, TrainConfig  # noqa: E402
 from turnrl.dist.ray import EngineActor, RayEngineGroup, RayRollout, RolloutWorker  # noqa: E402
 from turnrl.models import load_model  # noqa: E402
-from turnrl.rollout import group_ids  # noqa: E402
+from turnrl.rollout import group_ids, run_groups  # noqa: E402
 from turnrl.testing import LatencyDraw, latency_rows  # noqa: E402
 from turnrl.types import SamplingParams, TerminationReason  # noqa: E402
 
@@ -50,13 +57,15 @@ def renderer(qwen3_tokenizer):
 @pytest.fixture(scope="module")
 def engines(cluster, renderer):
     eos = sorted(renderer.end_of_turn_ids)
-    actors = [EngineActor.remote(MODEL, EngineConfig(), eos_token_ids=eos) for _ in range(2)]
+    actors = [EngineActor.remote(functools.partial(load_engine, MODEL, EngineConfig(), eos_token_ids=eos))
+              for _ in range(2)]
     ray.get([a.ready.remote() for a in actors])
     return actors
 
 
 def start_rollout(engines, renderer, cfg, workers=2):
-    handles = [RolloutWorker.remote(MODEL, cfg, engines) for _ in range(workers)]
+    handles = [RolloutWorker.remote(functools.partial(build_worker_manager, MODEL, cfg, None), engines)
+               for _ in range(workers)]
     ray.get([w.ready.remote() for w in handles])
     return RayRollout(handles, RayEngineGroup(engines), renderer)
 
@@ -72,11 +81,11 @@ def flat(groups):
 
 def test_two_workers_two_engines_give_the_single_process_trajectories(env_rollout, engines, renderer):
     rows = latency_rows(6, LatencyDraw(mean_s=0.0, seed=5))  # 1 to 6 turns, no tool latency
-    ray_groups = asyncio.run(env_rollout.run_groups(rows, n=2, id_prefix="s1-"))
+    ray_groups = asyncio.run(run_groups(env_rollout, rows, n=2, id_prefix="s1-"))
     local_engine = build_engine(load_model(MODEL), EngineConfig(), eos_token_ids=sorted(renderer.end_of_turn_ids))
     try:
         local = build_rollout_manager(ENV_CFG, local_engine, renderer)
-        local_groups = asyncio.run(local.run_groups(rows, n=2, id_prefix="s1-"))
+        local_groups = asyncio.run(run_groups(local, rows, n=2, id_prefix="s1-"))
     finally:
         local_engine.close()
     assert [g[0].group_id for g in ray_groups] == group_ids(rows, "s1-")  # row order kept
@@ -96,7 +105,7 @@ def test_two_workers_two_engines_give_the_single_process_trajectories(env_rollou
 def test_a_failing_env_in_one_worker_fails_only_its_trajectory(env_rollout):
     rows = latency_rows(4, LatencyDraw(mean_s=0.0, min_turns=3, max_turns=3, seed=1))
     rows[1]["fail_on_turn"] = 2  # row 1 goes to worker 1 (round-robin), rows 0, 2 to worker 0
-    trajs = flat(asyncio.run(env_rollout.run_groups(rows, n=1)))
+    trajs = flat(asyncio.run(run_groups(env_rollout, rows, n=1)))
     assert [t.status for t in trajs] == ["completed", "failed", "completed", "completed"]
     assert trajs[1].termination_reason == TerminationReason.ENV_ERROR and "fail_on_turn" in trajs[1].error
     assert trajs[1].num_turns == 2 and all(t.num_turns == 3 for t in trajs if t.status == "completed")
@@ -165,7 +174,7 @@ def test_a_plugin_scheduler_is_registered_in_the_worker_processes(engines, rende
     rollout = start_rollout(engines, renderer, cfg)
     try:
         assert all("scheduler" in names for names in ray.get([w.agents.remote() for w in rollout.workers]))
-        trajs = flat(asyncio.run(rollout.run_groups([{"prompt": f"q{i}"} for i in range(4)], n=1)))
+        trajs = flat(asyncio.run(run_groups(rollout, [{"prompt": f"q{i}"} for i in range(4)], n=1)))
     finally:
         for w in rollout.workers:
             ray.kill(w)
@@ -175,22 +184,24 @@ def test_a_plugin_scheduler_is_registered_in_the_worker_processes(engines, rende
     assert len(pids) == 2 and os.getpid() not in pids  # ran in both worker processes
 
 
-def test_trainer_setup_builds_the_ray_rollout_when_configured(cluster, tmp_path):
-    from turnrl.trainer import Trainer, setup
+def test_build_trainer_builds_the_ray_rollout_when_configured(cluster, tmp_path):
+    from turnrl.build import build_trainer
 
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in latency_rows(2, LatencyDraw(mean_s=0.0, seed=2))))
     cfg = TrainConfig(model=MODEL, train_data=str(data), output_dir=str(tmp_path / "run"), prompts_per_step=2,
                       steps=1, rollout=ENV_CFG.model_copy(update={"n": 2}),
                       engine=EngineConfig(distributed="ray", ray_workers=1))
-    policy, engine, manager, train_rows, eval_rows = setup(cfg)
+    trainer, stack = build_trainer(cfg)
     try:
-        assert isinstance(manager, RayRollout) and engine is manager.engine
-        trainer = Trainer(cfg, policy, engine, manager, train_rows, eval_rows)
+        assert isinstance(trainer.rollout, RayRollout) and trainer.engine is stack.engine is trainer.rollout.engine
         trainer.step = 1
         metrics = asyncio.run(trainer.train_step())
-        version = ray.get(engine.actors[0].generate.remote([1, 2, 3], SamplingParams(max_new_tokens=1), "v"))
+        version = ray.get(stack.engine.actors[0].generate.remote([1, 2, 3], SamplingParams(max_new_tokens=1), "v"))
+        workers = trainer.rollout.workers
     finally:
-        manager.close()
+        stack.close()
+    with pytest.raises(ray.exceptions.RayActorError):  # the stack stopped the workers with the engines
+        ray.get(workers[0].ready.remote())
     assert metrics["rollout/trajectories"] == 4.0 and metrics["rollout/reward_mean"] == 1.0
     assert metrics["train/policy_version"] == 1.0 and version.policy_version == 1

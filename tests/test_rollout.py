@@ -11,7 +11,7 @@ from fakes import ScriptedEngine
 
 from turnrl.agents import AGENTS, agent_registry
 from turnrl.render import ChatRenderer
-from turnrl.rollout import RolloutContext, RolloutLimits, RolloutManager, drive
+from turnrl.rollout import RolloutContext, RolloutLimits, RolloutManager, drive, run_groups
 from turnrl.types import (
     FinishReason,
     RolloutStatus,
@@ -229,7 +229,7 @@ async def test_one_failing_env_does_not_fail_the_batch(qwen3_tokenizer):
         return FeedbackEnv(raise_on_turn=1 if sample["id"] == "boom" else None)
 
     rows = [{"id": "a", "prompt": "2+2?"}, {"id": "bad", "prompt": "x"}, {"id": "boom", "prompt": "y"}]
-    groups = await _manager(engine, qwen3_tokenizer, build_env, concurrency=4).run_groups(rows, n=2)
+    groups = await run_groups(_manager(engine, qwen3_tokenizer, build_env, concurrency=4), rows, n=2)
     by_row = {g[0].group_id: g for g in groups}
     assert [len(g) for g in groups] == [2, 2, 2]
     assert all(t.status == RolloutStatus.COMPLETED and t.num_turns == 2 for t in by_row["a"])
@@ -242,7 +242,7 @@ async def test_trajectory_timeout_keeps_content(qwen3_tokenizer):
     engine = ScriptedEngine(qwen3_tokenizer, replies("wrong"))
     manager = _manager(engine, qwen3_tokenizer, lambda s, c: FeedbackEnv(sleep_s=5))
     manager.limits.trajectory_timeout_s = 0.3
-    [[traj]] = await manager.run_groups([{"prompt": "q"}], n=1)
+    [[traj]] = await run_groups(manager, [{"prompt": "q"}], n=1)
     assert (traj.status, traj.termination_reason) == (RolloutStatus.FAILED, TerminationReason.TIMEOUT)
     assert traj.num_turns == 1 and traj.response_ids  # what was generated is kept
 
@@ -258,7 +258,7 @@ async def test_rewards_are_streamed_and_errors_are_not_zero(qwen3_tokenizer):
         return 1.0
 
     manager = _manager(engine, qwen3_tokenizer, lambda s, c: FeedbackEnv(), reward_fn=reward_fn)
-    groups = await manager.run_groups([{"id": "r0", "prompt": "a"}, {"id": "r1", "prompt": "b"}], n=2)
+    groups = await run_groups(manager, [{"id": "r0", "prompt": "a"}, {"id": "r1", "prompt": "b"}], n=2)
     assert [t.reward for t in groups[0]] == [1.0, 1.0]
     assert [t.reward for t in groups[1]] == [None, None] and "KeyError" in groups[1][0].reward_error
     assert len(seen) == 4
@@ -267,7 +267,7 @@ async def test_rewards_are_streamed_and_errors_are_not_zero(qwen3_tokenizer):
 async def test_unknown_agent_lists_registered(qwen3_tokenizer):
     manager = _manager(ScriptedEngine(qwen3_tokenizer, replies("x")), qwen3_tokenizer, None)
     with pytest.raises(ValueError, match="unknown agent_name 'nope'.*env_agent"):
-        await manager.run_groups([{"prompt": "a", "agent_name": "nope"}])
+        await run_groups(manager, [{"prompt": "a", "agent_name": "nope"}])
     with pytest.raises(ValueError, match="expected"):
         agent_registry(["not-a-spec"])
 
@@ -275,7 +275,7 @@ async def test_unknown_agent_lists_registered(qwen3_tokenizer):
 async def test_single_turn_agent(qwen3_tokenizer):
     engine = ScriptedEngine(qwen3_tokenizer, replies("Paris."))
     manager = _manager(engine, qwen3_tokenizer, None)
-    [[traj]] = await manager.run_groups([{"prompt": "Capital of France?", "agent_name": "single_turn"}])
+    [[traj]] = await run_groups(manager, [{"prompt": "Capital of France?", "agent_name": "single_turn"}])
     assert traj.termination_reason == TerminationReason.ENV_DONE and traj.num_turns == 1
 
 
@@ -291,7 +291,7 @@ async def test_a_row_repeated_in_a_batch_gets_distinct_ids(qwen3_tokenizer):
     engine = ScriptedEngine(qwen3_tokenizer, replies("4"))
     manager = _manager(engine, qwen3_tokenizer, lambda s, c: FeedbackEnv())
     row = {"id": "r1", "prompt": "2+2?"}
-    groups = await manager.run_groups([row, {"id": "r0", "prompt": "x"}, row], n=2, id_prefix="s3-")
+    groups = await run_groups(manager, [row, {"id": "r0", "prompt": "x"}, row], n=2, id_prefix="s3-")
     assert [[t.id for t in g] for g in groups] == [["s3-r1-0", "s3-r1-1"], ["s3-r0-0", "s3-r0-1"],
                                                    ["s3-r1#1-0", "s3-r1#1-1"]]
 

@@ -25,6 +25,7 @@ from turnrl.config import RolloutConfig, TrainConfig
 from turnrl.engines.base import EngineError
 from turnrl.remote import RemoteRollout
 from turnrl.render import ChatRenderer
+from turnrl.rollout import run_groups
 from turnrl.serve import ServerThread, create_app
 from turnrl.types import RolloutStatus, SamplingParams, TerminationReason, Trajectory
 
@@ -59,7 +60,7 @@ def remote_rollout(tok, script, scheduler, rows=None, *, n=1, max_turns=4, max_n
                         env_config=env_config or {}, trajectory_timeout_s=trajectory_timeout_s, concurrency=8)
     with rollout_server(engine, tok, cfg) as (url, _):
         remote = RemoteRollout(url, renderer=ChatRenderer(tok), reward_fn=reward)
-        groups = asyncio.run(remote.run_groups(rows or [ROW], n=n))
+        groups = asyncio.run(run_groups(remote, rows or [ROW], n=n))
     return [t for g in groups for t in g], engine
 
 
@@ -70,7 +71,7 @@ def local_rollout(tok, script, scheduler, rows=None, *, n=1, max_turns=4, max_ne
     cfg = RolloutConfig(scheduler=scheduler_name(scheduler), max_turns=max_turns, max_new_tokens=max_new_tokens,
                         env_config=env_config or {}, trajectory_timeout_s=trajectory_timeout_s, concurrency=8)
     manager = build_rollout_manager(cfg, engine, ChatRenderer(tok), reward)
-    groups = asyncio.run(manager.run_groups(rows or [ROW], n=n))
+    groups = asyncio.run(run_groups(manager, rows or [ROW], n=n))
     return [t for g in groups for t in g], engine
 
 
@@ -147,7 +148,7 @@ class WhereScheduler(MultiTurnScheduler):
 
     async def on_turn_end(self, request, response, turn):
         return {"rollout_infos": {"hook_thread": threading.current_thread().name,
-                                  "imported_by_run_server": "run_server" in IMPORTED_BY}}
+                                  "imported_by_the_build": "build_rollout_manager" in IMPORTED_BY}}
 
     def check_finished(self, request, response, turn):
         return turn >= 2
@@ -176,7 +177,7 @@ def test_turnrl_serve_imports_the_plugin_and_takes_weight_updates(tmp_path, tiny
 
     seen = {}
 
-    def serve_and_check(app, **_):  # stands in for uvicorn.run: the app run_server built, on a free port
+    def serve_and_check(app, **_):  # stands in for uvicorn.run: the app `turnrl serve` built, on a free port
         server = ServerThread(app)
         url = server.start()
         try:
@@ -185,9 +186,9 @@ def test_turnrl_serve_imports_the_plugin_and_takes_weight_updates(tmp_path, tiny
             seen["tokenizer"] = type(remote.renderer.tokenizer).__name__
             greedy = SamplingParams(temperature=0.0)
             rows = [{"id": "a", "prompt": "Hi."}, {"id": "b", "prompt": "Bye."}]
-            seen["before"] = asyncio.run(remote.run_groups(rows, n=2, sampling=greedy))
+            seen["before"] = asyncio.run(run_groups(remote, rows, n=2, sampling=greedy))
             seen["version"] = asyncio.run(remote.engine.update_weights(tiny_qwen3.state_dict(), version=7))
-            seen["after"] = asyncio.run(remote.run_groups(rows, n=1, id_prefix="s1-", sampling=greedy))
+            seen["after"] = asyncio.run(run_groups(remote, rows, n=1, id_prefix="s1-", sampling=greedy))
             remote.close()
         finally:
             server.stop()
@@ -200,7 +201,7 @@ def test_turnrl_serve_imports_the_plugin_and_takes_weight_updates(tmp_path, tiny
     if result.exception is not None:
         raise result.exception
     assert result.exit_code == 0, result.output
-    assert "serve_where_plugin" in multi_turns  # imported by the server's build (run_server), in this process
+    assert "serve_where_plugin" in multi_turns  # imported by the server's build (build_stack), in this process
 
     info = seen["info"]
     assert (info["model"], info["agent"], info["agent_loop"]) == ("tiny-qwen3", "scheduler", "scheduler[WhereScheduler]")
@@ -212,7 +213,7 @@ def test_turnrl_serve_imports_the_plugin_and_takes_weight_updates(tmp_path, tiny
         traj.validate()
         assert traj.num_turns == 2 and traj.status != RolloutStatus.FAILED
         infos = traj.rollout_infos
-        assert infos["imported_by_run_server"] and infos["hook_thread"].startswith("turnrl-http-")
+        assert infos["imported_by_the_build"] and infos["hook_thread"].startswith("turnrl-http-")
         assert traj.policy_versions == [0]
     assert [t.reward for t in before] == [2.0] * 4 and set(reward_threads) == {threading.main_thread().name}
     assert seen["version"] == 7
@@ -254,7 +255,7 @@ def test_rollout_endpoint_needs_the_token_and_streams_heartbeats(qwen3_tokenizer
         data = [json.loads(line) for line in lines if line]
         assert data[-1] == {"done": True, "trajectories": 1} and data[0]["id"] == "0-0"
         monkeypatch.setenv("TURNRL_SERVE_TOKEN", "s3cret")  # the client reads the server's variable
-        [[traj]] = asyncio.run(RemoteRollout(url, renderer=ChatRenderer(qwen3_tokenizer)).run_groups([ROW]))
+        [[traj]] = asyncio.run(run_groups(RemoteRollout(url, renderer=ChatRenderer(qwen3_tokenizer)), [ROW]))
         assert traj.termination_reason == TerminationReason.ENV_DONE
 
 
@@ -265,11 +266,11 @@ def test_bad_requests_and_a_server_failure_mid_stream(qwen3_tokenizer, monkeypat
     with rollout_server(engine, qwen3_tokenizer, cfg) as (url, manager):
         remote = RemoteRollout(url, renderer=ChatRenderer(qwen3_tokenizer))
         with pytest.raises(EngineError, match="HTTP 400.*unknown agent_name 'nope'"):
-            asyncio.run(remote.run_groups([{**ROW, "agent_name": "nope"}]))
+            asyncio.run(run_groups(remote, [{**ROW, "agent_name": "nope"}]))
         with pytest.raises(EngineError, match="HTTP 400.*n must be an integer >= 1"):
-            asyncio.run(remote.run_groups([ROW], n=0))
+            asyncio.run(run_groups(remote, [ROW], n=0))
         with pytest.raises(ValueError, match="must be JSON"):
-            asyncio.run(remote.run_groups([{**ROW, "blob": object()}]))
+            asyncio.run(run_groups(remote, [{**ROW, "blob": object()}]))
         real_stream = manager.stream
 
         async def broken(*args, **kwargs):
@@ -280,7 +281,7 @@ def test_bad_requests_and_a_server_failure_mid_stream(qwen3_tokenizer, monkeypat
         monkeypatch.setattr(manager, "stream", broken)
         got = []
         with pytest.raises(EngineError, match="failed mid-stream: RuntimeError: engine died"):
-            asyncio.run(remote.run_groups([ROW, {**ROW, "id": "x"}], on_trajectory=got.append))
+            asyncio.run(run_groups(remote, [ROW, {**ROW, "id": "x"}], on_trajectory=got.append))
         assert len(got) == 1  # what arrived before the failure was delivered
 
 
@@ -329,8 +330,8 @@ def test_client_side_reward_errors_are_recorded_not_scored(qwen3_tokenizer):
 
 
 # ---- the trainer over a rollout server -------------------------------------------------------------
-def test_trainer_setup_uses_the_rollout_server_and_pushes_weights(qwen3_tokenizer, tmp_path, monkeypatch):
-    from turnrl.trainer import Trainer, setup
+def test_build_trainer_uses_the_rollout_server_and_pushes_weights(qwen3_tokenizer, tmp_path, monkeypatch):
+    from turnrl.build import build_trainer
 
     monkeypatch.delenv("TURNRL_SERVE_TOKEN", raising=False)
     data = tmp_path / "rows.jsonl"
@@ -341,12 +342,13 @@ def test_trainer_setup_uses_the_rollout_server_and_pushes_weights(qwen3_tokenize
         cfg = TrainConfig(model="tiny-qwen3", train_data=str(data), output_dir=str(tmp_path / "run"), steps=1,
                           prompts_per_step=2, rollout_server=url, reward={"function": "math"},
                           rollout={"n": 2, "sampling": {"temperature": 0.7}})
-        policy, engine_client, manager, train_rows, eval_rows = setup(cfg)
-        assert isinstance(manager, RemoteRollout) and engine_client is manager.engine
-        assert (manager.sampling.temperature, manager.sampling.seed) == (0.7, cfg.seed)  # the trainer's sampling
-        trainer = Trainer(cfg, policy, engine_client, manager, train_rows, eval_rows)
+        trainer, stack = build_trainer(cfg)
+        remote = trainer.rollout
+        assert isinstance(remote, RemoteRollout) and trainer.engine is stack.engine is remote.engine
+        assert (remote.sampling.temperature, remote.sampling.seed) == (0.7, cfg.seed)  # the trainer's sampling
         trainer.step = 1
         metrics = asyncio.run(trainer.train_step())
+        stack.close()
     assert engine.calls and {c.params.temperature for c in engine.calls} == {0.7}
     assert metrics["rollout/reward_mean"] == 0.5 and metrics["train/samples"] == 4.0  # rewards computed here
     assert metrics["train/policy_version"] == 1.0 and engine.policy_version == 1  # weights reached the server

@@ -32,6 +32,8 @@ class FakeEngine:
         self.released: list[str] = []
         self.weights_seen: list[dict[str, torch.Tensor]] = []
         self.asleep = False
+        self.closed = 0
+        self.fail_close = False
 
     async def generate(self, prompt_ids, params, *, request_id, images=None) -> GenerateOutput:
         self.calls.append(request_id)
@@ -58,6 +60,11 @@ class FakeEngine:
 
     async def release(self, request_id: str) -> None:
         self.released.append(request_id)
+
+    def close(self) -> None:
+        self.closed += 1
+        if self.fail_close:
+            raise RuntimeError(f"engine {self.token} cannot close")
 
 
 async def gen(router: Router, request_id: str, prompt_len: int = 3) -> GenerateOutput:
@@ -279,3 +286,15 @@ async def test_cancelled_caller_is_not_a_replica_failure() -> None:
         await task
     stats = router.stats().replicas["a"]
     assert (stats.healthy, stats.failures, stats.in_flight) == (True, 0, 0)
+
+
+def test_close_closes_every_current_replica_even_when_one_raises(caplog) -> None:
+    a, b, gone = FakeEngine(1), FakeEngine(2), FakeEngine(3)
+    a.fail_close = True
+    router = Router({"a": a, "b": b, "gone": gone})
+    router.remove_replica("gone")  # no longer the router's to close
+    with caplog.at_level(logging.WARNING):
+        router.close()
+        router.close()
+    assert (a.closed, b.closed, gone.closed) == (2, 2, 0)
+    assert "replica 'a' raised RuntimeError('engine 1 cannot close')" in caplog.text

@@ -21,7 +21,7 @@ from turnrl.agents.schedulers_builtin import RemoteEnvScheduler
 from turnrl.config import RolloutConfig, TrainConfig
 from turnrl.render import ChatRenderer
 from turnrl.rewards import bind_reward, boxed_answer_reward
-from turnrl.rollout import RolloutLimits, RolloutManager
+from turnrl.rollout import RolloutLimits, RolloutManager, run_groups
 from turnrl.trainer import group_advantages
 from turnrl.types import RolloutStatus, SegmentSource, TerminationReason
 
@@ -38,7 +38,7 @@ def rollout(tok, script, scheduler, rows=None, *, n=1, max_turns=4, max_new_toke
         engine, ChatRenderer(tok), agents={**AGENTS, "scheduler": scheduler_agent(scheduler)},
         default_agent="scheduler", limits=limits, env_config=env_config, reward_fn=reward, concurrency=8,
     )
-    groups = asyncio.run(manager.run_groups(rows or [ROW], n=n))
+    groups = asyncio.run(run_groups(manager, rows or [ROW], n=n))
     return [t for g in groups for t in g], engine
 
 
@@ -528,7 +528,7 @@ def test_plugin_file_registers_a_scheduler_for_build(tmp_path, qwen3_tokenizer):
     cfg = RolloutConfig(scheduler="one_more_plugin", plugins=[str(plugin)], max_turns=2, max_new_tokens=16)
     manager = build_rollout_manager(cfg, engine, renderer)
     assert manager.default_agent == "scheduler"
-    [[traj]] = asyncio.run(manager.run_groups([{"prompt": "hi"}]))
+    [[traj]] = asyncio.run(run_groups(manager, [{"prompt": "hi"}]))
     assert (traj.termination_reason, traj.num_turns) == (TerminationReason.MAX_TURNS, 2)
     with pytest.raises(ValueError, match="unknown scheduler 'nope'; registered: .*math_tip_trick.*one_more_plugin"):
         build_rollout_manager(RolloutConfig(scheduler="nope"), engine, renderer)

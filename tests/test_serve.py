@@ -23,7 +23,7 @@ from turnrl.engines.http import HttpEngine
 from turnrl.proxy import ChatProxy
 from turnrl.render import ChatRenderer
 from turnrl.rewards import bind_reward
-from turnrl.rollout import RolloutLimits, RolloutManager
+from turnrl.rollout import RolloutLimits, RolloutManager, run_groups
 from turnrl.serve import BindError, ServerThread, check_bind, create_app
 from turnrl.trainer import group_advantages
 from turnrl.types import RolloutStatus, SamplingParams, SegmentSource, TerminationReason, Trajectory
@@ -245,7 +245,7 @@ def _manager(engine, tokenizer, agent_spec: str, max_turns: int = 4, reward_fn=N
 
 async def test_openai_agent_trains_the_unmodified_example(qwen3_tokenizer):
     engine = RecordingEngine(qwen3_tokenizer, calculator_script)
-    [group] = await _manager(engine, qwen3_tokenizer, f"{EXAMPLE}:run").run_groups([{"id": "q", **QUESTION}], n=2)
+    [group] = await run_groups(_manager(engine, qwen3_tokenizer, f"{EXAMPLE}:run"), [{"id": "q", **QUESTION}], n=2)
     assert [t.id for t in group] == ["q-0", "q-1"]
     for traj in group:
         assert (traj.reward, traj.status, traj.num_turns, traj.episode_id) == (1.0, RolloutStatus.COMPLETED,
@@ -260,7 +260,7 @@ async def test_openai_agent_split_episode_shares_one_reward(qwen3_tokenizer):
     engine = RecordingEngine(qwen3_tokenizer, calculator_script)
     reward = bind_reward(lambda response: float("42" in response))
     spec = f"{ROOT / 'tests' / 'openai_agents.py'}:forgetful_run"  # a synchronous client, returns no reward
-    [group] = await _manager(engine, qwen3_tokenizer, spec, reward_fn=reward).run_groups([{"id": "q", **QUESTION}])
+    [group] = await run_groups(_manager(engine, qwen3_tokenizer, spec, reward_fn=reward), [{"id": "q", **QUESTION}])
     assert [t.id for t in group] == ["q-0", "q-0.1"]
     assert [t.reward for t in group] == [1.0, 1.0]
     assert {t.episode_id for t in group} == {"q-0"}
@@ -272,7 +272,7 @@ async def test_openai_agent_split_episode_shares_one_reward(qwen3_tokenizer):
 
 async def test_openai_agent_call_beyond_max_turns_ends_the_episode(qwen3_tokenizer):
     engine = RecordingEngine(qwen3_tokenizer, calculator_script)
-    [[traj]] = await _manager(engine, qwen3_tokenizer, f"{EXAMPLE}:run", max_turns=1).run_groups([QUESTION])
+    [[traj]] = await run_groups(_manager(engine, qwen3_tokenizer, f"{EXAMPLE}:run", max_turns=1), [QUESTION])
     assert traj.termination_reason == TerminationReason.MAX_TURNS and traj.num_turns == 1
     assert traj.reward is None and len(engine.calls) == 1
 
@@ -281,9 +281,22 @@ async def test_openai_agent_timeout_keeps_the_tokens_generated(qwen3_tokenizer):
     engine = RecordingEngine(qwen3_tokenizer, calculator_script)
     manager = _manager(engine, qwen3_tokenizer, f"{ROOT / 'tests' / 'openai_agents.py'}:stalling_run")
     manager.limits = RolloutLimits(max_turns=4, max_new_tokens=64, trajectory_timeout_s=1.0)
-    [[traj]] = await manager.run_groups([QUESTION])
+    [[traj]] = await run_groups(manager, [QUESTION])
     assert (traj.status, traj.termination_reason, traj.num_turns) == (RolloutStatus.FAILED, TerminationReason.TIMEOUT, 1)
     assert traj.response_ids == engine.outputs[0].token_ids
+
+
+async def test_a_bad_openai_agent_spec_fails_its_trajectory_naming_the_spec(qwen3_tokenizer):
+    engine = RecordingEngine(qwen3_tokenizer, calculator_script)
+    rows = [{"id": "colon", **QUESTION, "openai_agent": str(EXAMPLE)},
+            {"id": "attr", **QUESTION, "openai_agent": f"{EXAMPLE}:nope"},
+            {"id": "file", **QUESTION, "openai_agent": "/nonexistent/agent.py:run"}]
+    groups = await run_groups(_manager(engine, qwen3_tokenizer, f"{EXAMPLE}:run"), rows)
+    errors = [traj.error for [traj] in groups]
+    assert all(traj.status == RolloutStatus.FAILED for [traj] in groups) and not engine.calls
+    assert "expected path/file.py:name or package.module:name" in errors[0]
+    assert f"{EXAMPLE} has no callable 'nope'" in errors[1]
+    assert "openai agent file /nonexistent/agent.py does not exist" in errors[2]
 
 
 async def test_openai_agent_runs_the_langgraph_example(qwen3_tokenizer):
@@ -291,7 +304,7 @@ async def test_openai_agent_runs_the_langgraph_example(qwen3_tokenizer):
     pytest.importorskip("langchain_openai")
     engine = RecordingEngine(qwen3_tokenizer, calculator_script)
     spec = f"{ROOT / 'examples' / 'openai_agent' / 'langgraph_agent.py'}:run"
-    [[traj]] = await _manager(engine, qwen3_tokenizer, spec).run_groups([QUESTION])
+    [[traj]] = await run_groups(_manager(engine, qwen3_tokenizer, spec), [QUESTION])
     # LangChain echoes the assistant's tool call in its own shape; it still continues the recorded tokens
     assert (traj.reward, traj.num_turns, traj.info["episode_trajectories"]) == (1.0, 2, 1)
     assert [s.source for s in traj.segments] == [SegmentSource.MODEL, SegmentSource.TEMPLATE, SegmentSource.TOOL,

@@ -12,7 +12,7 @@ from turnrl.agents import AGENTS
 from turnrl.agents.tool_agent import ToolAgentSettings, truncate
 from turnrl.render import ChatRenderer
 from turnrl.rewards import bind_reward
-from turnrl.rollout import RolloutLimits, RolloutManager
+from turnrl.rollout import RolloutLimits, RolloutManager, run_groups
 from turnrl.tools import StatefulToolBase, ToolSet, function_tool
 from turnrl.types import RolloutStatus, SegmentSource, TerminationReason
 
@@ -97,7 +97,7 @@ def run(tokenizer, script, rows=None, options=None, tools=(add, explode, slow, e
         engine, ChatRenderer(tokenizer), agents=AGENTS, default_agent="tool_agent", tools=settings,
         limits=RolloutLimits(max_turns=max_turns, max_new_tokens=200), reward_fn=reward,
     )
-    groups = asyncio.run(manager.run_groups(rows or [{"prompt": "What is 2+3?"}], n=n))
+    groups = asyncio.run(run_groups(manager, rows or [{"prompt": "What is 2+3?"}], n=n))
     return [t for g in groups for t in g], engine
 
 

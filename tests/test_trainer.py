@@ -8,10 +8,11 @@ import json
 import pytest
 import torch
 
+from turnrl.cli import run_training
 from turnrl.config import TrainConfig, load_config
 from turnrl.engines.embedded import EmbeddedEngine
 from turnrl.packing import pack_sequences, packed_token_logprobs, use_varlen_attention
-from turnrl.trainer import PromptSampler, Trainer, TrainSample, group_advantages, run_training
+from turnrl.trainer import PromptSampler, Trainer, TrainSample, group_advantages
 from turnrl.types import RolloutStatus, SamplingParams, TerminationReason, Trajectory
 
 
@@ -71,7 +72,7 @@ def test_one_update_changes_parameters_and_lowers_the_loss(tiny_qwen3, qwen3_tok
     policy = copy.deepcopy(tiny_qwen3)
     cfg = TrainConfig(model="tiny-qwen3", train_data="x", output_dir=str(tmp_path),
                       optim={"lr": 1e-2, "grad_clip": None}, algo={"is_mode": "none"})
-    trainer = Trainer(cfg, policy, engine=None, manager=None, train_rows=[{}], eval_rows=[])
+    trainer = Trainer(cfg, policy, engine=None, rollout=None, train_rows=[{}], eval_rows=[])
     samples = _fixed_samples(qwen3_tokenizer)
 
     def surrogate() -> float:  # -mean(A * logp) over tokens: what the first PPO step decreases

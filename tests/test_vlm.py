@@ -439,9 +439,8 @@ def test_geo3k_recipe_trains_on_cpu_and_the_viewer_shows_its_images(tmp_path, mo
     from rich.console import Console
     from typer.testing import CliRunner
 
-    from turnrl.cli import app
+    from turnrl.cli import app, run_training
     from turnrl.config import TrainConfig, load_config
-    from turnrl.trainer import run_training
 
     monkeypatch.chdir(tmp_path)  # as the README runs it: data and images relative to the working directory
     recipe_module().write_synthetic(Path("data/geo3k_vlm"), n_train=4, n_eval=2, seed=0, max_turns=3)

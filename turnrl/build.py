@@ -1,19 +1,37 @@
-"""From typed config to components: the one place that reads config objects (components take plain args)."""
+"""From typed config to components: the one place that reads config objects (components take plain args).
+
+Every entry point builds here: `turnrl rollout`, `eval`, `train` and `serve` call `build_stack` (engine,
+renderer, rollout, tracer), and `turnrl train` / `eval` call `build_trainer`, which hands the Trainer the built
+components. Cheap checks come before weights load: data rows, the reward function, plugins, agents, the
+scheduler, tools and the env.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import yaml
 
-from turnrl.config import ConfigError, EngineConfig, RewardConfig, RolloutConfig
+from turnrl.config import ConfigError, EngineConfig, RewardConfig, RolloutConfig, TrainConfig
 from turnrl.engines.base import Engine
 from turnrl.render import ChatRenderer
-from turnrl.rollout import RewardFn, RolloutLimits, RolloutManager
+from turnrl.rollout import RewardFn, Rollout, RolloutLimits, RolloutManager
+from turnrl.tracing import TrajectoryTracer
 from turnrl.types import SamplingParams
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from turnrl.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +67,17 @@ def env_config(cfg: RolloutConfig) -> dict[str, Any]:
     return merged
 
 
-def build_engine(model: torch.nn.Module, cfg: EngineConfig, eos_token_ids: list[int] = (),
+def load_engine(source: str, cfg: EngineConfig, *, eos_token_ids: list[int] = (), image_processor: Any = None,
+                dtype: str = "float32") -> Engine:
+    """`build_engine` with its weights: an embedded engine loads `source` (a model name or directory) in `dtype`
+    here; vLLM in process loads it itself; server engines load nothing here."""
+    from turnrl.models import load_model
+
+    model = load_model(source, dtype=DTYPES[dtype]) if cfg.kind == "embedded" else None
+    return build_engine(model, cfg, eos_token_ids, image_processor, model_path=source)
+
+
+def build_engine(model: torch.nn.Module | None, cfg: EngineConfig, eos_token_ids: list[int] = (),
                  image_processor: Any = None, model_path: str | None = None) -> Engine:
     """`model_path` (a model name or directory, as `turnrl.models.resolve_model` takes) is what an in-process
     vLLM engine (`engine.kind: vllm` without `engine.urls`) loads; the embedded engine uses `model` itself."""
@@ -154,3 +182,121 @@ def build_reward_fn(cfg: RewardConfig) -> RewardFn:
 
         return bind_reward(math_reward, "math")
     return load_reward_fn(cfg.function, cfg.format_weight)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The composition root
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class Stack:
+    """What a run samples with: `rollout` runs trajectories on `engine` (None: `turnrl serve` without a
+    rollout configuration), `renderer` is the policy's chat template, `tracer` exports trajectories (one that
+    does nothing unless `rollout.trace_uri`). `close()` stops what the stack started; a second call does
+    nothing."""
+
+    engine: Engine
+    renderer: ChatRenderer
+    rollout: Rollout | None
+    tracer: TrajectoryTracer
+    stops: tuple[Callable[[], None], ...] = ()
+    """What `close` calls: the engine's close, or the Ray / remote rollout's (which closes its engine)."""
+    closed: bool = field(default=False, init=False)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            for stop in self.stops:
+                stop()
+            self.tracer.close()
+
+
+def build_stack(model: str, cfg: RolloutConfig | None, engine_cfg: EngineConfig, *, reward: RewardConfig | None = None,
+                server: str | None = None, weights: str | None = None, dtype: str = "float32") -> Stack:
+    """The engine, renderer, rollout and tracer of a run of the policy `model` (a name or directory).
+
+    The turns run on `server` (a `turnrl serve` rollout server: turnrl.remote), else on Ray workers
+    (`engine_cfg.distributed == "ray"`: turnrl.dist.ray), else in this process (a RolloutManager). Engines load
+    their weights from `weights` (a checkpoint's model directory) when given, else from `model`, in `dtype`.
+    `reward` scores each trajectory as it finishes (None: rewards stay as the agent set them)."""
+    rollout_cfg = cfg or RolloutConfig()
+    renderer, image_processor = build_policy_renderer(model, rollout_cfg)
+    reward_fn = build_reward_fn(reward) if reward is not None else None  # a bad reward fails before any weights
+    tracer = TrajectoryTracer.from_config(rollout_cfg, renderer.tokenizer)
+    if server:
+        return _remote_stack(server, model, rollout_cfg, renderer, reward_fn, tracer)
+    if engine_cfg.distributed == "ray":
+        return _ray_stack(model, rollout_cfg, engine_cfg, renderer, image_processor, reward, weights or model, dtype,
+                          tracer)
+    # plugins, agents, scheduler, tools and env resolve here, before the weights load; the engine comes after
+    manager = build_rollout_manager(cfg, None, renderer, reward_fn) if cfg is not None else None
+    engine = load_engine(weights or model, engine_cfg, eos_token_ids=sorted(renderer.end_of_turn_ids),
+                         image_processor=image_processor, dtype=dtype)
+    if manager is not None:
+        manager.engine = engine
+    return Stack(engine, renderer, manager, tracer, (engine.close,))
+
+
+def _remote_stack(server: str, model: str, cfg: RolloutConfig, renderer: ChatRenderer, reward_fn: RewardFn | None,
+                  tracer: TrajectoryTracer) -> Stack:
+    from turnrl.remote import RemoteRollout
+
+    if cfg.scheduler or cfg.plugins or cfg.env or cfg.tools or cfg.agents:
+        log.warning("a rollout server is set: rollout.scheduler/plugins/env/tools/agents are not used here; "
+                    "the server runs the turns with its own (turnrl serve --scheduler/--plugin/...)")
+    remote = RemoteRollout(server, model=model, renderer=renderer, sampling=sampling_params(cfg), reward_fn=reward_fn)
+    return Stack(remote.engine, renderer, remote, tracer, (remote.close,))
+
+
+def _ray_stack(model: str, cfg: RolloutConfig, engine_cfg: EngineConfig, renderer: ChatRenderer, image_processor: Any,
+               reward: RewardConfig | None, weights: str, dtype: str, tracer: TrajectoryTracer) -> Stack:
+    """Engine replicas and rollout workers as Ray actors (turnrl.dist.ray), each built in its own process by
+    the builders a single process uses, so plugins are imported where the turns run, never here."""
+    from turnrl.dist.ray import RayRollout
+
+    if engine_cfg.kind != "embedded":
+        raise ConfigError(f"engine.distributed=ray runs embedded engines as Ray actors; engine.kind={engine_cfg.kind!r} "
+                          "servers are already separate processes (use distributed=none)")
+    if cfg.env:  # what the driver can check before starting actors
+        from turnrl.envs.base import load_env_factory
+
+        load_env_factory(cfg.env)
+    one = engine_cfg.model_copy(update={"replicas": 1, "distributed": "none"})
+    engine = functools.partial(load_engine, weights, one, eos_token_ids=sorted(renderer.end_of_turn_ids),
+                               image_processor=image_processor, dtype=dtype)
+    rollout = RayRollout.start(engine, functools.partial(build_worker_manager, model, cfg, reward),
+                               replicas=engine_cfg.replicas, workers=engine_cfg.ray_workers, renderer=renderer,
+                               address=engine_cfg.ray_address)
+    return Stack(rollout.engine, renderer, rollout, tracer, (rollout.close,))
+
+
+def build_worker_manager(model: str, cfg: RolloutConfig, reward: RewardConfig | None, engine: Engine) -> RolloutManager:
+    """The RolloutManager of a Ray rollout worker, built in the worker's process (turnrl.dist.ray)."""
+    renderer, _ = build_policy_renderer(model, cfg)
+    return build_rollout_manager(cfg, engine, renderer, build_reward_fn(reward) if reward is not None else None)
+
+
+def build_trainer(cfg: TrainConfig, *, checkpoint: Path | None = None,
+                  console: Console | None = None) -> tuple[Trainer, Stack]:
+    """The Trainer of `cfg` over its built components, and the stack to close when done. `checkpoint` (a
+    model directory) replaces the base model's weights, in the policy and in the engines."""
+    from turnrl.data import load_rows
+    from turnrl.models import load_model
+    from turnrl.trainer import Trainer
+
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    if cfg.rollout.sampling.seed is None:  # seeded samplers make runs (and resumes) reproducible
+        cfg.rollout.sampling.seed = cfg.seed
+    train_rows = load_rows(cfg.train_data)
+    eval_rows = load_rows(cfg.eval_data) if cfg.eval_data else []
+    weights = str(checkpoint) if checkpoint else None
+    stack = build_stack(cfg.model, cfg.rollout, cfg.engine, reward=cfg.reward, server=cfg.rollout_server,
+                        weights=weights, dtype=cfg.dtype)
+    # the engines hold their own copy of the weights; this one trains, where cfg.device says
+    policy = load_model(weights or cfg.model, dtype=DTYPES[cfg.dtype]).eval()
+    if checkpoint and cfg.rollout_server:  # the server's engine loaded its own weights: give it the checkpoint's
+        asyncio.run(stack.engine.update_weights(policy.state_dict()))
+    trainer = Trainer(cfg, policy.to(cfg.device), stack.engine, stack.rollout, train_rows, eval_rows, console,
+                      stack.tracer)
+    return trainer, stack

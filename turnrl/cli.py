@@ -6,12 +6,15 @@ import asyncio
 import json
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+if TYPE_CHECKING:
+    from turnrl.config import RolloutConfig, TrainConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Multi-turn agentic RL for LLMs and VLMs.")
 console = Console()
@@ -95,61 +98,30 @@ def rollout(
 
 
 async def _rollout(model_name, cfg, engine_cfg, rows, out: Path, reward: str | None, server: str | None = None) -> None:
-    from turnrl.build import build_engine, build_policy_renderer, build_rollout_manager
-    from turnrl.models import load_model
+    from turnrl.build import build_stack
+    from turnrl.config import RewardConfig
+    from turnrl.engines.base import EngineError
     from turnrl.observe import RolloutStats, TrajectoryWriter
-    from turnrl.rewards import load_reward_fn
-    from turnrl.tracing import TrajectoryTracer
 
     try:
-        if cfg.env:  # fail on a bad env before spending time on the model
-            from turnrl.envs.base import load_env_factory
-
-            load_env_factory(cfg.env)
-        renderer, image_processor = build_policy_renderer(model_name, cfg)
-        reward_fn = load_reward_fn(reward) if reward else None
-        tracer = TrajectoryTracer.from_config(cfg, renderer.tokenizer)
-        if server:  # the server's RolloutManager runs the turns (turnrl.remote)
-            from turnrl.build import sampling_params
-            from turnrl.engines.base import EngineError
-            from turnrl.remote import RemoteRollout
-
-            try:
-                manager = RemoteRollout(server, model=model_name, renderer=renderer, sampling=sampling_params(cfg),
-                                        reward_fn=reward_fn)
-            except EngineError as e:
-                _fail(str(e))
-            engine = manager.engine
-        elif engine_cfg.distributed == "ray":
-            from turnrl.config import RewardConfig
-            from turnrl.dist.ray import RayRollout
-
-            with console.status(f"starting Ray actors for {model_name}"):
-                manager = RayRollout.start(model_name, cfg, engine_cfg, renderer=renderer, image_processor=image_processor,
-                                           reward=RewardConfig(function=reward) if reward else None)
-            engine = manager.engine
-        else:
-            with console.status(f"loading {model_name}"):
-                model = load_model(model_name)
-            engine = build_engine(model, engine_cfg, eos_token_ids=sorted(renderer.end_of_turn_ids),
-                                  image_processor=image_processor)
-            manager = build_rollout_manager(cfg, engine, renderer, reward_fn)
-    except (ValueError, FileNotFoundError, AttributeError, ImportError) as e:
+        with console.status(f"loading {model_name}"):
+            stack = build_stack(model_name, cfg, engine_cfg, reward=RewardConfig(function=reward) if reward else None,
+                                server=server)
+    except (ValueError, FileNotFoundError, AttributeError, ImportError, EngineError) as e:
         _fail(str(e))
-    stats = RolloutStats()
-    total = len(rows) * cfg.n
-    with TrajectoryWriter(out) as writer, _progress() as progress:
-        task = progress.add_task("rollout", total=total, info="")
-        async for traj in manager.stream(rows, cfg.n):
-            tracer.export(traj)
-            writer.write(traj)
-            stats.add(traj)
-            s = stats.summary()
-            progress.update(task, advance=1, info=f"turns {s['rollout/turns_mean']:.1f}  "
-                                                  f"{s['rollout/tokens_per_s']:.0f} tok/s")
-    if hasattr(engine, "close"):
-        engine.close()
-    tracer.close()
+    stats, tracer = RolloutStats(), stack.tracer
+    try:
+        with TrajectoryWriter(out) as writer, _progress() as progress:
+            task = progress.add_task("rollout", total=len(rows) * cfg.n, info="")
+            async for traj in stack.rollout.stream(rows, cfg.n):
+                tracer.export(traj)
+                writer.write(traj)
+                stats.add(traj)
+                s = stats.summary()
+                progress.update(task, advance=1, info=f"turns {s['rollout/turns_mean']:.1f}  "
+                                                      f"{s['rollout/tokens_per_s']:.0f} tok/s")
+    finally:
+        stack.close()
     console.print(stats.table(f"rollout of {model_name} → {out}"))
     if tracer.enabled:
         console.print(f"traced {tracer.exported} trajectories to {cfg.trace_uri} (experiment {cfg.trace_experiment!r}, "
@@ -181,9 +153,23 @@ def train(
             cfg.rollout.plugins = [*cfg.rollout.plugins, *plugin]
     except ConfigError as e:
         _fail(str(e))
-    from turnrl.trainer import run_training
-
     run_training(cfg, console=console)
+
+
+def run_training(cfg: TrainConfig, console: Console | None = None) -> list[dict[str, float]]:
+    """`turnrl train`: build the trainer (turnrl.build), train, close; returns the metrics history."""
+    from turnrl.build import build_trainer
+    from turnrl.plots import plot_curves
+
+    trainer, stack = build_trainer(cfg, console=console)
+    try:
+        history = asyncio.run(trainer.train())
+    finally:
+        stack.close()
+    plot_curves(history, trainer.out / "curves.png")
+    trainer.console.print(f"wrote {trainer.out / 'curves.png'}, {trainer.out / 'metrics.jsonl'}, "
+                          f"{trainer.out / 'trajectories'}")
+    return history
 
 
 @app.command(name="eval")
@@ -201,9 +187,26 @@ def evaluate(
         cfg = load_config(TrainConfig, config, overrides or [])
     except ConfigError as e:
         _fail(str(e))
-    from turnrl.trainer import run_evaluation
-
     run_evaluation(cfg, checkpoint=checkpoint, out=out, console=console)
+
+
+def run_evaluation(cfg: TrainConfig, checkpoint: Path | None = None, out: Path | None = None,
+                   console: Console | None = None) -> dict[str, float]:
+    """`turnrl eval`: the trainer's evaluation of `checkpoint` (else the base model) on `eval_data`."""
+    from turnrl.build import build_trainer
+    from turnrl.trainer import format_step_line
+
+    if not cfg.eval_data:
+        raise SystemExit("eval_data is not set in the config")
+    trainer, stack = build_trainer(cfg, checkpoint=checkpoint / "model" if checkpoint else None, console=console)
+    if out is not None:
+        trainer.out = out.parent
+    try:
+        metrics = asyncio.run(trainer.evaluate("cli"))
+    finally:
+        stack.close()
+    trainer.console.print(format_step_line(metrics, 0))
+    return metrics
 
 
 @app.command()
@@ -254,37 +257,53 @@ def serve(
     a rollout configuration (--scheduler, --env, --agent, --plugin, --tools or --rollout-config) also `/rollout`,
     which runs whole trajectories here and streams them to `turnrl.remote.RemoteRollout`."""
     _setup_logging(verbose)
-    from turnrl.config import ConfigError, RolloutConfig, load_config
-    from turnrl.serve import BindError, RolloutSetupError, check_bind, run_server
+    from turnrl.build import build_stack
+    from turnrl.config import ConfigError, EngineConfig
+    from turnrl.engines.base import EngineError
+    from turnrl.serve import BindError, check_bind, run_server
     from turnrl.types import SamplingParams
 
-    rollout = None
     try:
         check_bind(host, token)
         kwargs = json.loads(chat_template_kwargs or "{}")
         flags = {"env": env, "agent": agent, "scheduler": scheduler, "max_turns": max_turns,
                  "max_new_tokens": max_new_tokens, "token_budget": token_budget, "concurrency": concurrency,
                  "custom_config": str(custom_config) if custom_config else None}
-        if rollout_config or env or agent or scheduler or plugin or tools:
-            rollout = load_config(RolloutConfig, rollout_config) if rollout_config else RolloutConfig()
-            for key, value in flags.items():
-                if value is not None:
-                    setattr(rollout, key, value)
-            rollout.plugins, rollout.tools = [*rollout.plugins, *plugin], [*rollout.tools, *tools]
-            if chat_template_kwargs is not None:
-                rollout.chat_template_kwargs = kwargs
-        elif max_turns or token_budget or custom_config or concurrency:
-            raise ConfigError("--max-turns, --token-budget, --custom-config and --concurrency configure a rollout "
-                              "server: add --scheduler, --env, --agent or --rollout-config")
+        rollout = _server_rollout_config(rollout_config, flags, plugin, tools,
+                                         kwargs if chat_template_kwargs is not None else None)
+        engine_cfg = EngineConfig(kind=engine, urls=url, max_batch_size=max_batch_size)
     except (BindError, ConfigError, ValueError) as e:
         _fail(str(e))
-    try:
-        run_server(model=model, host=host, port=port, token=token, engine_kind=engine, urls=url,
-                   tool_parser=tool_parser, sampling=SamplingParams(max_new_tokens=max_new_tokens or 1024),
-                   max_batch_size=max_batch_size, chat_template_kwargs=kwargs,
-                   log_level="info" if verbose else "warning", rollout=rollout)
-    except RolloutSetupError as e:
+    try:  # the rollout configuration (plugins, scheduler, env...) resolves before the model loads
+        stack = build_stack(model, rollout, engine_cfg)
+    except (ValueError, FileNotFoundError, ModuleNotFoundError, AttributeError, ImportError, EngineError) as e:
         _fail(str(e))
+    try:
+        run_server(stack.engine, stack.renderer.tokenizer, stack.rollout, model_name=model, host=host, port=port,
+                   token=token, tool_parser=tool_parser, sampling=SamplingParams(max_new_tokens=max_new_tokens or 1024),
+                   chat_template_kwargs=kwargs, log_level="info" if verbose else "warning")
+    finally:
+        stack.close()
+
+
+def _server_rollout_config(path: Path | None, flags: dict[str, Any], plugins: list[str], tools: list[str],
+                           chat_template_kwargs: dict[str, Any] | None) -> RolloutConfig | None:
+    """The rollout server's configuration: the YAML at `path` with the flags over it; None without either."""
+    from turnrl.config import ConfigError, RolloutConfig, load_config
+
+    if path or flags["env"] or flags["agent"] or flags["scheduler"] or plugins or tools:
+        rollout = load_config(RolloutConfig, path) if path else RolloutConfig()
+        for key, value in flags.items():
+            if value is not None:
+                setattr(rollout, key, value)
+        rollout.plugins, rollout.tools = [*rollout.plugins, *plugins], [*rollout.tools, *tools]
+        if chat_template_kwargs is not None:
+            rollout.chat_template_kwargs = chat_template_kwargs
+        return rollout
+    if flags["max_turns"] or flags["token_budget"] or flags["custom_config"] or flags["concurrency"]:
+        raise ConfigError("--max-turns, --token-budget, --custom-config and --concurrency configure a rollout "
+                          "server: add --scheduler, --env, --agent or --rollout-config")
+    return None
 
 
 def main() -> None:  # pragma: no cover

@@ -5,7 +5,7 @@ inference engine and hands the trainer finished trajectories. The turnrl equival
 
     turnrl serve --model M --scheduler X --plugin F.py                  # the server imports F.py, resolves X
     rollout = RemoteRollout("http://host:8000", reward_fn=reward)       # here: same interface as RolloutManager
-    groups = await rollout.run_groups(rows, n=4)                        # the server runs the turns
+    groups = await run_groups(rollout, rows, n=4)                       # the server runs the turns
     await rollout.engine.update_weights(policy.state_dict(), version=1) # new weights to the server's engine
 
 or `rollout_server: http://host:8000` in a training config, or `turnrl rollout --server URL`.
@@ -33,6 +33,7 @@ VLM processor tensors (`Trajectory.mm_train_inputs`) are not part of the JSON, s
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -43,24 +44,14 @@ import httpx
 
 from turnrl.engines.base import EngineError
 from turnrl.engines.http import TOKEN_ENV, HttpEngine, _excerpt, sampling_from_json, sampling_to_json
-from turnrl.rollout import RewardFn, _maybe_await, collect_groups, group_ids
+from turnrl.rollout import RewardFn, drain, group_ids, score
 from turnrl.types import SamplingParams, Trajectory
 
 log = logging.getLogger(__name__)
 
-_DONE = object()
-
-
-class RolloutServerEngine(HttpEngine):
-    """HttpEngine on a rollout server, with the `close()` the CLI and trainer call on their engines."""
-
-    def close(self) -> None:
-        self._client = self._client_loop = None
-
-
 class RemoteRollout:
-    """`run_groups` / `stream` / `sampling` / `renderer` / `reward_fn` / `engine`, as the Trainer uses a
-    RolloutManager, against a `turnrl serve` rollout server (module docstring).
+    """A `turnrl.rollout.Rollout` (`stream` / `sampling` / `renderer` / `engine`, and `reward_fn` as a
+    RolloutManager scores) against a `turnrl serve` rollout server (module docstring).
 
     Args:
         base_url: the server root, e.g. `http://10.0.0.5:8000`.
@@ -106,7 +97,7 @@ class RemoteRollout:
         self.renderer = renderer
         self.sampling = sampling if sampling is not None else sampling_from_json(self.info.get("sampling") or {})
         self.reward_fn = reward_fn
-        self.engine = RolloutServerEngine(self.base_url, token=self.token, connect_timeout_s=connect_timeout_s)
+        self.engine = HttpEngine(self.base_url, token=self.token, connect_timeout_s=connect_timeout_s)
         self._client: httpx.AsyncClient | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
 
@@ -121,27 +112,8 @@ class RemoteRollout:
         except (TypeError, ValueError) as e:
             raise ValueError(f"rows sent to a rollout server must be JSON (images as paths or URLs): {e}") from None
         row_of = dict(zip(group_ids(rows, id_prefix), rows, strict=True))
-        queue: asyncio.Queue = asyncio.Queue()
-        reader = asyncio.create_task(self._read(payload, row_of, queue))
-        try:
-            while True:
-                item = await queue.get()
-                if item is _DONE:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            reader.cancel()
-            await asyncio.gather(reader, return_exceptions=True)
-
-    async def run_groups(
-        self, rows: Sequence[dict[str, Any]], n: int = 1, *, id_prefix: str = "",
-        sampling: SamplingParams | None = None, on_trajectory: Callable[[Trajectory], None] | None = None,
-    ) -> list[list[Trajectory]]:
-        """All trajectories grouped by prompt, in row order (each group sorted by sample index)."""
-        return await collect_groups(self.stream(rows, n, id_prefix=id_prefix, sampling=sampling), rows, id_prefix,
-                                    on_trajectory)
+        async for traj in drain([functools.partial(self._read, payload, row_of)]):
+            yield traj
 
     def close(self) -> None:
         self.engine.close()
@@ -174,65 +146,53 @@ class RemoteRollout:
             self._client_loop = loop
         return self._client
 
-    async def _read(self, payload: bytes, row_of: dict[str, dict[str, Any]], queue: asyncio.Queue) -> None:
-        """Read the stream into `queue` (scored trajectories, then _DONE, or the error that ended it)."""
+    async def _read(self, payload: bytes, row_of: dict[str, dict[str, Any]], put: Callable[[Trajectory], None]) -> None:
+        """Read the stream, scoring each trajectory as it arrives (while later ones are still read) and putting
+        it once scored; raises what ended the stream early."""
         where = f"POST {self.base_url}/rollout"
         scoring: set[asyncio.Task] = set()
         try:
-            done = False
             async with self._http().stream("POST", "/rollout", content=payload,
                                            headers={"content-type": "application/json"}) as response:
-                if response.status_code >= 400:
-                    text = (await response.aread()).decode(errors="replace")
-                    hint = f" (set the server's token: RemoteRollout(token=...) or {TOKEN_ENV})" \
-                        if response.status_code == 401 else ""
-                    raise EngineError(f"{where} returned HTTP {response.status_code}{hint}: {_excerpt(text)}")
-                async for line in response.aiter_lines():
-                    if not line.strip():
-                        continue  # heartbeat
-                    item = _parse_line(line, where)
-                    if "format_version" not in item:  # a control line: the end, or the server's failure
-                        if item.get("done") is True:
-                            done = True
-                            break
-                        error = item.get("error")
-                        message = error.get("message", error) if isinstance(error, dict) else _excerpt(line)
-                        raise EngineError(f"{where}: the server failed mid-stream: {message}")
+                async for item in _trajectory_lines(response, where):
                     traj = Trajectory.from_json(item)
                     traj.sample = row_of.get(traj.group_id, traj.sample)  # the caller's own row object
-                    task = asyncio.create_task(self._score_into(traj, queue))
+                    task = asyncio.create_task(self._score_and_put(traj, put))
                     scoring.add(task)
                     task.add_done_callback(scoring.discard)
-            if not done:
-                raise EngineError(f"{where}: the stream ended before its last line (did the server stop?)")
             await asyncio.gather(*scoring)
-            queue.put_nowait(_DONE)
-        except asyncio.CancelledError:
-            raise
         except httpx.HTTPError as e:
-            queue.put_nowait(EngineError(f"{where} failed: {type(e).__name__}: {e or 'no details'}"))
-        except Exception as e:
-            queue.put_nowait(e)
+            raise EngineError(f"{where} failed: {type(e).__name__}: {e or 'no details'}") from e
         finally:
             for task in scoring:
                 task.cancel()
             await asyncio.gather(*scoring, return_exceptions=True)
 
-    async def _score_into(self, traj: Trajectory, queue: asyncio.Queue) -> None:
+    async def _score_and_put(self, traj: Trajectory, put: Callable[[Trajectory], None]) -> None:
         await score(traj, self.reward_fn)
-        queue.put_nowait(traj)
+        put(traj)
 
 
-async def score(traj: Trajectory, reward_fn: RewardFn | None) -> None:
-    """RolloutManager's scoring: a reward the agent set is kept; a raising reward function leaves the reward
-    None and records `reward_error` (a crash is never scored 0.0)."""
-    if reward_fn is None or traj.reward is not None:
-        return
-    try:
-        traj.reward = await _maybe_await(reward_fn(traj))
-    except Exception as e:
-        traj.reward_error = f"{type(e).__name__}: {e}"
-        log.warning("reward function raised on %s: %r", traj.id, e)
+async def _trajectory_lines(response: httpx.Response, where: str) -> AsyncIterator[dict[str, Any]]:
+    """The Trajectory JSON objects of a /rollout response; raises on an HTTP error, on the server's error
+    line and on a stream that ends without its last line."""
+    if response.status_code >= 400:
+        text = (await response.aread()).decode(errors="replace")
+        hint = f" (set the server's token: RemoteRollout(token=...) or {TOKEN_ENV})" if response.status_code == 401 else ""
+        raise EngineError(f"{where} returned HTTP {response.status_code}{hint}: {_excerpt(text)}")
+    async for line in response.aiter_lines():
+        if not line.strip():
+            continue  # heartbeat
+        item = _parse_line(line, where)
+        if "format_version" in item:
+            yield item
+        elif item.get("done") is True:
+            return
+        else:  # the server failed after it started streaming
+            error = item.get("error")
+            message = error.get("message", error) if isinstance(error, dict) else _excerpt(line)
+            raise EngineError(f"{where}: the server failed mid-stream: {message}")
+    raise EngineError(f"{where}: the stream ended before its last line (did the server stop?)")
 
 
 def _parse_line(line: str, where: str) -> dict[str, Any]:

@@ -622,14 +622,6 @@ class RolloutManager:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def run_groups(
-        self, rows: Sequence[dict[str, Any]], n: int = 1, *, id_prefix: str = "",
-        sampling: SamplingParams | None = None, on_trajectory: Callable[[Trajectory], None] | None = None,
-    ) -> list[list[Trajectory]]:
-        """All trajectories grouped by prompt, in row order (each group sorted by sample index)."""
-        return await collect_groups(self.stream(rows, n, id_prefix=id_prefix, sampling=sampling), rows, id_prefix,
-                                    on_trajectory)
-
     async def _run_one(self, ctx: RolloutContext, semaphore: asyncio.Semaphore) -> list[Trajectory]:
         async with semaphore:
             agent = self.agents[ctx.agent_name]
@@ -642,17 +634,8 @@ class RolloutManager:
                 log.warning("agent %s raised on %s:\n%s", ctx.agent_name, ctx.trajectory_id, traceback.format_exc())
                 trajs = [ctx.failed(TerminationReason.ENV_ERROR, e)]
             for traj in trajs:
-                await self._score(traj)
+                await score(traj, self.reward_fn)
             return trajs
-
-    async def _score(self, traj: Trajectory) -> None:
-        if self.reward_fn is None or traj.reward is not None:
-            return
-        try:
-            traj.reward = await _maybe_await(self.reward_fn(traj))
-        except Exception as e:  # never score a crash as 0.0: leave it None and say so
-            traj.reward_error = f"{type(e).__name__}: {e}"
-            log.warning("reward function raised on %s: %r", traj.id, e)
 
 
 def _timed_out(ctx: RolloutContext) -> Trajectory:
@@ -671,8 +654,9 @@ async def _maybe_await(value: Any) -> Any:
 
 
 class Rollout(Protocol):
-    """What the trainer needs from whatever runs its rollouts: a local RolloutManager, a RayRollout
-    (turnrl.dist.ray) or a RemoteRollout (turnrl.remote, a `turnrl serve` rollout server)."""
+    """Whatever runs the rollouts of a run: a local RolloutManager, a RayRollout (turnrl.dist.ray) or a
+    RemoteRollout (turnrl.remote, a `turnrl serve` rollout server). `stream` yields trajectories as they
+    finish, rewards already computed (`score`); `run_groups` groups any of them."""
 
     engine: Engine
     renderer: ChatRenderer
@@ -681,22 +665,66 @@ class Rollout(Protocol):
     def stream(self, rows: Sequence[dict[str, Any]], n: int = 1, *, id_prefix: str = "",
                sampling: SamplingParams | None = None) -> AsyncIterator[Trajectory]: ...
 
-    async def run_groups(self, rows: Sequence[dict[str, Any]], n: int = 1, *, id_prefix: str = "",
-                         sampling: SamplingParams | None = None,
-                         on_trajectory: Callable[[Trajectory], None] | None = None) -> list[list[Trajectory]]: ...
 
-
-async def collect_groups(
-    stream: AsyncIterator[Trajectory], rows: Sequence[dict[str, Any]], id_prefix: str = "",
-    on_trajectory: Callable[[Trajectory], None] | None = None,
+async def run_groups(
+    rollout: Rollout, rows: Sequence[dict[str, Any]], n: int = 1, *, id_prefix: str = "",
+    sampling: SamplingParams | None = None, on_trajectory: Callable[[Trajectory], None] | None = None,
 ) -> list[list[Trajectory]]:
-    """Trajectories of a stream grouped by prompt, in row order, each group sorted by sample index."""
+    """All trajectories of `rollout.stream(rows, n)` grouped by prompt, in row order, each group sorted by
+    sample index; `on_trajectory` sees each one as it arrives."""
     groups: dict[str, list[Trajectory]] = {}
-    async for traj in stream:
+    async for traj in rollout.stream(rows, n, id_prefix=id_prefix, sampling=sampling):
         groups.setdefault(traj.group_id, []).append(traj)
         if on_trajectory is not None:
             on_trajectory(traj)
     return [sorted(groups.get(g, []), key=lambda t: (t.sample_index, t.id)) for g in group_ids(rows, id_prefix)]
+
+
+async def score(traj: Trajectory, reward_fn: RewardFn | None) -> None:
+    """Set `traj.reward` with `reward_fn` (sync or async), unless the agent set one. A raising reward
+    function leaves the reward None and records `reward_error`: a crash is never scored 0.0."""
+    if reward_fn is None or traj.reward is not None:
+        return
+    try:
+        traj.reward = await _maybe_await(reward_fn(traj))
+    except Exception as e:
+        traj.reward_error = f"{type(e).__name__}: {e}"
+        log.warning("reward function raised on %s: %r", traj.id, e)
+
+
+Producer = Callable[[Callable[[Trajectory], None]], Awaitable[None]]
+"""`async (put) -> None`: puts trajectories as it gets them; returns when it has no more."""
+
+
+async def drain(producers: Sequence[Producer]) -> AsyncIterator[Trajectory]:
+    """Run `producers` concurrently and yield what they put, in arrival order, until all have returned.
+    A producer that raises ends the stream with its error (after what was put before it) and cancels the
+    others; leaving the stream early cancels them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def run(produce: Producer) -> None:
+        try:
+            await produce(queue.put_nowait)
+            queue.put_nowait(done)
+        except Exception as e:  # a dead worker or server: the caller's batch fails loudly
+            queue.put_nowait(e)
+
+    tasks = [asyncio.create_task(run(p)) for p in producers]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is done:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def group_ids(rows: Sequence[dict[str, Any]], id_prefix: str = "") -> list[str]:

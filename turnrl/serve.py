@@ -24,8 +24,8 @@ goes to the same replica and reuses its KV cache.
 
 Rollout server (only when started with a rollout configuration: `--scheduler`, `--env`, `--agent`, `--plugin`,
 `--tools` or `--rollout-config`; ms-swift's `swift rollout --multi_turn_scheduler`). The server builds a
-RolloutManager over its engine with `turnrl.build.build_rollout_manager`, so plugins are imported and the
-scheduler resolved in this process; the client is `turnrl.remote.RemoteRollout`:
+RolloutManager over its engine with `turnrl.build.build_stack`, as `turnrl rollout` does, so plugins are imported
+and the scheduler resolved in this process; the client is `turnrl.remote.RemoteRollout`:
     GET  /rollout           -> {model, policy_version, agent, agent_loop, agents, sampling, limits, concurrency,
                             chat_template_kwargs}
     POST /rollout           {rows: [...], n: 1, id_prefix: "", sampling?: {SamplingParams fields, over the
@@ -51,7 +51,6 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,10 +69,6 @@ log = logging.getLogger(__name__)
 
 class BindError(ValueError):
     """The server must not start with these host/token settings."""
-
-
-class RolloutSetupError(ValueError):
-    """The server's rollout configuration cannot be built (bad plugin, unknown scheduler, missing env...)."""
 
 
 def is_loopback(host: str) -> bool:
@@ -408,48 +403,20 @@ class ServerThread:
             self._thread.join(timeout_s)
 
 
-def run_server(
-    *, model: str, host: str = "127.0.0.1", port: int = 8000, token: str | None = None, engine_kind: str = "embedded",
-    urls: Sequence[str] = (), tool_parser: str = "hermes", sampling: Any = None, max_batch_size: int = 16,
-    chat_template_kwargs: dict[str, Any] | None = None, log_level: str = "info", rollout: Any = None,
-) -> None:
-    """Load the tokenizer (and, for the embedded engine, the model) and serve until interrupted. With `rollout`
-    (a RolloutConfig) it is also a rollout server: plugins are imported and the agent or scheduler resolved here,
-    before the model loads (a bad configuration raises RolloutSetupError at once)."""
+def run_server(engine: Engine, tokenizer: Any, rollout: Any = None, *, model_name: str, host: str = "127.0.0.1",
+               port: int = 8000, token: str | None = None, tool_parser: str = "hermes", sampling: Any = None,
+               chat_template_kwargs: dict[str, Any] | None = None, log_level: str = "info") -> None:
+    """Serve `engine`, per-session OpenAI endpoints over it (chat template of `tokenizer` with
+    `chat_template_kwargs`) and, with `rollout` (a RolloutManager over `engine`), `/rollout`, until interrupted.
+    `turnrl serve` builds the three with `turnrl.build.build_stack`; closing them is the caller's."""
     import uvicorn
 
-    from turnrl.config import EngineConfig
-    from turnrl.models import load_model, load_tokenizer
     from turnrl.render import ChatRenderer
 
     check_bind(host, token)
-    renderer = ChatRenderer(load_tokenizer(model), chat_template_kwargs)
-    manager = None
-    if rollout is not None:
-        from turnrl.build import build_rollout_manager
-
-        try:  # the engine is attached below: nothing uses it before the first trajectory
-            rollout_renderer = ChatRenderer(renderer.tokenizer, rollout.chat_template_kwargs)
-            manager = build_rollout_manager(rollout, None, rollout_renderer)
-        except (ValueError, FileNotFoundError, ModuleNotFoundError, AttributeError, ImportError) as e:
-            raise RolloutSetupError(f"rollout configuration: {e}") from e
-    if engine_kind == "embedded":
-        from turnrl.engines.embedded import EmbeddedEngine
-
-        engine: Engine = EmbeddedEngine(load_model(model), eos_token_ids=sorted(renderer.end_of_turn_ids),
-                                        max_batch_size=max_batch_size)
-    else:
-        from turnrl.engines import build_server_engine
-
-        engine = build_server_engine(EngineConfig(kind=engine_kind, urls=list(urls)))
-    proxy = ChatProxy(engine, renderer, model_name=model, tool_parser=tool_parser, sampling=sampling)
-    if manager is not None:
-        manager.engine = engine
-    app = create_app(engine, proxy, token=token, model_name=model, rollout=manager)
-    log.info("serving %s on http://%s:%d (sessions: /sessions/<id>/v1%s)", model, host, port,
-             f"; rollouts: /rollout, agent {manager.default_agent}" if manager is not None else "")
-    try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
-    finally:
-        if hasattr(engine, "close"):
-            engine.close()
+    proxy = ChatProxy(engine, ChatRenderer(tokenizer, chat_template_kwargs), model_name=model_name,
+                      tool_parser=tool_parser, sampling=sampling)
+    app = create_app(engine, proxy, token=token, model_name=model_name, rollout=rollout)
+    log.info("serving %s on http://%s:%d (sessions: /sessions/<id>/v1%s)", model_name, host, port,
+             f"; rollouts: /rollout, agent {rollout.default_agent}" if rollout is not None else "")
+    uvicorn.run(app, host=host, port=port, log_level=log_level)

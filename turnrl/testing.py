@@ -94,6 +94,9 @@ class LatencyEngine:
     async def release(self, request_id: str) -> None:
         return None
 
+    def close(self) -> None:
+        return None  # nothing to stop: the stepper task ends with the calls it serves
+
 
 # ---------------------------------------------------------------------------------------------------
 # The synchronous batched schedule, as a wrapper
@@ -172,6 +175,9 @@ class LockstepEngine:
             self._submitted.leave()
             self._answered.leave()
         await self.inner.release(request_id)
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
     for step in steps:
         rows     = sampler.next_batch()                       # deterministic, resumable data order
-        groups   = rollout(rows, n)                           # RolloutManager: async, rewards streamed
+        groups   = run_groups(rollout, rows, n)               # local, Ray or remote: async, rewards streamed
         samples  = advantages(groups)                         # per group, over the trajectories we train on
         update(samples)                                       # packed sequences, loss only where mask = 1
         engine.update_weights(policy)                         # the engine samples from the new policy
@@ -25,7 +25,6 @@ What is kept from GRPO/PPO and what is not (see turnrl.algos for the formulas):
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
 import logging
@@ -42,13 +41,10 @@ import torch
 from rich.console import Console
 
 from turnrl import algos
-from turnrl.build import DTYPES, build_engine, build_policy_renderer, build_reward_fn, build_rollout_manager
 from turnrl.config import TrainConfig
-from turnrl.data import load_rows
-from turnrl.models import load_model
 from turnrl.observe import RolloutStats, TrajectoryWriter
 from turnrl.packing import pack_sequences, packed_token_logprobs, unpack_to_padded, use_varlen_attention
-from turnrl.rollout import Rollout
+from turnrl.rollout import Rollout, run_groups
 from turnrl.tracing import TrajectoryTracer
 from turnrl.types import SamplingParams, Trajectory
 
@@ -140,9 +136,14 @@ def to_sample(traj: Trajectory, advantage: float) -> TrainSample:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, policy: torch.nn.Module, engine: Any, manager: Rollout,
-                 train_rows: list[dict], eval_rows: list[dict], console: Console | None = None):
-        self.cfg, self.policy, self.engine, self.manager = cfg, policy, engine, manager
+    """The training loop over built components (turnrl.build makes them from a config): `rollout` runs the
+    trajectories on `engine`, which gets the new weights after each step; `tracer` exports trajectories
+    (None: no tracing)."""
+
+    def __init__(self, cfg: TrainConfig, policy: torch.nn.Module, engine: Any, rollout: Rollout,
+                 train_rows: list[dict], eval_rows: list[dict], console: Console | None = None,
+                 tracer: TrajectoryTracer | None = None):
+        self.cfg, self.policy, self.engine, self.rollout = cfg, policy, engine, rollout
         self.device = next(policy.parameters()).device
         self.train_rows, self.eval_rows = train_rows, eval_rows
         self.console = console or Console()
@@ -165,7 +166,7 @@ class Trainer:
         self.sampler = PromptSampler(len(train_rows), cfg.prompts_per_step, cfg.seed, cfg.shuffle)
         self.step = 0
         self.history: list[dict[str, float]] = []
-        self.tracer = TrajectoryTracer.from_config(cfg.rollout, manager.renderer.tokenizer if manager else None)
+        self.tracer = tracer if tracer is not None else TrajectoryTracer(None)
 
     # ---- the loop ---------------------------------------------------------------------------------
     async def train(self) -> list[dict[str, float]]:
@@ -195,8 +196,8 @@ class Trainer:
         t0 = time.perf_counter()
         rows = [self.train_rows[i] for i in self.sampler.next_batch()]
         stats = RolloutStats()
-        groups = await self.manager.run_groups(rows, self.cfg.rollout.n, id_prefix=f"s{self.step}-",
-                                               on_trajectory=stats.add)
+        groups = await run_groups(self.rollout, rows, self.cfg.rollout.n, id_prefix=f"s{self.step}-",
+                                  on_trajectory=stats.add)
         t_rollout = time.perf_counter() - t0
         with TrajectoryWriter(self.out / "trajectories" / "last_step.jsonl") as writer:
             for group in groups:
@@ -312,14 +313,14 @@ class Trainer:
         metrics = {"step": float(self.step), "eval/tag": tag,
                    **await self._eval_pass(f"{tag}", greedy, self.cfg.eval_n, "eval/")}
         if self.cfg.eval_sampled_n:
-            metrics.update(await self._eval_pass(f"{tag}-sampled", self.manager.sampling, self.cfg.eval_sampled_n,
+            metrics.update(await self._eval_pass(f"{tag}-sampled", self.rollout.sampling, self.cfg.eval_sampled_n,
                                                  "eval/sampled_"))
         return metrics
 
     async def _eval_pass(self, tag: str, sampling: SamplingParams, n: int, prefix: str) -> dict[str, float]:
         stats = RolloutStats()
         with TrajectoryWriter(self.out / "trajectories" / f"eval_{tag}.jsonl") as writer:
-            async for traj in self.manager.stream(self.eval_rows, n, id_prefix=f"eval-{tag}-", sampling=sampling):
+            async for traj in self.rollout.stream(self.eval_rows, n, id_prefix=f"eval-{tag}-", sampling=sampling):
                 stats.add(traj)
                 self.tracer.export(traj, self.step, "eval")
                 writer.write(traj)
@@ -352,7 +353,7 @@ class Trainer:
     def _save_tokenizer(self, where: Path) -> None:
         """Tokenizer (and a VLM's image processor and chat template) beside the weights: a self-contained dir.
         The processor is saved piecewise: without a video processor its own save_pretrained fails."""
-        renderer = getattr(self.manager, "renderer", None)
+        renderer = getattr(self.rollout, "renderer", None)
         if getattr(renderer, "tokenizer", None) is not None:
             renderer.tokenizer.save_pretrained(where)
         processor = getattr(renderer, "processor", None)
@@ -407,77 +408,3 @@ def format_step_line(m: dict[str, Any], total: int) -> str:
             f"±{m.get('rollout/reward_std', float('nan')):.2f}  turns {m['rollout/turns_mean']:.2f}  ({reason_text})  "
             f"gen {m['rollout/tokens_per_s']:.0f} tok/s  train {m.get('train/tokens_per_s', 0):.0f} tok/s  {loss}  "
             f"step {m['time/step_s']:.1f}s")
-
-
-# ---- entry points ----------------------------------------------------------------------------------
-def setup(cfg: TrainConfig, checkpoint: Path | None = None):
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    if cfg.rollout.sampling.seed is None:  # seeded samplers make runs (and resumes) reproducible
-        cfg.rollout.sampling.seed = cfg.seed
-    renderer, image_processor = build_policy_renderer(cfg.model, cfg.rollout)
-    policy = load_model(str(checkpoint) if checkpoint else cfg.model, dtype=DTYPES[cfg.dtype]).eval()
-    if cfg.rollout_server:  # a `turnrl serve` rollout server runs the turns next to its engine (turnrl.remote)
-        from turnrl.build import sampling_params
-        from turnrl.remote import RemoteRollout
-
-        r = cfg.rollout
-        if r.scheduler or r.plugins or r.env or r.tools or r.agents:
-            log.warning("rollout_server is set: rollout.scheduler/plugins/env/tools/agents are not used here; "
-                        "the server runs the turns with its own (turnrl serve --scheduler/--plugin/...)")
-        manager = RemoteRollout(cfg.rollout_server, model=cfg.model, renderer=renderer,
-                                sampling=sampling_params(cfg.rollout), reward_fn=build_reward_fn(cfg.reward))
-        engine = manager.engine
-        if checkpoint:  # the server's engine holds its own weights: give it the checkpoint's
-            asyncio.run(engine.update_weights(policy.state_dict()))
-    elif cfg.engine.distributed == "ray":  # engine replicas and rollout workers as Ray actors (turnrl.dist.ray)
-        from turnrl.dist.ray import RayRollout
-
-        manager = RayRollout.start(cfg.model, cfg.rollout, cfg.engine, renderer=renderer, reward=cfg.reward,
-                                   weights=str(checkpoint) if checkpoint else None, dtype=cfg.dtype,
-                                   image_processor=image_processor)
-        engine = manager.engine
-    else:
-        engine = build_engine(copy.deepcopy(policy), cfg.engine, eos_token_ids=sorted(renderer.end_of_turn_ids),
-                              image_processor=image_processor, model_path=str(checkpoint) if checkpoint else cfg.model)
-        manager = build_rollout_manager(cfg.rollout, engine, renderer, build_reward_fn(cfg.reward))
-    train_rows = load_rows(cfg.train_data)
-    eval_rows = load_rows(cfg.eval_data) if cfg.eval_data else []
-    # the embedded engine above kept its own CPU copy; the policy moves to where it trains
-    return policy.to(cfg.device), engine, manager, train_rows, eval_rows
-
-
-def run_training(cfg: TrainConfig, console: Console | None = None) -> list[dict[str, float]]:
-    from turnrl.plots import plot_curves
-
-    policy, engine, manager, train_rows, eval_rows = setup(cfg)
-    trainer = Trainer(cfg, policy, engine, manager, train_rows, eval_rows, console)
-
-    try:
-        history = asyncio.run(trainer.train())
-    finally:
-        trainer.tracer.close()
-        if hasattr(engine, "close"):
-            engine.close()
-    plot_curves(history, trainer.out / "curves.png")
-    trainer.console.print(f"wrote {trainer.out / 'curves.png'}, {trainer.out / 'metrics.jsonl'}, "
-                          f"{trainer.out / 'trajectories'}")
-    return history
-
-
-def run_evaluation(cfg: TrainConfig, checkpoint: Path | None = None, out: Path | None = None,
-                   console: Console | None = None) -> dict[str, float]:
-    policy, engine, manager, _, eval_rows = setup(cfg, checkpoint=checkpoint / "model" if checkpoint else None)
-    if not eval_rows:
-        raise SystemExit("eval_data is not set in the config")
-    trainer = Trainer(cfg, policy, engine, manager, [{}], eval_rows, console)
-    if out is not None:
-        trainer.out = out.parent
-    try:
-        metrics = asyncio.run(trainer.evaluate("cli"))
-    finally:
-        trainer.tracer.close()
-        engine.close()
-    trainer.console.print(format_step_line(metrics, 0))
-    return metrics

@@ -49,6 +49,7 @@ from typing import Any
 from urllib.parse import quote
 
 from turnrl.engines.base import Engine
+from turnrl.loading import load_object
 from turnrl.proxy import ChatProxy, Session, assemble_trajectories
 from turnrl.render import ChatRenderer
 from turnrl.rollout import RolloutContext
@@ -158,10 +159,9 @@ _RUNS: dict[str, Callable[..., Any]] = {}
 
 
 def _load_run(spec: str) -> Callable[..., Any]:
+    """`path.py:function` or `pkg.module:function`, loaded once (a file runs once per process: turnrl.loading)."""
     if spec not in _RUNS:
-        from turnrl.agents import load_agent
-
-        _RUNS[spec] = load_agent(spec)[1]
+        _RUNS[spec] = load_object(spec, what="openai agent")
     return _RUNS[spec]
 
 

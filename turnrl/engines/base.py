@@ -54,3 +54,8 @@ class Engine(Protocol):
     async def release(self, request_id: str) -> None:
         """The trajectory `request_id` is finished: drop anything cached for it (sticky entries, KV)."""
         ...
+
+    def close(self) -> None:
+        """Stop what the engine runs (threads, actors, client connections); a second call does nothing.
+        Synchronous: it runs after the event loops that used the engine have finished."""
+        ...

@@ -170,6 +170,11 @@ class JsonHttp:
             await self._client.aclose()
         self._client = self._client_loop = None
 
+    def close(self) -> None:
+        """Forget the client. Its event loop has usually finished by now (asyncio.run closes it), so its
+        connections cannot be closed politely; they go with the loop."""
+        self._client = self._client_loop = None
+
 
 def _token_hint(status: int, path: str) -> str:
     return " (set the server's token: HttpEngine(token=...) or TURNRL_SERVE_TOKEN)" if status == 401 else ""
@@ -233,6 +238,9 @@ class HttpEngine:
 
     async def aclose(self) -> None:
         await self.http.aclose()
+
+    def close(self) -> None:
+        self.http.close()
 
     async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
         return await self.http.request(method, path, **kwargs)

@@ -173,6 +173,14 @@ class Router:
         except Exception as exc:  # cleanup only: a cache that was not dropped must not fail the trajectory
             logger.warning("Router.release(%r) on replica %r failed: %r", request_id, name, exc)
 
+    def close(self) -> None:
+        """Close every replica; one that raises is logged and the others still close."""
+        for name, replica in self._replicas.items():
+            try:
+                replica.engine.close()
+            except Exception as exc:
+                logger.warning("Router.close: replica %r raised %r", name, exc)
+
     # ---- internals ------------------------------------------------------------------------------
     def _acquire(self, request_id: str, exclude: list[str]) -> _Replica | None:
         """The pinned replica if still usable, else the least loaded one (which becomes the pin).

@@ -147,6 +147,9 @@ class SGLangEngine:
     async def aclose(self) -> None:
         await self.http.aclose()
 
+    def close(self) -> None:
+        self.http.close()
+
     # ---- request and response --------------------------------------------------------------------
     def _sampling_params(self, params: SamplingParams) -> dict[str, Any]:
         if not params.greedy and (params.top_k > 0 or params.top_p < 1.0) and not self._warned_filters:

@@ -411,6 +411,9 @@ class VLLMServerEngine:
     async def aclose(self) -> None:
         await self.http.aclose()
 
+    def close(self) -> None:
+        self.http.close()
+
     def _log_sleep_once(self) -> None:
         if not self._warned_sleep:
             self._warned_sleep = True
