@@ -49,7 +49,7 @@ def test_score_keeps_an_agent_reward_awaits_async_ones_and_records_errors():
     asyncio.run(score(awaited, async_reward))
     asyncio.run(score(failed, broken))
     assert (kept.reward, awaited.reward, failed.reward) == (1.0, 0.5, None)
-    assert failed.info["reward_error"] == "KeyError: 'answer'" and "reward_error" not in kept.info
+    assert failed.reward_error == "KeyError: 'answer'" and kept.reward_error is None
 
 
 def test_drain_yields_as_put_raises_after_what_came_first_and_cancels_the_rest():

@@ -295,7 +295,7 @@ async def test_a_bad_openai_agent_spec_fails_its_trajectory_naming_the_spec(qwen
     errors = [traj.error for [traj] in groups]
     assert all(traj.status == RolloutStatus.FAILED for [traj] in groups) and not engine.calls
     assert "expected path/file.py:name or package.module:name" in errors[0]
-    assert f"{EXAMPLE} has no callable 'nope'" in errors[1]
+    assert f"{EXAMPLE} has no attribute 'nope'; it defines calculator, run" in errors[1]
     assert "openai agent file /nonexistent/agent.py does not exist" in errors[2]
 
 

@@ -19,6 +19,7 @@ limits, timeouts and retries, so an env stays a few dozen lines.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import difflib
 import inspect
 import logging
@@ -122,10 +123,8 @@ def _run_in_thread(loop: asyncio.AbstractEventLoop, done: asyncio.Future, fn: Ca
         result, error = fn(*args), None
     except BaseException as e:  # handed to the awaiting coroutine
         result, error = None, e
-    try:
+    with contextlib.suppress(RuntimeError):  # the loop closed while an abandoned call ran: nobody waits for it
         loop.call_soon_threadsafe(_settle, done, result, error)
-    except RuntimeError:  # the loop closed while an abandoned call was still running: nobody waits for it
-        pass
 
 
 def _settle(done: asyncio.Future, result: Any, error: BaseException | None) -> None:
