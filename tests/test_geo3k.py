@@ -21,14 +21,7 @@ from turnrl.envs.geo3k import (
     last_boxed,
     tool_call_format,
 )
-from turnrl.envs.geo3k_data import (
-    IMAGE_SIZE,
-    PYTHAGOREAN_TRIPLES,
-    TEMPLATES,
-    generate_geo3k,
-    load_geo3k,
-    make_problem,
-)
+from turnrl.loading import load_module
 from turnrl.reasoning import strip_reasoning
 from turnrl.types import TerminationReason
 
@@ -37,6 +30,10 @@ try:
     import pyarrow.parquet as pq
 except ImportError:  # pragma: no cover - pyarrow is in the test extra
     pa = pq = None
+# the recipe's data generator lives with the recipe (examples/geo3k_vlm), not in the package
+_data = load_module(str(Path(__file__).parent.parent / "examples" / "geo3k_vlm" / "geo3k_data.py"), what="geo3k data")
+IMAGE_SIZE, PYTHAGOREAN_TRIPLES, TEMPLATES = _data.IMAGE_SIZE, _data.PYTHAGOREAN_TRIPLES, _data.TEMPLATES
+generate_geo3k, load_geo3k, make_problem = _data.generate_geo3k, _data.load_geo3k, _data.make_problem
 needs_pyarrow = pytest.mark.skipif(pa is None, reason="pyarrow not installed")
 
 

@@ -5,7 +5,7 @@ tool-use instructions), `images` (PNG paths relative to the JSONL) and `answer`.
     python examples/geo3k_vlm/prepare_data.py --train-parquet geometry3k/train.parquet \\
         --eval-parquet geometry3k/test.parquet                      # the real geo3k (hiyouga/geometry3k)
 
-Synthetic data comes from `turnrl.envs.geo3k_data.generate_geo3k` (train and eval use different seeds, so
+Synthetic data comes from `geo3k_data.generate_geo3k` (next to this script) (train and eval use different seeds, so
 no problem is shared). Real rows are read with `load_geo3k` (parquet or JSONL; embedded image bytes are
 written out as PNG files). Remote image URLs are refused: download the images first.
 """
@@ -20,8 +20,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from geo3k_data import generate_geo3k, load_geo3k  # next to this script
+
 from turnrl.envs.geo3k import tool_call_format
-from turnrl.envs.geo3k_data import generate_geo3k, load_geo3k
 
 IMAGE_PLACEHOLDER = "<image>"
 
