@@ -4,7 +4,6 @@ sync mode as K = 0, failures that stop the trainer instead of hanging it, checkp
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 
 import pytest
@@ -13,7 +12,7 @@ from turnrl.agents import AGENTS
 from turnrl.buffer import TrajectoryBuffer, produce
 from turnrl.render import ChatRenderer
 from turnrl.rollout import RolloutLimits, RolloutManager
-from turnrl.testing import LatencyDraw, LatencyEngine, build_env, latency_rows
+from turnrl.testing import LatencyDraw, LatencyEngine, build_env, latency_rows, simulate_training
 
 
 def harness(tokenizer, rows, *, per_token_s=0.002):
@@ -24,23 +23,9 @@ def harness(tokenizer, rows, *, per_token_s=0.002):
 
 
 async def train(manager, engine, rows, *, batch, staleness, steps, n=2, step_s=0.05, buffer=None, reissue=()):
-    """A trainer of fixed cost per step on top of the buffer: what turnrl.trainer does, minus the update."""
-    buffer = buffer or TrajectoryBuffer(batch, staleness)
-    order = itertools.cycle(range(len(rows)))
-    producer = asyncio.create_task(produce(manager, buffer, rows, n, lambda: next(order),
-                                           lambda: engine.policy_version, reissue))
-    trained = []
-    try:
-        for step in range(buffer.trained // batch + 1, steps + 1):
-            groups = await buffer.take(step)
-            trained.append((step, groups))
-            await asyncio.sleep(step_s)  # the update
-            await engine.update_weights({}, version=step)
-            buffer.version_changed()
-    finally:
-        producer.cancel()
-        await asyncio.gather(producer, return_exceptions=True)
-    return buffer, trained
+    run = await simulate_training(manager, engine, rows, steps=steps, update_s=step_s, n=n, reissue=reissue,
+                                  buffer=buffer or TrajectoryBuffer(batch, staleness))
+    return run.buffer, run.steps
 
 
 @pytest.mark.parametrize("staleness", [0, 1, 2])

@@ -7,19 +7,25 @@
   schedule of TRL and ms-swift's colocate mode (every live trajectory's turn is generated as one batch,
   then that turn's tools run, then the next turn). Same turn loop, same tokens, only the schedule differs.
 
-`bench/async_rollout.py` and `tests/test_async_harness.py` use them; `turnrl.testing` is also an env module
+- `simulate_training`: the trainer's side of asynchronous training (`turnrl.buffer`) with an update of fixed cost,
+  so staleness policies can be measured where generation, tools and the update are separate resources.
+
+`bench/async_rollout.py`, `bench/async_train.py` and the tests use them; `turnrl.testing` is also an env module
 (`--env turnrl.testing`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from turnrl.buffer import Group, TrajectoryBuffer, produce
 from turnrl.engines.base import Engine, NamedTensors
 from turnrl.types import FinishReason, GenerateOutput, SamplingParams, StepResult, TerminationReason, Turn
 
@@ -241,3 +247,38 @@ def latency_rows(n: int, draw: LatencyDraw) -> list[dict[str, Any]]:
         latencies = [0.0 if draw.mean_s <= 0 else math.exp(mu + draw.sigma * zi) for zi in z]
         rows.append({"id": f"r{i}", "prompt": draw.prompts[i % len(draw.prompts)], "latencies_s": latencies})
     return rows
+
+
+# ---------------------------------------------------------------------------------------------------
+# The trainer's side of asynchronous training, with an update of fixed cost
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class SimulatedRun:
+    buffer: TrajectoryBuffer
+    steps: list[tuple[int, list[Group]]]
+    """(step, the groups it trained)."""
+    wall_s: float
+
+
+async def simulate_training(rollout: Any, engine: Engine, rows: Sequence[dict[str, Any]], *, steps: int,
+                            update_s: float, n: int = 1, buffer: TrajectoryBuffer | None = None,
+                            reissue: Sequence[Group] = ()) -> SimulatedRun:
+    """What `turnrl.trainer.Trainer` does in either mode — `buffer.take`, update, push weights, repeat — with the
+    update replaced by `update_s` seconds of waiting (an accelerator busy with the backward pass). Rows are used
+    in order, cycling; `buffer` defaults to a synchronous one of batch 8."""
+    buffer = buffer or TrajectoryBuffer(8, 0)
+    order = itertools.cycle(range(len(rows)))
+    t0 = time.perf_counter()
+    producer = asyncio.create_task(produce(rollout, buffer, rows, n, lambda: next(order),
+                                           lambda: engine.policy_version, reissue))
+    trained: list[tuple[int, list[Group]]] = []
+    try:
+        for step in range(buffer.trained // buffer.batch_size + 1, steps + 1):
+            trained.append((step, await buffer.take(step)))
+            await asyncio.sleep(update_s)
+            await engine.update_weights({}, version=step)
+            buffer.version_changed()
+    finally:
+        producer.cancel()
+        await asyncio.gather(producer, return_exceptions=True)
+    return SimulatedRun(buffer, trained, time.perf_counter() - t0)
