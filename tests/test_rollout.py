@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from turnrl.types import (
     SegmentSource,
     StepResult,
     TerminationReason,
+    TokenEdit,
     Trajectory,
 )
 
@@ -375,3 +377,54 @@ def test_a_trajectory_keeps_its_first_error_and_appends_later_ones():
     traj.finish(TerminationReason.ENV_ERROR, "RuntimeError: cleanup failed afterwards")
     assert traj.error == "ValueError: the real cause"
     assert traj.warnings == ["RuntimeError: cleanup failed afterwards"]
+
+
+# ---- weight updates in the middle of a turn ---------------------------------------------------------------------
+class UpdatingEngine(ScriptedEngine):
+    """A scripted engine that meets a weight update inside its first call: `abort` returns the first 3 tokens as
+    preempted (the driver resubmits), `keep` returns the whole reply with the tokens after the 3rd from version 1."""
+
+    def __init__(self, tokenizer, script, pause):
+        super().__init__(tokenizer, script)
+        self.pause = pause
+
+    async def generate(self, prompt_ids, params, *, request_id, images=None):
+        out = await super().generate(prompt_ids, params, request_id=request_id, images=images)
+        if len(self.calls) > 1:  # the resubmission: the rest of the reply, from the new weights
+            return dataclasses.replace(out, token_ids=out.token_ids[3:], logprobs=out.logprobs[3:], policy_version=1)
+        if self.pause == "abort":
+            return dataclasses.replace(out, token_ids=out.token_ids[:3], logprobs=out.logprobs[:3],
+                                       finish_reason=FinishReason.ABORT, preempted=True)
+        versions = [0] * 3 + [1] * (len(out.token_ids) - 3)
+        return dataclasses.replace(out, policy_version=1, token_versions=versions)
+
+
+@pytest.mark.parametrize("pause", ["abort", "keep"])
+async def test_a_turn_goes_on_across_a_weight_update_with_each_segment_versioned(qwen3_tokenizer, pause):
+    engine = UpdatingEngine(qwen3_tokenizer, replies("It is 4, I am sure of it."), pause)
+    traj = await drive(make_ctx(engine, qwen3_tokenizer), FeedbackEnv())
+    assert traj.status == RolloutStatus.COMPLETED and traj.num_turns == 1
+    model = [s for s in traj.segments if s.source == SegmentSource.MODEL]
+    assert [(s.policy_version, s.turn) for s in model] == [(0, 1), (1, 1)] and len(model[0]) == 3
+    text = qwen3_tokenizer.decode([t for s in model for t in s.token_ids])
+    assert text == "It is 4, I am sure of it.<|im_end|>" and traj.messages[-1]["content"] == "It is 4, I am sure of it."
+    if pause == "abort":  # the resubmitted call saw the prompt plus the tokens kept from the preempted one
+        assert engine.calls[1].prompt_ids == traj.prompt_ids + model[0].token_ids
+    assert traj.policy_versions == [0, 1] and len(traj.turns) == 1
+    traj.validate()
+
+
+async def test_a_scheduler_edit_of_a_turn_that_spans_versions_merges_its_segments(qwen3_tokenizer):
+    engine = UpdatingEngine(qwen3_tokenizer, replies("It is 4, I am sure of it."), "keep")
+    ctx = make_ctx(engine, qwen3_tokenizer)
+
+    class CutAfterThree:  # token-aware: keeps the first 3 tokens of the turn, the rest masked out
+        def step_turn(self, turn):
+            mask = [1] * 3 + [0] * (len(turn.token_ids) - 3)
+            return StepResult(done=True, edit=TokenEdit(list(turn.token_ids), mask))
+
+    traj = await drive(ctx, CutAfterThree())
+    [segment] = traj.segments
+    assert segment.policy_version == 0 and segment.loss_mask[:4] == [1, 1, 1, 0]
+    assert segment.logprobs[:3] == [-0.01, -0.02, -0.03] and segment.logprobs[3] is None
+    traj.validate()

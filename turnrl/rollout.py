@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import time
 import traceback
@@ -122,15 +123,19 @@ class TrajectoryBuilder:
         self._response_len += len(segment.token_ids)
         return segment
 
-    def add_model(self, out: GenerateOutput, turn: int, *, extend: bool = False) -> Segment:
-        """Append the engine's tokens (mask 1, its logprobs); `extend` continues the last model segment."""
-        last = self._last_model()
-        if not extend or last is None:
-            return self.add(Segment(SegmentSource.MODEL, list(out.token_ids), [1] * len(out.token_ids),
-                                    list(out.logprobs), turn, out.policy_version))
-        self._extend(last, out.token_ids, 1, out.logprobs)
-        last.policy_version = out.policy_version
-        return last
+    def add_model(self, out: GenerateOutput, turn: int, *, extend: bool = False) -> None:
+        """Append the engine's tokens (mask 1, its logprobs), one segment per policy version that sampled them (a
+        call can go on across a weight update); `extend` continues the last model segment if its version is the
+        same."""
+        start, versions = 0, out.versions()
+        for version, run in itertools.groupby(versions):
+            end = start + len(list(run))
+            ids, logprobs, last = out.token_ids[start:end], out.logprobs[start:end], self._last_model()
+            if extend and last is not None and last.policy_version == version:
+                self._extend(last, ids, 1, logprobs)
+            else:
+                self.add(Segment(SegmentSource.MODEL, list(ids), [1] * len(ids), list(logprobs), turn, version))
+            start = end
 
     def add_injected(self, token_ids: Sequence[int], source: SegmentSource, turn: int) -> Segment | None:
         if not token_ids:
@@ -164,9 +169,9 @@ class TrajectoryBuilder:
                         traj.id, traj.num_turns, issue)
             traj.warnings.append(f"turn {traj.num_turns}: {issue}")
             traj.metrics["logprob_issues"] = traj.metrics.get("logprob_issues", 0) + 1
-        last = self._last_model()
         n_old = len(turn_ids)
-        if last is None or n_old > len(last.token_ids) or last is not traj.segments[-1]:
+        last = self._merged_tail(n_old)
+        if last is None or n_old > len(last.token_ids):
             raise TokenEditError(f"trajectory {traj.id!r}: no model turn of {n_old} tokens to replace")
         keep = len(last.token_ids) - n_old
         last.token_ids[keep:], last.loss_mask[keep:] = ids, mask
@@ -184,6 +189,19 @@ class TrajectoryBuilder:
     def _last_model(self) -> Segment | None:
         segments = self.trajectory.segments
         return segments[-1] if segments and segments[-1].source == SegmentSource.MODEL else None
+
+    def _merged_tail(self, n_tokens: int) -> Segment | None:
+        """The last model segment, merged with the model segments of its turn before it until it holds `n_tokens`
+        (a turn that went on across a weight update spans one segment per version; the merged one keeps the
+        oldest version, the conservative staleness anchor)."""
+        segments = self.trajectory.segments
+        while (len(segments) >= 2 and len(segments[-1]) < n_tokens and segments[-1].source == SegmentSource.MODEL
+               and segments[-2].source == SegmentSource.MODEL and segments[-2].turn == segments[-1].turn):
+            tail, head = segments.pop(), segments[-1]
+            head.token_ids += tail.token_ids
+            head.loss_mask += tail.loss_mask
+            head.logprobs = None if head.logprobs is None or tail.logprobs is None else head.logprobs + tail.logprobs
+        return self._last_model()
 
     def _extend(self, seg: Segment, token_ids: Sequence[int], mask: int, logprobs: Sequence[float | None]) -> None:
         seg.token_ids.extend(token_ids)
@@ -383,7 +401,7 @@ class Episode:
         span = record.generate = GenerateSpan(time.time_ns(), prompt_tokens=len(ids))
         t0 = time.perf_counter()
         try:
-            out = await self.ctx.engine.generate(ids, params, request_id=self.ctx.trajectory_id, images=images)
+            out = await self._generate_through_updates(ids, params, images)
         except Exception as e:
             span.error = f"{type(e).__name__}: {e}"
             raise EpisodeEnd(TerminationReason.ENGINE_ERROR, span.error) from e
@@ -396,6 +414,24 @@ class Episode:
             raise EpisodeEnd(TerminationReason.ENGINE_ERROR, "engine returned no tokens")
         self._metrics["cached_prompt_tokens"] += out.cached_prompt_tokens
         return out
+
+    async def _generate_through_updates(self, ids: list[int], params: SamplingParams, images: list | None
+                                        ) -> GenerateOutput:
+        """One turn's generate call. A weight update in pause mode `abort` preempts it: the tokens so far are kept
+        and prompt + tokens is resubmitted (re-prefilled under the new weights) for the rest of the turn."""
+        parts: list[GenerateOutput] = []
+        for _ in range(_MAX_RESUBMITS):
+            done = sum(len(p.token_ids) for p in parts)
+            prompt = ids + [t for p in parts for t in p.token_ids]
+            out = await self.ctx.engine.generate(
+                prompt, dataclasses.replace(params, max_new_tokens=params.max_new_tokens - done),
+                request_id=self.ctx.trajectory_id, images=images)
+            if out.preempted and done + len(out.token_ids) >= params.max_new_tokens:  # it got to its limit anyway
+                out = dataclasses.replace(out, finish_reason=FinishReason.LENGTH, preempted=False)
+            parts.append(out)
+            if not out.preempted:
+                return _joined(parts)
+        raise EpisodeEnd(TerminationReason.ENGINE_ERROR, f"preempted {_MAX_RESUBMITS} times in one turn")
 
     async def step_env(self, turn: Turn) -> StepResult:
         """The env's answer to `turn` (retried and timed by the EpisodeEnv), recorded in the turn's trace."""
@@ -520,6 +556,20 @@ def _attach_images(ctx: RolloutContext, b: TrajectoryBuilder) -> None:
         traj.finish(TerminationReason.PARITY_ERROR, problem)
         return
     traj.mm_train_inputs = merged
+
+
+_MAX_RESUBMITS = 64  # one preemption per weight update: a turn would have to outlive 64 updates
+
+
+def _joined(parts: list[GenerateOutput]) -> GenerateOutput:
+    """The outputs of one turn's resubmitted calls as one (tokens, logprobs and versions in order)."""
+    if len(parts) == 1:
+        return parts[0]
+    last = parts[-1]
+    return GenerateOutput(
+        [t for p in parts for t in p.token_ids], [lp for p in parts for lp in p.logprobs], last.finish_reason,
+        last.policy_version, sum(p.cached_prompt_tokens for p in parts),
+        token_versions=[v for p in parts for v in p.versions()])
 
 
 def derive_seed(base: int | None, trajectory_id: str, turn: int) -> int | None:

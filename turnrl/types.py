@@ -154,12 +154,25 @@ class GenerateOutput:
     """Version of the weights that produced the last token (bumped by every `update_weights`)."""
     cached_prompt_tokens: int = 0
     """Prompt tokens whose KV came from the engine's cache instead of a fresh prefill."""
+    token_versions: list[int] | None = None
+    """The policy version of each token, when the call went on across a weight update (pause mode `keep`);
+    None: every token has `policy_version`."""
+    preempted: bool = False
+    """With finish_reason `abort`: a weight update (pause mode `abort`) stopped the call; the tokens so far are
+    kept and the driver resubmits prompt + tokens to finish the turn under the new weights."""
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.token_ids):
             raise ValueError(
                 f"GenerateOutput: {len(self.token_ids)} token ids but {len(self.logprobs)} logprobs"
             )
+        if self.token_versions is not None and len(self.token_versions) != len(self.token_ids):
+            raise ValueError(f"GenerateOutput: {len(self.token_ids)} token ids but {len(self.token_versions)} "
+                             "token versions")
+
+    def versions(self) -> list[int]:
+        """The policy version of every token."""
+        return self.token_versions if self.token_versions is not None else [self.policy_version] * len(self.token_ids)
 
 
 @dataclass
