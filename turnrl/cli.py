@@ -32,7 +32,7 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {message}")
+    console.print(f"[bold red]error:[/] {message}", soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -226,6 +226,37 @@ def view(
         console.print(f"wrote {html}")
         return
     print_trajectories(path, console, index=index, model=model)
+
+
+@app.command(name="replay")
+def replay_command(
+    path: Annotated[Path, typer.Argument(help="Trajectory JSONL written by rollout/train (format version 2).")],
+    trajectory_id: Annotated[str, Opt("--id", help="The id of the trajectory to replay.")],
+    model: Annotated[str, Opt(help="The policy that sampled it (version 0 with --run-dir): model dir, hub id, "
+                                   "built-in name.")],
+    run_dir: Annotated[Path | None, Opt(help="A training run's output_dir: each call is replayed with the "
+                                             "checkpoint of the policy version that answered it.")] = None,
+) -> None:
+    """Re-issue every model call of a recorded trajectory and check that the same tokens and logprobs come out
+    (exit 1 when a call's tokens differ). See turnrl/replay.py for what is reproducible."""
+    _setup_logging(False)
+    from turnrl.replay import report_table, run_replay, verdict
+    from turnrl.types import Trajectory
+
+    if not path.exists():
+        _fail(f"{path} does not exist")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    row = next((r for r in rows if r.get("id") == trajectory_id), None)
+    if row is None:
+        _fail(f"{path}: no trajectory with id {trajectory_id!r} ({len(rows)} trajectories in the file)")
+    try:
+        report = asyncio.run(run_replay(Trajectory.from_json(row), model, run_dir))
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        _fail(str(e))
+    console.print(report_table(report))
+    console.print(verdict(report), soft_wrap=True)
+    if not report.tokens_equal:
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -383,6 +383,7 @@ class Episode:
                                      seed=derive_seed(self.ctx.sampling.seed, self.ctx.trajectory_id, n))
         traj = self.trajectory
         traj.turns.append(TurnRecord(n))
+        traj.sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k}
         out = await self._call_engine(params, traj.turns[-1])
         self.builder.add_model(out, n, extend=self.continuing)
         traj.num_turns = n
@@ -398,7 +399,9 @@ class Episode:
 
     async def _call_engine(self, params: SamplingParams, record: TurnRecord) -> GenerateOutput:
         ids, images = self.builder.token_ids, list(self.builder.images.images) or None
-        span = record.generate = GenerateSpan(time.time_ns(), prompt_tokens=len(ids))
+        span = record.generate = GenerateSpan(time.time_ns(), prompt_tokens=len(ids), seed=params.seed,
+                                              max_new_tokens=params.max_new_tokens,
+                                              stop_token_ids=list(params.stop_token_ids))
         t0 = time.perf_counter()
         try:
             out = await self._generate_through_updates(ids, params, images)
@@ -460,6 +463,7 @@ class Episode:
                 ids = self.builder.apply_edit(step.edit, self.last_turn.token_ids, self.last_turn.logprobs)
             except TokenEditError as e:
                 raise EpisodeEnd(TerminationReason.INVALID_OUTPUT, str(e)) from None
+            traj.turns[-1].edited = True
             content, text = self.messages[-1]["content"], self.last_turn.text  # the message shows the edited tokens
             self.messages[-1]["content"] = content[: len(content) - len(text)] + self.ctx.renderer.assistant_text(ids)
         if step.reward is not None:

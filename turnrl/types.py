@@ -238,6 +238,9 @@ class Trajectory:
     warnings: list[str] = field(default_factory=list)
     """What went wrong without deciding the outcome, in order: dropped rollout logprobs, cleanup and release
     failures, and any error raised after the first one (which stays in `error`)."""
+    sampling: dict[str, Any] = field(default_factory=dict)
+    """The sampling distribution of its model turns: temperature, top_p, top_k (each call's seed, token cap and
+    stop tokens are in its `turns[k].generate`). With them a trajectory can be replayed (`turnrl replay`)."""
     status: RolloutStatus = RolloutStatus.COMPLETED
     termination_reason: TerminationReason | None = None
     error: str | None = None
@@ -358,6 +361,7 @@ class Trajectory:
             "episode_id": self.episode_id,
             "reward_error": self.reward_error,
             "warnings": self.warnings,
+            "sampling": self.sampling,
             "info": self.info,
             "metrics": self.metrics,
             "sample": self.sample,
@@ -404,6 +408,7 @@ class Trajectory:
             episode_id=row.get("episode_id"),
             reward_error=row.get("reward_error"),
             warnings=list(row.get("warnings") or []),
+            sampling=row.get("sampling") or {},
             status=RolloutStatus(row.get("status", "completed")),
             termination_reason=None if reason is None else TerminationReason(reason),
             error=row.get("error"),
@@ -528,6 +533,12 @@ class GenerateSpan:
     finish_reason: FinishReason | None = None
     policy_version: int | None = None
     error: str | None = None
+    max_new_tokens: int | None = None
+    """What the call asked for: min(per-turn cap, budget left)."""
+    seed: int | None = None
+    """The call's sampler seed (derived from the run seed, the trajectory id and the turn); None = unseeded."""
+    stop_token_ids: list[int] | None = None
+    """The call's stop tokens (end-of-turn tokens and any requested ones)."""
 
 
 @dataclass
@@ -553,6 +564,8 @@ class TurnRecord:
     env: EnvSpan | None = None
     observation_tokens: int = 0
     """Mask-0 tokens appended after the turn (template closing + observation delta, or a continuation)."""
+    edited: bool = False
+    """A token edit (a scheduler's) replaced what the engine returned for this turn."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Producer-specific details (the OpenAI proxy: call index, whether the call continued the stream)."""
 
@@ -564,13 +577,15 @@ class TurnRecord:
                 out[name] = {k: (str(v) if isinstance(v, FinishReason) else v)
                              for k, v in dataclasses.asdict(span).items() if v is not None}
         out["observation_tokens"] = self.observation_tokens
+        if self.edited:
+            out["edited"] = True
         return out
 
     @classmethod
     def from_json(cls, row: dict[str, Any]) -> TurnRecord:
-        extra = {k: v for k, v in row.items() if k not in ("turn", "generate", "env", "observation_tokens")}
+        extra = {k: v for k, v in row.items() if k not in ("turn", "generate", "env", "observation_tokens", "edited")}
         gen, env = row.get("generate"), row.get("env")
         if gen is not None and gen.get("finish_reason") is not None:
             gen = {**gen, "finish_reason": FinishReason(gen["finish_reason"])}
         return cls(row.get("turn", 0), GenerateSpan(**gen) if gen else None, EnvSpan(**env) if env else None,
-                   row.get("observation_tokens", 0), extra)
+                   row.get("observation_tokens", 0), row.get("edited", False), extra)
