@@ -222,7 +222,10 @@ def view(
     if not path.exists():
         _fail(f"{path} does not exist")
     if html is not None:
-        write_html(path, html, model=model)
+        try:
+            write_html(path, html, model=model, index=index)
+        except IndexError as e:
+            _fail(str(e))
         console.print(f"wrote {html}")
         return
     print_trajectories(path, console, index=index, model=model)

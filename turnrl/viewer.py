@@ -87,9 +87,14 @@ def _image_src(ref: str, base: Path) -> str:
     return f"data:{mime};base64," + base64.b64encode(path.read_bytes()).decode()
 
 
-def write_html(path: Path, out: Path, model: str | None = None) -> None:
-    """One self-contained HTML page: each trajectory with coloured token runs and its images inline."""
+def write_html(path: Path, out: Path, model: str | None = None, index: int | None = None) -> None:
+    """One self-contained HTML page: each trajectory (or only the one at line `index`) with coloured token runs
+    and its images inline."""
     rows = _rows(path)
+    if index is not None:
+        if not 0 <= index < len(rows):
+            raise IndexError(f"{path} has {len(rows)} trajectories; --index must be in 0..{len(rows) - 1}")
+        rows = [rows[index]]
     tokenizer = None
     if model is not None:
         from turnrl.models import load_tokenizer

@@ -45,6 +45,8 @@ def generated_rows(n: int, seed: int) -> list[dict]:
     for i in range(n):
         template, solve = TEMPLATES[rng.randrange(len(TEMPLATES))]
         a, b, c = rng.randint(2, 20), rng.randint(2, 9), rng.randint(2, 12)
+        if solve(a, b, c) < 0:  # "b rows of c trees, a cut down": never more than there are
+            a = 1 + a % (b * c - 1)
         question = template.format(name=rng.choice(NAMES), a=a, b=b, c=c)
         rows.append(make_row(f"gen-{seed}-{i}", question, str(solve(a, b, c))))
     return rows
