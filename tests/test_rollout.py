@@ -428,3 +428,20 @@ async def test_a_scheduler_edit_of_a_turn_that_spans_versions_merges_its_segment
     assert segment.policy_version == 0 and segment.loss_mask[:4] == [1, 1, 1, 0]
     assert segment.logprobs[:3] == [-0.01, -0.02, -0.03] and segment.logprobs[3] is None
     traj.validate()
+
+
+async def test_a_render_mismatch_is_explained_once_and_then_only_counted(qwen3_tokenizer, caplog, monkeypatch):
+    import turnrl.rollout as rollout_module
+
+    monkeypatch.setattr(rollout_module, "_WARNED_MISMATCH", set())
+    think = "<think>\nAdd them.\n</think>\n\n"  # Qwen3 drops earlier reasoning in a full render: strippable
+    engine = ScriptedEngine(qwen3_tokenizer, replies(think + "It is 5.", think + "It is 4."))
+    manager = RolloutManager(engine, ChatRenderer(qwen3_tokenizer), agents=AGENTS,
+                             env_factory=lambda sample, config: FeedbackEnv(), sanity_mode="strict",
+                             limits=RolloutLimits(max_turns=4, max_new_tokens=64))
+    with caplog.at_level("WARNING", logger="turnrl.rollout"):
+        trajs = [t async for t in manager.stream([{"prompt": "What is 2+2?"}], n=6)]
+    assert sum(t.metrics["render_mismatch"] for t in trajs) == 6  # every one is counted ...
+    warnings = [r for r in caplog.records if "re-render" in r.getMessage()]
+    assert len(warnings) == 1  # ... one is explained, with whether it matters and the flag that accepts it
+    assert "Harmless" in warnings[0].getMessage() and "ignore_strippable" in warnings[0].getMessage()

@@ -588,17 +588,21 @@ def _sanity_check(ctx: RolloutContext, traj: Trajectory, messages: list[Message]
     traj.metrics["render_mismatch"] = 0.0 if check.ok else 1.0
     if not check.ok:
         traj.info["render_check"] = {"mode": str(ctx.sanity_mode), "strippable": check.strippable, "diff": check.diff}
-        _RENDER_WARNINGS["count"] += 1
-        if _RENDER_WARNINGS["count"] <= _RENDER_WARNINGS["limit"]:
-            log.warning(
-                "trajectory %s: token stream differs from a full re-render (%s mode; %s)%s\n%s", traj.id,
-                ctx.sanity_mode, "only reasoning/whitespace differs" if check.strippable else "content differs",
-                "; further mismatches are only counted (metric render_mismatch, info.render_check)"
-                if _RENDER_WARNINGS["count"] == _RENDER_WARNINGS["limit"] else "", check.diff,
-            )
+        if check.strippable not in _WARNED_MISMATCH:  # once per kind and process: the metric counts the rest
+            _WARNED_MISMATCH.add(check.strippable)
+            log.warning("trajectory %s: %s\n%s", traj.id, _MISMATCH_ADVICE[check.strippable], check.diff)
 
 
-_RENDER_WARNINGS = {"count": 0, "limit": 3}
+_WARNED_MISMATCH: set[bool] = set()
+_MISMATCH_ADVICE = {
+    True: "its token stream differs from a full chat-template re-render only in reasoning or whitespace. Harmless: "
+          "the template rewrites history (e.g. drops earlier reasoning), and training uses exactly the tokens the "
+          "model saw. rollout.sanity_check=ignore_strippable (--sanity-check ignore_strippable) accepts this; "
+          "further mismatches are only counted (metric rollout/render_mismatch, info.render_check).",
+    False: "its token stream differs from a full chat-template re-render in content. Check it: the model saw (and "
+           "is trained on) something a fresh render of the conversation would not give (docs/templates.md). "
+           "Further mismatches are only counted (metric rollout/render_mismatch, info.render_check).",
+}
 
 
 # ---------------------------------------------------------------------------------------------------
