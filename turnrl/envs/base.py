@@ -121,16 +121,27 @@ def _reason(info: dict[str, Any]) -> TerminationReason | None:
 
 
 def as_messages(value: Any, what: str) -> list[Message]:
-    """A message, a list of messages or a string (a user message) → list of messages."""
+    """A message, a list of messages or a string (a user message) → list of messages. Content given as text
+    parts only (`[{"type": "text", "text": ...}]`, as slime's base env writes every observation) becomes the
+    joined string: every chat template renders that the same way, and text-only templates render nothing else."""
     if value is None:
         return []
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if isinstance(value, dict) and "role" in value:
-        return [value]
+        return [_joined_text_parts(value)]
     if isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value):
-        return list(value)
+        return [_joined_text_parts(m) for m in value]
     raise EnvError(f"{what} must return a chat message, a list of messages or a string; got {value!r:.100}")
+
+
+def _joined_text_parts(message: Message) -> Message:
+    content = message.get("content")
+    if not isinstance(content, list) or not content:
+        return message
+    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        return message
+    return {**message, "content": "".join(p["text"] for p in content)}
 
 
 class EpisodeEnv:
