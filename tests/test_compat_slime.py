@@ -235,6 +235,7 @@ def test_effective_config_prefers_what_was_set():
     assert (flags.max_turns, flags.env) == (5, "arithmetic")
     tools = effective_rollout_config(RolloutConfig(tools=["t.yaml"]), {})
     assert tools.agent == "tool_agent"
-    assert effective_rollout_config(RolloutConfig(tools=["t.yaml"], agent="env_agent", env="x"), {}).agent == "env_agent"
+    chosen = effective_rollout_config(RolloutConfig(tools=["t.yaml"], agent="env_agent", env="x"), {})
+    assert chosen.agent == "env_agent"
     with pytest.raises(ConfigError, match="max_turns"):
         effective_rollout_config(RolloutConfig(), {"max_turns": 0})

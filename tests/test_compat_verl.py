@@ -130,7 +130,8 @@ def verl_row(index: int, question: str, truth: str, tools_kwargs: dict) -> dict:
 
 ROWS = [
     verl_row(0, "Natalia sold 48 clips in April and half as many in May. How many in total?", "72",
-             {"submit_answer": {"create_kwargs": {"ground_truth": "72"}}, "check_guess": {"create_kwargs": {"target": 9}}}),
+             {"submit_answer": {"create_kwargs": {"ground_truth": "72"}},
+              "check_guess": {"create_kwargs": {"target": 9}}}),
     verl_row(1, "What is 5 + 5?", "10", {"submit_answer": {"create_kwargs": {"ground_truth": "10"}}}),
 ]
 
