@@ -217,6 +217,24 @@ def test_a_verl_tool_with_create_kwargs_and_a_sync_execute(verl_repo, monkeypatc
     assert trajs[0]["tool_rewards"] == {"check_guess": 0.0}
 
 
+VERL_SCORE = '''
+from turnrl.compat.verl import gsm8k
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    assert data_source == "openai/gsm8k" and extra_info["split"] == "train"
+    return gsm8k.compute_score(solution_str, ground_truth)
+'''
+
+
+def test_a_verl_reward_function_is_called_with_verls_arguments(verl_repo, monkeypatch, qwen3_tokenizer):
+    (verl_repo / "verl_score.py").write_text(textwrap.dedent(VERL_SCORE))
+    script_the_cli(monkeypatch, qwen3_tokenizer, script)
+    trajs = rollout(verl_repo, write_rows(verl_repo / "rows.jsonl", ROWS), "--reward", "verl_score.py:compute_score")
+    # solution_str is the final reply ("So the answer is #### 72"), ground_truth the row's reward_model.ground_truth
+    assert [(t["id"], t["reward"], t["reward_error"]) for t in trajs] == [("0-0", 1.0, None), ("1-0", 0.0, None)]
+
+
 FLAKY = '''
 from turnrl.compat.verl import BaseTool, ToolResponse
 

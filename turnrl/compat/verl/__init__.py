@@ -233,6 +233,16 @@ def _turnrl_response(response: ToolResponse) -> _TurnrlToolResponse:
     return _TurnrlToolResponse(text=response.text or "", images=list(response.image or []))
 
 
+def reward_arguments(row: dict[str, Any], response: str) -> dict[str, Any]:
+    """The arguments verl's reward functions take that turnrl calls otherwise: `solution_str` (the final reply) and
+    `ground_truth` (the row's `reward_model.ground_truth`, when it has one). turnrl.rewards offers them by name."""
+    names: dict[str, Any] = {"solution_str": response}
+    reward_model = row.get("reward_model")
+    if isinstance(reward_model, dict) and "ground_truth" in reward_model:
+        names["ground_truth"] = reward_model["ground_truth"]
+    return names
+
+
 __all__ = [
     "BaseTool",
     "OpenAIFunctionCallSchema",
@@ -243,5 +253,6 @@ __all__ = [
     "OpenAIFunctionToolCall",
     "OpenAIFunctionToolSchema",
     "ToolResponse",
+    "reward_arguments",
     "rollout_trace_op",
 ]
