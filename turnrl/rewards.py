@@ -149,7 +149,8 @@ def reward_kwargs(traj: Trajectory) -> dict[str, Any]:
     }
     from turnrl.compat.verl import reward_arguments
 
-    return {**reward_arguments(traj.sample, named["response"]), **traj.sample, **rollout_infos, **named}
+    verl_names = reward_arguments(traj.sample, responses[-1] if responses else "")
+    return {**verl_names, **traj.sample, **rollout_infos, **named}
 
 
 def bind_reward(fn: RewardFunction, name: str | None = None) -> Callable[[Trajectory], Any]:

@@ -175,10 +175,10 @@ class BaseTool:
                              ) -> ToolSpec:
         """The ToolSpec that runs this class (module docstring): one shared instance, one id per trajectory."""
         tool = cls(config, OpenAIFunctionToolSchema.model_validate(tool_schema) if tool_schema is not None else None)
-        schema = tool.tool_schema
-        if isinstance(schema, BaseModel):
-            schema = schema.model_dump(exclude_unset=True, exclude_none=True)
-        schema = normalize_tool_schema(schema, source)
+        given: Any = tool.tool_schema
+        if isinstance(given, BaseModel):
+            given = given.model_dump(exclude_unset=True, exclude_none=True)
+        schema = normalize_tool_schema(given, source)
         return ToolSpec(name=schema["function"]["name"], cls=partial(_TrajectoryTool, tool), config=config,
                         schema=schema, source=source)
 
