@@ -9,7 +9,7 @@ plugin and as a tool file, or already imported by a sibling's `import`). Its fol
 current directory, so does that directory, which makes slime's layout work from the console script
 (`examples/geo3k/env.py` doing `from examples.geo3k.base_env import X`, run from the repo root): Python adds
 the current directory only under `python -m`. For the same reason a dotted module that is not on `sys.path` but
-lies in the current directory (slime's YAML names `examples.geo3k.env`) is imported from there.
+lies in a package of the current directory (slime's YAML names `examples.geo3k.env`) is imported from there.
 
 A failed load leaves nothing half-imported in `sys.modules`, and its error names the file or module, what it
 was loaded as (`what`) and what was missing:
@@ -88,15 +88,16 @@ def load_module(spec: str, what: str = "module") -> ModuleType:
 
 
 def _import_dotted(spec: str) -> ModuleType:
-    """`importlib.import_module`, retried with the current directory on sys.path when the module's package is
-    missing from sys.path but sits in the current directory (a console script does not put it there)."""
+    """`importlib.import_module`, retried with the current directory on sys.path when the module's top package is
+    missing from sys.path but is a folder of the current directory (a console script does not put it there)."""
     try:
         return importlib.import_module(spec)
     except ModuleNotFoundError as e:
         missing_itself = bool(e.name) and (spec == e.name or spec.startswith(f"{e.name}."))
         cwd = str(Path.cwd().resolve())
         top = spec.partition(".")[0]
-        if not missing_itself or cwd in sys.path or not (Path(cwd, top).is_dir() or Path(cwd, f"{top}.py").is_file()):
+        # only a package path (`examples.x.env`): a bare name that is a file here is better answered with a hint
+        if not missing_itself or cwd in sys.path or "." not in spec or not Path(cwd, top).is_dir():
             raise
     with _LOCK:
         added = cwd not in sys.path
