@@ -72,3 +72,15 @@ class ScriptedEngine:
 
     def close(self) -> None:
         self.closed += 1
+
+def script_the_cli(monkeypatch, tokenizer, script: Callable[[str, int, str], str | None]) -> list[ScriptedEngine]:
+    """Make the public CLI (`turnrl rollout` through typer's CliRunner) generate with a ScriptedEngine in place of
+    its embedded engine; returns the engines it built (their `calls` are what the model was asked)."""
+    built: list[ScriptedEngine] = []
+
+    def scripted(*args, **kwargs) -> ScriptedEngine:
+        built.append(ScriptedEngine(tokenizer, script))
+        return built[-1]
+
+    monkeypatch.setattr("turnrl.engines.embedded.EmbeddedEngine", scripted)
+    return built

@@ -236,10 +236,11 @@ async def test_tools_kwargs_validation():
     with pytest.raises(ValueError, match="tools_kwargs names tool 'nope'"):
         toolset.session({"nope": {"create_kwargs": {}}})
     with pytest.raises(ValueError, match=r"tools_kwargs\['counter'\] must be \{'create_kwargs'"):
-        toolset.session({"counter": {"execute_kwargs": {}}})
+        toolset.session({"counter": {"execute_kwargs": {"x": 1}}})
     with pytest.raises(ValueError, match="'echo' is a function tool"):
         toolset.session({"echo": {"create_kwargs": {"a": 1}}})
     toolset.session({"echo": None, "counter": {"create_kwargs": None}})  # parquet padding is fine
+    toolset.session({"counter": {"create_kwargs": {}, "execute_kwargs": {}, "release_kwargs": None}})  # verl's placeholders
 
 
 async def test_call_after_close_is_an_error():

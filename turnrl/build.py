@@ -139,9 +139,11 @@ def build_rollout_manager(
     cfg: RolloutConfig, engine: Engine, renderer: ChatRenderer, reward_fn: RewardFn | None = None
 ) -> RolloutManager:
     from turnrl.agents import agent_registry
+    from turnrl.config import effective_rollout_config
     from turnrl.envs.base import load_env_factory
     from turnrl.loading import load_module
 
+    cfg = effective_rollout_config(cfg)  # the custom config's max_turns / env; tools without an env: tool_agent
     for plugin in cfg.plugins:
         load_module(plugin, what="plugin")
     agents = agent_registry(cfg.agents)

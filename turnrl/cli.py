@@ -46,18 +46,21 @@ def rollout(
     out: Annotated[Path, Opt(help="Output trajectory JSONL (docs/trajectory-format.md).")],
     env: Annotated[str | None, Opt(help="Environment: built-in name, dotted module, or .py file with build_env.")] = None,
     n: Annotated[int, Opt(help="Samples per prompt.")] = 1,
-    max_turns: Annotated[int, Opt(help="Model turns per trajectory.")] = 4,
+    max_turns: Annotated[int | None, Opt(help="Model turns per trajectory (default 4, or the --custom-config "
+                                              "YAML's max_turns).")] = None,
     max_new_tokens: Annotated[int, Opt(help="Tokens per model turn.")] = 256,
     token_budget: Annotated[int | None, Opt(help="Tokens after the prompt for the whole trajectory.")] = None,
     custom_config: Annotated[Path | None, Opt(help="YAML passed to build_env as `config`.")] = None,
     temperature: Annotated[float, Opt(help="Sampling temperature (0 = greedy).")] = 1.0,
     top_p: Annotated[float, Opt(help="Nucleus sampling mass.")] = 1.0,
     seed: Annotated[int | None, Opt(help="Seed of the samplers (reproducible trajectories).")] = None,
-    agent: Annotated[str, Opt(help="Default agent for rows without agent_name.")] = "env_agent",
+    agent: Annotated[str | None, Opt(help="Default agent for rows without agent_name (env_agent; tool_agent with "
+                                          "--tools and no --env).")] = None,
     agents: Annotated[list[str], Opt("--agent-path", help="Extra agent loop: [name=]file.py:function.")] = [],
     tools: Annotated[list[str], Opt(help="Function-tool .py file or tool-config .yaml (repeatable).")] = [],
     tool_parser: Annotated[str, Opt(help="Tool-call format (hermes, qwen3_coder).")] = "hermes",
     scheduler: Annotated[str | None, Opt(help="ms-swift-style scheduler by name.")] = None,
+    gym_env: Annotated[str | None, Opt(help="Gym env of the gym scheduler (ms-swift's --gym_env; env_config.gym_env).")] = None,
     plugin: Annotated[list[str], Opt(help="Python file imported at start-up (repeatable).")] = [],
     chat_template_kwargs: Annotated[str | None, Opt(help='JSON, e.g. \'{"enable_thinking": false}\'.')] = None,
     sanity_check: Annotated[str, Opt(help="strict | ignore_strippable | disable.")] = "strict",
@@ -77,18 +80,26 @@ def rollout(
     if server and (env or scheduler or plugin or tools or agents or ray_workers):
         _fail("--env, --scheduler, --plugin, --tools, --agent-path and --ray-workers configure where the turns run; "
               "with --server the rollout server runs them: pass these to `turnrl serve` instead")
-    from turnrl.config import ConfigError, EngineConfig, RolloutConfig, SamplingConfig
+    from turnrl.config import (
+        ConfigError,
+        EngineConfig,
+        RolloutConfig,
+        SamplingConfig,
+        effective_rollout_config,
+    )
     from turnrl.data import DataError, load_rows
 
     try:
-        cfg = RolloutConfig(
-            env=env, custom_config=str(custom_config) if custom_config else None, agent=agent, agents=agents,
-            tools=tools, tool_parser=tool_parser, scheduler=scheduler, plugins=plugin, n=n, max_turns=max_turns,
+        given = {k: v for k, v in {"max_turns": max_turns, "agent": agent}.items() if v is not None}
+        cfg = effective_rollout_config(RolloutConfig(
+            env=env, custom_config=str(custom_config) if custom_config else None, agents=agents,
+            tools=tools, tool_parser=tool_parser, scheduler=scheduler, plugins=plugin, n=n, **given,
+            env_config={"gym_env": gym_env} if gym_env else {},
             max_new_tokens=max_new_tokens, token_budget=token_budget, concurrency=concurrency,
             sanity_check=sanity_check, chat_template_kwargs=json.loads(chat_template_kwargs or "{}"),
             trace_uri=trace_uri, max_traces_per_step=max_traces,
             sampling=SamplingConfig(temperature=temperature, top_p=top_p, seed=seed),
-        )
+        ))
         rows = load_rows(data)[:limit]
         engine_cfg = EngineConfig(max_batch_size=max_batch_size, distributed="ray" if ray_workers else "none",
                                   ray_workers=max(ray_workers, 1))

@@ -60,7 +60,8 @@ class RolloutConfig(Strict):
     env_config: dict[str, Any] = {}
     """Passed to build_env(sample, config) as `config` (merged over --custom-config YAML)."""
     custom_config: str | None = None
-    """A YAML file whose mapping becomes the env config (slime's --custom-config-path)."""
+    """A YAML file whose mapping becomes the env config (slime's --custom-config-path). Its `max_turns` is also the
+    turn limit and its `rollout_interaction_env_path` the env, unless those are set (effective_rollout_config)."""
     agent: str = "env_agent"
     """Default agent for rows without `agent_name` (single_turn, env_agent, tool_agent, or one from `agents`)."""
     agents: list[str] = []
@@ -212,6 +213,54 @@ C = TypeVar("C", bound=BaseModel)
 
 class ConfigError(ValueError):
     """A config file or override is wrong; the message names each bad field."""
+
+
+def load_custom_config(path: str | Path | None) -> dict[str, Any]:
+    """The mapping of a `--custom-config` YAML ({} without one)."""
+    if path is None:
+        return {}
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"custom config {path} does not exist")
+    try:
+        loaded = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"custom config {path}: invalid YAML: {e}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"custom config {path}: expected a mapping, got {type(loaded).__name__}")
+    return loaded
+
+
+ENV_PATH_KEY = "rollout_interaction_env_path"
+"""The custom-config key naming the environment (slime's; slime has no CLI flag for it)."""
+
+
+def effective_rollout_config(cfg: RolloutConfig, custom: dict[str, Any] | None = None) -> RolloutConfig:
+    """The settings a rollout runs with, once its custom config (`custom`, else the `custom_config` YAML) is read:
+
+    - the YAML's `max_turns` is the turn limit, unless `max_turns` was set (a flag or a config key);
+    - the YAML's `rollout_interaction_env_path` is the environment, unless `env` was set;
+    - with tools and neither an env nor a scheduler, rows without `agent_name` run the tool agent, unless `agent`
+      was set (so verl rows need no --agent).
+    The result carries the YAML merged under `env_config` (without `rollout_interaction_env_path`) and no
+    `custom_config`, so applying it again changes nothing and other processes need not read the file."""
+    custom = load_custom_config(cfg.custom_config) if custom is None else dict(custom)
+    given = cfg.model_fields_set
+    out = cfg.model_copy(deep=True)
+    try:
+        if custom.get("max_turns") is not None and "max_turns" not in given:
+            out.max_turns = custom["max_turns"]
+        if custom.get(ENV_PATH_KEY) and cfg.env is None:
+            out.env = str(custom[ENV_PATH_KEY])
+        if cfg.tools and out.env is None and cfg.scheduler is None and "agent" not in given:
+            out.agent = "tool_agent"
+    except ValidationError as e:
+        raise ConfigError(f"custom config {cfg.custom_config or ''}: {e.errors()[0]['msg']} "
+                          f"(max_turns: {custom.get('max_turns')!r})") from None
+    env_config = {k: v for k, v in custom.items() if k != ENV_PATH_KEY}
+    out.env_config = {**env_config, **cfg.env_config}
+    out.custom_config = None
+    return out
 
 
 def load_config(cls: type[C], path: str | Path | None = None, overrides: list[str] = ()) -> C:

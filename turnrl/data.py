@@ -3,7 +3,16 @@
 A row is a JSON object with a `prompt` (a string, or a list of chat messages) and any other columns; the
 other columns travel with the trajectory (`Trajectory.sample`) to environments, tools and reward functions.
 Optional columns with a meaning: `id`, `system` (a system prompt prepended to a string prompt),
-`agent_name`, `tools_kwargs`, `images`, `env_config`.
+`agent_name`, `tools_kwargs`, `tool_selection`, `images`, `env_config`.
+
+Rows written for the reference frameworks load as they are:
+- verl's preprocessing scripts (`prompt`, `data_source`, `ability`, `reward_model`, `extra_info`, `agent_name`):
+  `tools_kwargs` and `tool_selection` are read from `extra_info` when the row has none of its own
+  (`row_tools_kwargs`, `row_tool_selection`), as verl's dataset lifts them.
+- ms-swift's `messages` rows (no `prompt`): the messages are the prompt, except a trailing assistant message,
+  which is the row's reference reply and is dropped (ms-swift's `remove_response`; the row keeps it under
+  `messages`). A `system` column is prepended when the messages have no system message, and images without
+  an `<image>` tag get one at the start of the first non-system message, as ms-swift's templates add them.
 """
 
 from __future__ import annotations
@@ -73,28 +82,73 @@ def _read_parquet(path: Path) -> list[dict[str, Any]]:
 
 
 def prompt_messages(row: dict[str, Any], where: str = "row") -> list[Message]:
-    """The chat messages of a row's `prompt` (a string becomes one user message)."""
+    """The chat messages of a row's `prompt` (a string becomes one user message), or of its `messages`."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
     if "prompt" not in row:
-        raise DataError(f"{where}: missing field 'prompt' (a string or a list of chat messages)")
+        if "messages" in row:
+            return _messages_row(row, where)
+        raise DataError(f"{where}: missing field 'prompt' (a string or a list of chat messages) or 'messages'")
     prompt = row["prompt"]
     if isinstance(prompt, str):
-        messages: list[Message] = [{"role": "user", "content": prompt}]
-        system = row.get("system")
-        if system is not None:
-            if not isinstance(system, str):
-                raise DataError(f"{where}: field 'system' must be a string, got {type(system).__name__}")
-            messages.insert(0, {"role": "system", "content": system})
-        return _with_images(messages, row, where)
-    if not isinstance(prompt, list) or not prompt:
-        raise DataError(f"{where}: field 'prompt' must be a non-empty string or list of messages, got {prompt!r:.80}")
-    for j, m in enumerate(prompt):
+        return _with_images(_with_system([{"role": "user", "content": prompt}], row, where), row, where)
+    return _with_images(_chat(prompt, "prompt", where), row, where)
+
+
+def _chat(value: Any, field: str, where: str) -> list[Message]:
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{where}: field {field!r} must be a non-empty string or list of messages, got {value!r:.80}")
+    for j, m in enumerate(value):
         if not isinstance(m, dict) or m.get("role") not in _ROLES or "content" not in m:
             raise DataError(
-                f"{where}: prompt[{j}] must be a message with 'role' in {sorted(_ROLES)} and 'content', got {m!r:.80}"
+                f"{where}: {field}[{j}] must be a message with 'role' in {sorted(_ROLES)} and 'content', got {m!r:.80}"
             )
-    return _with_images([dict(m) for m in prompt], row, where)
+    return [dict(m) for m in value]
+
+
+def _with_system(messages: list[Message], row: dict[str, Any], where: str) -> list[Message]:
+    system = row.get("system")
+    if system is None or messages[0]["role"] == "system":
+        return messages
+    if not isinstance(system, str):
+        raise DataError(f"{where}: field 'system' must be a string, got {type(system).__name__}")
+    return [{"role": "system", "content": system}, *messages]
+
+
+def _messages_row(row: dict[str, Any], where: str) -> list[Message]:
+    """ms-swift's row format (module docstring): the reference reply dropped, missing image tags added."""
+    messages = _chat(row["messages"], "messages", where)
+    if len(messages) > 1 and messages[-1]["role"] == "assistant":
+        messages.pop()
+    messages = _with_system(messages, row, where)
+    images = row.get("images")
+    if isinstance(images, list) and images:
+        from turnrl.multimodal import IMAGE_PLACEHOLDER
+
+        texts = [m["content"] for m in messages if isinstance(m["content"], str)]
+        missing = len(images) - sum(t.count(IMAGE_PLACEHOLDER) for t in texts)
+        first = next((m for m in messages if m["role"] != "system"), None)
+        if missing > 0 and first is not None and isinstance(first["content"], str):
+            first["content"] = IMAGE_PLACEHOLDER * missing + first["content"]
+    return _with_images(messages, row, where)
+
+
+def row_tools_kwargs(row: dict[str, Any]) -> dict[str, Any]:
+    """The row's per-tool `tools_kwargs` (`{tool: {"create_kwargs": {...}}}`): its own column, else verl's
+    `extra_info.tools_kwargs`; {} when it has neither."""
+    return _row_or_extra_info(row, "tools_kwargs") or {}
+
+
+def row_tool_selection(row: dict[str, Any]) -> list[str] | None:
+    """The tools a row offers (`tool_selection`, else verl's `extra_info.tool_selection`); None = all."""
+    return _row_or_extra_info(row, "tool_selection") or None
+
+
+def _row_or_extra_info(row: dict[str, Any], key: str) -> Any:
+    if row.get(key) is not None:
+        return row[key]
+    extra_info = row.get("extra_info")
+    return extra_info.get(key) if isinstance(extra_info, dict) else None
 
 
 def _with_images(messages: list[Message], row: dict[str, Any], where: str) -> list[Message]:

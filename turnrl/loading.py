@@ -8,7 +8,8 @@ plugin and as a tool file, or already imported by a sibling's `import`). Its fol
 (appended, once) so it can import its siblings (`from base_env import X`); when the file lies under the
 current directory, so does that directory, which makes slime's layout work from the console script
 (`examples/geo3k/env.py` doing `from examples.geo3k.base_env import X`, run from the repo root): Python adds
-the current directory only under `python -m`.
+the current directory only under `python -m`. For the same reason a dotted module that is not on `sys.path` but
+lies in a package of the current directory (slime's YAML names `examples.geo3k.env`) is imported from there.
 
 A failed load leaves nothing half-imported in `sys.modules`, and its error names the file or module, what it
 was loaded as (`what`) and what was missing:
@@ -71,7 +72,7 @@ def load_module(spec: str, what: str = "module") -> ModuleType:
     if is_file_spec(spec):
         return _load_file(Path(spec), what)
     try:
-        return importlib.import_module(spec)
+        return _import_dotted(spec)
     except ModuleNotFoundError as e:
         if e.name and (spec == e.name or spec.startswith(e.name + ".")):
             raise ModuleNotFoundError(
@@ -84,6 +85,31 @@ def load_module(spec: str, what: str = "module") -> ModuleType:
     except Exception as e:
         e.add_note(f"raised while importing {what} module {spec!r}")
         raise
+
+
+def _import_dotted(spec: str) -> ModuleType:
+    """`importlib.import_module`, retried with the current directory on sys.path when the module's top package is
+    missing from sys.path but is a folder of the current directory (a console script does not put it there)."""
+    try:
+        return importlib.import_module(spec)
+    except ModuleNotFoundError as e:
+        missing_itself = bool(e.name) and (spec == e.name or spec.startswith(f"{e.name}."))
+        cwd = str(Path.cwd().resolve())
+        top = spec.partition(".")[0]
+        # only a package path (`examples.x.env`): a bare name that is a file here is better answered with a hint
+        if not missing_itself or cwd in sys.path or "." not in spec or not Path(cwd, top).is_dir():
+            raise
+    with _LOCK:
+        added = cwd not in sys.path
+        if added:
+            sys.path.append(cwd)
+        importlib.invalidate_caches()
+        try:
+            return importlib.import_module(spec)
+        except BaseException:
+            if added and cwd in sys.path:  # leave sys.path as it was
+                sys.path.remove(cwd)
+            raise
 
 
 def module_name_for(path: Path) -> str:

@@ -15,6 +15,9 @@ Names it may ask for:
 - `info`: the trajectory's info dict; `turn_rewards`: rewards the env/tools reported per step
 - `tool_rewards`: {tool name: calc_reward()} of stateful tools; `num_turns`, `status`, `termination_reason`
 - any key of the trajectory's `rollout_infos` (scheduler/env infos), by name or through `**kwargs`
+- verl's names, so a verl `compute_score(data_source, solution_str, ground_truth, extra_info=None)` is called as
+  it is: `solution_str` (the final reply) and `ground_truth` (`reward_model.ground_truth`), unless the row has
+  columns of those names (turnrl.compat.verl.reward_arguments)
 
 Rewards are computed by the RolloutManager as each trajectory finishes (streamed, overlapping the rest of
 the rollout). A reward function that raises leaves the reward None with the error recorded; it is never
@@ -144,7 +147,10 @@ def reward_kwargs(traj: Trajectory) -> dict[str, Any]:
         "termination_reason": None if traj.termination_reason is None else str(traj.termination_reason),
         "rollout_infos": rollout_infos,
     }
-    return {**traj.sample, **rollout_infos, **named}
+    from turnrl.compat.verl import reward_arguments
+
+    verl_names = reward_arguments(traj.sample, responses[-1] if responses else "")
+    return {**verl_names, **traj.sample, **rollout_infos, **named}
 
 
 def bind_reward(fn: RewardFunction, name: str | None = None) -> Callable[[Trajectory], Any]:

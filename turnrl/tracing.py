@@ -9,6 +9,7 @@ so tracing adds nothing to the hot path and MLflow shows the same tree as the tr
         ├── generate        LLM    prompt_tokens, tokens, finish_reason, cached_prompt_tokens, policy_version
         └── env.step        CHAIN when it ran tool calls, else TOOL (a plain environment); reward, done, attempts
             └── tool:<name> TOOL   arguments in; ok, error, reward, latency_s out
+                └── <function>  CHAIN  a `traced` function the tool called (verl's `rollout_trace_op`)
 
 Traces carry the tags `turnrl.trajectory_id`, `turnrl.group_id`, `turnrl.step`, `turnrl.phase` and
 `turnrl.status`, so `mlflow.search_traces(filter_string="tag.`turnrl.step` = '3'")` finds a step's traces.
@@ -23,12 +24,18 @@ fails there is logged by MLflow itself.
 
 from __future__ import annotations
 
+import contextvars
+import functools
+import inspect
+import json
 import logging
 import math
 import os
 import time
 from collections import Counter
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
 
 import httpx
 
@@ -38,6 +45,83 @@ log = logging.getLogger(__name__)
 
 _LOGGED_FAILURES = 3
 """Failures logged with a warning each; later ones are only counted."""
+
+F = TypeVar("F", bound=Callable[..., Any])
+_SPANS: contextvars.ContextVar[list[dict[str, Any]] | None] = contextvars.ContextVar("turnrl_spans", default=None)
+
+
+# ---- spans of functions called during a rollout --------------------------------------------------
+@contextmanager
+def collect_spans() -> Iterator[list[dict[str, Any]]]:
+    """Collect the calls of `traced` functions made inside the block (and in tasks it starts) as span records:
+    `{name, start_ns, end_ns, inputs, outputs | error}`, JSON-safe. The tool agent collects them per tool call
+    (`tool_calls[i].spans`), so they reach the trajectory JSONL and its MLflow trace."""
+    spans: list[dict[str, Any]] = []
+    token = _SPANS.set(spans)
+    try:
+        yield spans
+    finally:
+        _SPANS.reset(token)
+
+
+def traced(fn: F) -> F:
+    """Record each call of `fn` (sync or async) while spans are being collected; otherwise call it untouched."""
+    signature = inspect.signature(fn)
+
+    def begin(args: tuple, kwargs: dict) -> dict[str, Any] | None:
+        spans = _SPANS.get()
+        if spans is None:
+            return None
+        try:
+            bound = signature.bind(*args, **kwargs).arguments
+        except TypeError:  # the call itself will raise the right error
+            bound = {}
+        record = {"name": fn.__qualname__, "start_ns": time.time_ns(),
+                  "inputs": _jsonable({k: v for k, v in bound.items() if k != "self"})}
+        spans.append(record)
+        return record
+
+    def end(record: dict[str, Any] | None, result: Any = None, error: BaseException | None = None) -> None:
+        if record is not None:
+            record["end_ns"] = time.time_ns()
+            if error is None:
+                record["outputs"] = _jsonable(result)
+            else:
+                record["error"] = f"{type(error).__name__}: {error}"
+
+    if inspect.iscoroutinefunction(fn):
+        @functools.wraps(fn)
+        async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+            record = begin(args, kwargs)
+            try:
+                result = await fn(*args, **kwargs)
+            except BaseException as e:
+                end(record, error=e)
+                raise
+            end(record, result)
+            return result
+        return async_wrapper  # type: ignore[return-value]
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        record = begin(args, kwargs)
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as e:
+            end(record, error=e)
+            raise
+        end(record, result)
+        return result
+    return wrapper  # type: ignore[return-value]
+
+
+def _jsonable(value: Any) -> Any:
+    """A JSON-safe copy: pydantic models by their fields, anything else JSON cannot hold by a short repr."""
+    def fallback(obj: Any) -> Any:
+        dump = getattr(obj, "model_dump", None)
+        return dump() if callable(dump) else repr(obj)[:200]
+
+    return json.loads(json.dumps(value, default=fallback))
 
 
 class TrajectoryTracer:
@@ -164,10 +248,13 @@ class TrajectoryTracer:
                      attributes={"reward": env.reward, "done": env.done, "attempts": env.attempts})
         for call in calls:
             result = {k: call.get(k) for k in ("ok", "error", "reward", "latency_s")}
-            _span(span, f"tool:{call.get('name') or '(unparsed)'}", SpanType.TOOL,
-                  call.get("start_ns", env.start_ns), call.get("end_ns", call.get("start_ns", env.start_ns)),
-                  inputs=call.get("arguments"), outputs=result, error=call.get("error"),
-                  attributes={"name": call.get("name"), "id": call.get("id"), **result})
+            tool = _span(span, f"tool:{call.get('name') or '(unparsed)'}", SpanType.TOOL,
+                         call.get("start_ns", env.start_ns), call.get("end_ns", call.get("start_ns", env.start_ns)),
+                         inputs=call.get("arguments"), outputs=result, error=call.get("error"),
+                         attributes={"name": call.get("name"), "id": call.get("id"), **result})
+            for inner in call.get("spans") or []:
+                _span(tool, inner["name"], SpanType.CHAIN, inner["start_ns"], inner.get("end_ns", inner["start_ns"]),
+                      inputs=inner.get("inputs"), outputs=inner.get("outputs"), error=inner.get("error"))
 
     def _decoded(self, traj: Trajectory, turn: int, sources: set[SegmentSource], key: str) -> dict[str, str] | None:
         if self.tokenizer is None:

@@ -23,10 +23,14 @@ async def single_turn(ctx: RolloutContext, sample: dict[str, Any]) -> Trajectory
 
 
 async def env_agent(ctx: RolloutContext, sample: dict[str, Any]) -> Trajectory:
-    """The slime-style loop: `build_env(sample, config)` from `--env`, then the turn loop."""
+    """The slime-style loop: `build_env(sample, config)` from `--env`, then the turn loop. The row and the config
+    arrive as dicts that also read by attribute, like slime's `sample` and `args` (turnrl.compat.slime)."""
+    from turnrl.compat.slime import env_arguments
+
     if ctx.env_factory is None:
         raise ValueError("agent 'env_agent' needs an environment: pass --env NAME|module|file.py")
-    env = await call(ctx.env_factory, sample, ctx.env_config, threads=ctx.env_threads)
+    env_sample, env_config = env_arguments(sample, ctx.env_config, session_id=ctx.trajectory_id)
+    env = await call(ctx.env_factory, env_sample, env_config, threads=ctx.env_threads)
     if env is None:
         where = getattr(ctx.env_factory, "__module__", "the environment")
         raise EnvError(f"build_env(sample, config) of {where} returned None; it must return the environment")
@@ -47,6 +51,7 @@ def _openai_agent(ctx: RolloutContext, sample: dict[str, Any]):
 
 AGENTS: dict[str, Agent] = {
     "single_turn": single_turn,
+    "single_turn_agent": single_turn,  # verl's name, as rows from its preprocessing scripts say it
     "env_agent": env_agent,
     "tool_agent": _tool_agent,
     "openai_agent": _openai_agent,

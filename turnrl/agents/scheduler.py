@@ -184,6 +184,11 @@ class MultiTurnScheduler:
         self.env_config = dict(env_config or {})
         """The rollout's `env_config` (e.g. `gym_env`, `base_url`)."""
 
+    def hook_response(self, response: TurnResponse) -> Any:
+        """What the hooks (`on_turn_end`, `check_finished`, `step`) receive for a turn: the `TurnResponse` itself.
+        turnrl.compat.swift's scheduler gives ms-swift's `ChatCompletionResponseChoice` instead."""
+        return response
+
     async def on_trajectory_start(self, requests: list[RolloutRequest]) -> None:
         """Before the first turn; may rewrite `requests[0]` in place (e.g. inject an env's first observation)."""
 
@@ -307,19 +312,20 @@ class SchedulerEnv:
         runner, scheduler, request = self.runner, self.runner.scheduler, self.request
         n = runner.turns + turn.turn
         response = TurnResponse.of(turn, runner.ctx.renderer.end_of_turn_ids)
+        shown = scheduler.hook_response(response)
         if turn.continued:
             request.messages[-1]["content"] += response.text
         else:
             request.messages.append({"role": "assistant", "content": response.text})
-        hook = _checked(await _maybe_await(scheduler.on_turn_end(request, response, n)), "on_turn_end", TURN_END_KEYS)
+        hook = _checked(await _maybe_await(scheduler.on_turn_end(request, shown, n)), "on_turn_end", TURN_END_KEYS)
         runner.merge_infos(hook.get("rollout_infos"), "on_turn_end")
         reward = hook.get("reward")
-        finished = bool(await _maybe_await(scheduler.check_finished(request, response, n)))
+        finished = bool(await _maybe_await(scheduler.check_finished(request, shown, n)))
         if "done" in hook:
             finished = bool(hook["done"])
         if finished or n >= runner.max_turns:
             return StepResult(reward=reward, done=True, termination_reason=self._stop_reason(hook, response, n))
-        result = _checked(await _maybe_await(scheduler.step(request, response, n)), "step", STEP_KEYS)
+        result = _checked(await _maybe_await(scheduler.step(request, shown, n)), "step", STEP_KEYS)
         nxt = _next_request(result, request)
         runner.merge_infos(result.get("rollout_infos"), "step")
         step, split = plan_next(turn, nxt.messages, response, _edit_of(result), runner.ctx.renderer)
@@ -570,11 +576,14 @@ def build_scheduler(cls: type[MultiTurnScheduler], ctx: RolloutContext) -> Multi
 
 def first_request(ctx: RolloutContext, sample: dict[str, Any]) -> RolloutRequest:
     """The row as a request. A trailing assistant message (the row's reference reply) is dropped, as ms-swift's
-    `remove_response` does."""
+    `remove_response` does (for `messages` rows, turnrl.data.prompt_messages already has)."""
     messages = prompt_messages(sample)
-    if len(messages) > 1 and messages[-1].get("role") == "assistant":
+    if "prompt" in sample and len(messages) > 1 and messages[-1].get("role") == "assistant":
         messages.pop()
-    tools = sample.get("tools") if isinstance(sample.get("tools"), list) else None
+    tools = sample.get("tools")
+    if isinstance(tools, str) and tools.strip().startswith("["):  # ms-swift rows may hold the tools as JSON text
+        tools = json.loads(tools)
+    tools = tools if isinstance(tools, list) else None
     return RolloutRequest(messages, tools, list(sample.get("images") or []), dict(sample), ctx.trajectory_id)
 
 

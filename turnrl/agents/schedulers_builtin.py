@@ -180,7 +180,8 @@ def inject_observation(request: RolloutRequest, observation: str, system: str | 
             messages.insert(0, {"role": "system", "content": system})
 
 
-def _row_env_config(data_dict: dict[str, Any]) -> dict[str, Any]:
+def row_env_config(data_dict: dict[str, Any]) -> dict[str, Any]:
+    """The row's `env_config` column (a mapping, or its JSON text) as a dict; {} without one."""
     row = data_dict.get("env_config") or {}
     if isinstance(row, str):
         row = json.loads(row)
@@ -212,7 +213,7 @@ class GymScheduler(MultiTurnScheduler):
         self.episodes: dict[str, EnvEpisode] = {}
 
     def make_env(self, data_dict: dict[str, Any]) -> tuple[Any, int | None]:
-        options = _row_env_config(data_dict)
+        options = row_env_config(data_dict)
         name = options.pop("name", None) or self.env_config.get("gym_env")
         seed = options.pop("seed", None)
         if name is None:
@@ -294,7 +295,7 @@ class RemoteEnvScheduler(MultiTurnScheduler):
         return observation if isinstance(observation, str) else json.dumps(observation)
 
     def _settings(self, data_dict: dict[str, Any]) -> dict[str, Any]:
-        settings = {**self.env_config, **_row_env_config(data_dict)}
+        settings = {**self.env_config, **row_env_config(data_dict)}
         if not settings.get("base_url"):
             raise ValueError("remote_env needs env_config.base_url (rollout config or the row's env_config column)")
         return settings

@@ -25,8 +25,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from turnrl.data import row_tool_selection, row_tools_kwargs
 from turnrl.rollout import RolloutContext, drive
 from turnrl.tools import ToolCallParser, ToolError, ToolSet, get_parser
+from turnrl.tracing import collect_spans
 from turnrl.types import Message, StepResult, TerminationReason, ToolCall, Trajectory
 
 log = logging.getLogger(__name__)
@@ -132,14 +134,17 @@ class ToolEnv:
         start_ns = time.time_ns()
         record: dict[str, Any] = {"id": call.id, "name": call.name, "arguments": call.arguments, "start_ns": start_ns}
         self.stats["calls"][call.name] = self.stats["calls"].get(call.name, 0) + 1
-        try:
-            result = await self.session.call(call, timeout_s=self.settings.tool_timeout_s)
-            text = result.text
-            record.update(ok=True, reward=result.reward, metrics=result.metrics)
-            images = result.images
-        except ToolError as e:  # what the model should be told: unknown tool, bad arguments, raised, timed out
-            text, images = f"Error: {e}", []
-            record.update(ok=False, error=str(e))
+        with collect_spans() as spans:  # what the tool's `traced` functions did (verl's rollout_trace_op)
+            try:
+                result = await self.session.call(call, timeout_s=self.settings.tool_timeout_s)
+                text = result.text
+                record.update(ok=True, reward=result.reward, metrics=result.metrics)
+                images = result.images
+            except ToolError as e:  # what the model should be told: unknown tool, bad arguments, raised, timed out
+                text, images = f"Error: {e}", []
+                record.update(ok=False, error=str(e))
+        if spans:
+            record["spans"] = spans
         record["end_ns"] = time.time_ns()
         record["latency_s"] = (record["end_ns"] - start_ns) / 1e9
         text = truncate(text, self.settings.max_tool_response_length, self.settings.truncate_side,
@@ -166,14 +171,16 @@ def _call_example(parser: ToolCallParser, schemas: list[dict]) -> str:
 
 
 async def tool_agent(ctx: RolloutContext, sample: dict[str, Any]) -> Trajectory:
-    """Run the tool agent on one row. Rows may carry `tools_kwargs` and `tool_selection` (a list of names)."""
+    """Run the tool agent on one row. Rows may carry `tools_kwargs` and `tool_selection` (a list of names), as
+    columns or under verl's `extra_info` (turnrl.data.row_tools_kwargs)."""
     settings: ToolAgentSettings | None = ctx.tools
     if settings is None:
         raise ValueError("agent 'tool_agent' needs tools: pass --tools FILE.py|FILE.yaml")
     toolset = settings.toolset
-    if sample.get("tool_selection"):
-        toolset = toolset.subset(sample["tool_selection"])
-    session = toolset.session(sample.get("tools_kwargs") or {})
+    selection = row_tool_selection(sample)
+    if selection:
+        toolset = toolset.subset(selection)
+    session = toolset.session(row_tools_kwargs(sample))
     env = ToolEnv(settings, session, ctx.renderer.tokenizer, toolset)
     if settings.max_assistant_turns is not None:
         ctx.limits = dataclasses.replace(ctx.limits, max_turns=min(ctx.limits.max_turns, settings.max_assistant_turns))

@@ -202,7 +202,9 @@ ROLES = frozenset({"system", "user", "assistant", "tool"})
 
 
 def as_messages(value: Any, what: str) -> list[Message]:
-    """A message, a list of messages or a string (a user message) → list of messages."""
+    """A message, a list of messages or a string (a user message) → list of messages. Content given as text
+    parts only (`[{"type": "text", "text": ...}]`, as slime's base env writes every observation) becomes the
+    joined string: every chat template renders that the same way, and text-only templates render nothing else."""
     if value is None:
         return []
     if isinstance(value, str):
@@ -213,7 +215,16 @@ def as_messages(value: Any, what: str) -> list[Message]:
     for m in messages:
         if m["role"] not in ROLES:
             raise EnvError(f"{what} returned a message with role {m['role']!r}; roles are {', '.join(sorted(ROLES))}")
-    return list(messages)
+    return [_joined_text_parts(m) for m in messages]
+
+
+def _joined_text_parts(message: Message) -> Message:
+    content = message.get("content")
+    if not isinstance(content, list) or not content:
+        return message
+    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        return message
+    return {**message, "content": "".join(p["text"] for p in content)}
 
 
 class EpisodeEnv:

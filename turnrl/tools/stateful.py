@@ -128,7 +128,8 @@ class ToolSpec:
     """A stateful tool class with its config: what a `ToolSet` instantiates once per trajectory."""
 
     name: str
-    cls: type
+    cls: Callable[[dict[str, Any], dict[str, Any]], Any]
+    """The tool class, called `cls(config, tool_schema)` per trajectory (or any factory of that signature)."""
     config: dict[str, Any]
     schema: dict[str, Any]
     source: str = field(compare=False)
@@ -142,6 +143,9 @@ class ToolSpec:
         tool_schema: dict[str, Any] | None = None,
         source: str | None = None,
     ) -> ToolSpec:
+        adapted = getattr(tool_cls, "__turnrl_tool_spec__", None)
+        if adapted is not None:  # another framework's tool class (turnrl.compat.verl.BaseTool) brings its adapter
+            return adapted(config or {}, tool_schema, source or f"class {_qualname(tool_cls)}")
         _check_tool_class(tool_cls)
         config = config or {}
         schema = tool_schema if tool_schema is not None else _class_schema(tool_cls, config)
@@ -439,7 +443,8 @@ async def _run_wrapped(name: str, awaitable: Any) -> Any:
 
 def _create_kwargs_by_tool(tools_kwargs: dict[str, Any], toolset: ToolSet) -> dict[str, dict[str, Any]]:
     """Validate verl's `{tool: {"create_kwargs": {...}}}`. Entries that are None (parquet struct padding)
-    are skipped; unknown tools, function tools and keys other than create_kwargs are errors."""
+    are skipped, and so are empty `execute_kwargs` / `calc_reward_kwargs` / `release_kwargs` (verl's
+    placeholders); unknown tools, create_kwargs for function tools and any other non-empty key are errors."""
     if not isinstance(tools_kwargs, dict):
         raise TypeError(f"tools_kwargs must be a dict {{tool: {{'create_kwargs': {{...}}}}}}, got {tools_kwargs!r}")
     out = {}
@@ -448,7 +453,7 @@ def _create_kwargs_by_tool(tools_kwargs: dict[str, Any], toolset: ToolSet) -> di
             continue
         if name not in toolset:
             raise ValueError(f"tools_kwargs names tool {name!r}, which is not in the tool set ({', '.join(toolset.names)})")
-        if not isinstance(entry, dict) or set(entry) - {"create_kwargs"}:
+        if not isinstance(entry, dict) or any(v for k, v in entry.items() if k != "create_kwargs"):
             raise ValueError(
                 f"tools_kwargs[{name!r}] must be {{'create_kwargs': {{...}}}}, got {entry!r} "
                 "(turnrl tools keep per-trajectory state on the instance; execute/release kwargs do not exist)"

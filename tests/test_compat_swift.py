@@ -1,0 +1,219 @@
+"""ms-swift-style plugins through the public CLI: a gym env (`Env(env_config)`, `reset(request)`, `step(messages)`)
+registered in `envs` whose groups share the map their seed decides, a ReAct tool scheduler that extends the turn's
+token ids in place, and `messages` rows."""
+
+from __future__ import annotations
+
+import json
+import re
+import textwrap
+
+import pytest
+from fakes import script_the_cli
+from typer.testing import CliRunner
+
+from turnrl.cli import app
+from turnrl.compat.swift import ChatCompletionResponseChoice, MultiTurnScheduler, multi_turns
+from turnrl.data import DataError, prompt_messages
+from turnrl.types import FinishReason, SegmentSource, Trajectory, Turn
+
+runner = CliRunner()
+
+# Written from ms-swift's gym_env docs: the env gets the row's env_config (its seed decides the map, so the
+# num_generations samples of a row play the same map), reset returns (observation, info, system_message), step
+# gets the conversation and returns (observation, reward, done, info).
+GYM_PLUGIN = '''
+import random
+import re
+from typing import Any, Dict, Tuple
+
+from turnrl.compat.swift import Env, Messages, RolloutInferRequest, envs, get_logger
+
+logger = get_logger()
+MOVE = re.compile(r"<move>(left|right)</move>")
+
+
+class LineWalk(Env):
+    """A line of cells; walk to the treasure."""
+
+    def __init__(self, env_config: Dict[str, Any]):
+        super().__init__(env_config)
+        self.size = int(env_config.get("size", 7))
+        self.seed = env_config.get("seed")
+
+    async def reset(self, config: RolloutInferRequest) -> Tuple[str, Dict[str, Any], str]:
+        rng = random.Random(self.seed)
+        self.position, self.treasure = rng.sample(range(self.size), 2)
+        self.row_id = config.data_dict["id"]
+        return self._show(), {"seed": self.seed}, "You walk a line. Answer with <move>left</move> or <move>right</move>."
+
+    def _show(self) -> str:
+        return f"You are at {self.position}; the treasure is at {self.treasure}."
+
+    async def step(self, action: Messages) -> Tuple[str, float, bool, Dict[str, Any]]:
+        assert action[-1]["role"] == "assistant" and action[0]["role"] == "system"
+        found = MOVE.search(action[-1]["content"])
+        if found is None:
+            return "Say <move>left</move> or <move>right</move>. " + self._show(), 0.0, False, {}
+        self.position += 1 if found.group(1) == "right" else -1
+        if self.position == self.treasure:
+            return "Found it!", 1.0, True, {"status": "goal"}
+        return self._show(), 0.0, False, {}
+
+    async def close(self):
+        logger.info("closed %s", self.row_id)
+
+
+envs["line_walk"] = LineWalk
+'''
+
+
+def walker(request_id, turn, prompt):
+    """Walks towards the treasure the last observation shows; says nothing useful on its first turn."""
+    if turn == 1:
+        return "Let me think."
+    position, treasure = map(int, re.findall(r"You are at (\d+); the treasure is at (\d+)", prompt)[-1])
+    return f"<move>{'right' if treasure > position else 'left'}</move>"
+
+
+def test_gym_env_groups_share_the_map_their_seed_decides(tmp_path, monkeypatch, qwen3_tokenizer):
+    (tmp_path / "gym_plugin.py").write_text(textwrap.dedent(GYM_PLUGIN))
+    rows = [{"id": f"s{seed}", "messages": [{"role": "user", "content": "<placeholder>"}], "env_config": {"seed": seed}}
+            for seed in (1, 2)]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out.jsonl"
+    script_the_cli(monkeypatch, qwen3_tokenizer, walker)
+    result = runner.invoke(app, ["rollout", "--model", "tiny-qwen3", "--data", str(data), "--out", str(out),
+                                 "--plugin", str(tmp_path / "gym_plugin.py"), "--scheduler", "gym_scheduler",
+                                 "--gym-env", "line_walk", "--n", "3", "--max-turns", "10", "--max-new-tokens", "16",
+                                 "--reward", "env"])
+    assert result.exit_code == 0, result.output
+    trajs = [json.loads(line) for line in out.read_text().splitlines()]
+    first_maps = {}
+    for traj in trajs:
+        assert (traj["status"], traj["termination_reason"], traj["reward"]) == ("completed", "env_done", 1.0), traj
+        system, first = traj["messages"][:2]
+        assert system["content"].startswith("You walk a line") and first["role"] == "user"
+        first_maps.setdefault(traj["group_id"], set()).add(first["content"])
+        infos = traj["rollout_infos"]
+        assert infos["total_reward"] == 1.0 and infos["gym_done"] is True
+        assert infos["step_rewards"] == [0.0] * (infos["num_turns"] - 1) + [1.0]
+    # every sample of a group saw the same map; the two seeds gave two maps
+    assert {g: len(m) for g, m in first_maps.items()} == {"s1": 1, "s2": 1}
+    assert first_maps["s1"] != first_maps["s2"]
+
+
+# Written from ms-swift's multi-turn docs: a ReAct calculator whose tool output goes into the assistant message,
+# masked, with the turn's token ids extended in place (as ms-swift's ToolCallScheduler example does).
+CALC_PLUGIN = '''
+import re
+from typing import Dict
+
+from turnrl.compat.swift import (ChatCompletionResponse, ChatCompletionResponseChoice, MultiTurnScheduler,
+                                 RolloutInferRequest, multi_turns)
+
+ACTION = re.compile(r"Action:\\s*(\\w+)\\s*\\nAction Input:\\s*(.*?)(?:\\n|$)")
+
+
+class ReActCalculator(MultiTurnScheduler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tools = {"calculator": lambda expr: f"Result: {eval(expr, {'__builtins__': {}})}"}
+
+    def check_finished(self, infer_request: "RolloutInferRequest", response_choice: "ChatCompletionResponseChoice",
+                       current_turn: int) -> bool:
+        if not ACTION.search(response_choice.message.content):
+            return True
+        return super().check_finished(infer_request, response_choice, current_turn)
+
+    def step(self, infer_request: "RolloutInferRequest", response_choice: "ChatCompletionResponseChoice",
+             current_turn: int) -> Dict:
+        name, expr = ACTION.search(response_choice.message.content).groups()
+        observation = self.tools[name](expr)
+        infer_request.messages[-1]["content"] += observation
+        token_ids = response_choice.token_ids
+        loss_mask = [1] * len(token_ids)
+        logprobs = [entry["logprob"] for entry in response_choice.logprobs["content"]]
+        observation_ids = self.tokenizer.encode(observation, add_special_tokens=False)
+        token_ids.extend(observation_ids)
+        loss_mask.extend([0] * len(observation_ids))
+        return {"infer_request": infer_request, "response_token_ids": token_ids, "response_loss_mask": loss_mask,
+                "rollout_logprobs": logprobs, "rollout_infos": {"tool_results": observation, "num_turns": -1}}
+
+
+multi_turns["react_calculator"] = ReActCalculator
+'''
+
+
+def test_react_scheduler_extends_the_turns_token_ids_on_messages_rows(tmp_path, monkeypatch, qwen3_tokenizer):
+    (tmp_path / "calc_plugin.py").write_text(textwrap.dedent(CALC_PLUGIN))
+    row = {"messages": [{"role": "system", "content": "Use the calculator."},
+                        {"role": "user", "content": "What is 2+3?"},
+                        {"role": "assistant", "content": "Reference: 2+3 = \\boxed{5}"}],  # the reference reply
+           "solution": "\\boxed{5}"}
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    out = tmp_path / "out.jsonl"
+    engines = script_the_cli(monkeypatch, qwen3_tokenizer, lambda rid, turn, prompt: {
+        1: "Action: calculator\nAction Input: 2+3\n", 2: " so the answer is \\boxed{5}."}[turn])
+    result = runner.invoke(app, ["rollout", "--model", "tiny-qwen3", "--data", str(data), "--out", str(out),
+                                 "--plugin", str(tmp_path / "calc_plugin.py"), "--scheduler", "react_calculator",
+                                 "--max-new-tokens", "32"])
+    assert result.exit_code == 0, result.output
+    [traj] = map(json.loads, out.read_text().splitlines())
+    assert (traj["status"], traj["termination_reason"], traj["num_turns"]) == ("completed", "env_done", 2)
+    # the prompt is the messages without the reference reply
+    assert [m["role"] for m in traj["messages"]] == ["system", "user", "assistant"]
+    assert traj["messages"][2]["content"] == ("Action: calculator\nAction Input: 2+3\n"
+                                              "Result: 5 so the answer is \\boxed{5}.")
+    assert "Reference" not in qwen3_tokenizer.decode(traj["prompt_ids"])
+    # one model segment: the reply (mask 1), the tool output (mask 0), the continuation and its stop token (mask 1)
+    [segment] = Trajectory.from_json(traj).segments
+    tok = qwen3_tokenizer
+    reply = tok("Action: calculator\nAction Input: 2+3\n", add_special_tokens=False)["input_ids"]
+    result_ids = tok("Result: 5", add_special_tokens=False)["input_ids"]
+    rest = tok(" so the answer is \\boxed{5}.", add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids(
+        "<|im_end|>")]
+    assert segment.source == SegmentSource.MODEL and segment.token_ids == reply + result_ids + rest
+    assert segment.loss_mask == [1] * len(reply) + [0] * len(result_ids) + [1] * len(rest)
+    assert segment.logprobs[: len(reply)] == [-(k + 1) / 100 for k in range(len(reply))]  # the engine's own
+    assert segment.logprobs[len(reply):len(reply) + len(result_ids)] == [None] * len(result_ids)
+    assert traj["warnings"] == []
+    # the continuation asked the engine to go on after the masked tool output, with no end-of-turn token between
+    second_prompt = engines[-1].calls[1].prompt_ids
+    assert second_prompt[-len(reply + result_ids):] == reply + result_ids
+    assert traj["rollout_infos"] == {"tool_results": "Result: 5", "num_turns": 2}
+
+
+def test_the_choice_is_ms_swifts_shape(qwen3_tokenizer):
+    from turnrl.agents.scheduler import TurnResponse
+
+    end = qwen3_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = qwen3_tokenizer("hi there", add_special_tokens=False)["input_ids"]
+    turn = Turn(turn=1, text="hi there", token_ids=ids + [end], logprobs=[-0.1] * (len(ids) + 1),
+                finish_reason=FinishReason.STOP, messages=[])
+    choice = MultiTurnScheduler(tokenizer=qwen3_tokenizer).hook_response(TurnResponse.of(turn, frozenset({end})))
+    assert isinstance(choice, ChatCompletionResponseChoice)
+    assert (choice.message.role, choice.message.content, choice.finish_reason) == ("assistant", "hi there", "stop")
+    assert choice.token_ids == ids and [e["logprob"] for e in choice.logprobs["content"]] == [-0.1] * len(ids)
+    assert "".join(e["token"] for e in choice.logprobs["content"]) == "hi there"
+    assert "gym_scheduler" in multi_turns
+
+
+def test_messages_rows():
+    row = {"messages": [{"role": "user", "content": "Describe it."}, {"role": "assistant", "content": "A cat."}],
+           "images": ["cat.png"], "solution": "cat", "system": "Be brief."}
+    messages = prompt_messages(row)
+    assert [m["role"] for m in messages] == ["system", "user"] and messages[0]["content"] == "Be brief."
+    # ms-swift adds the missing <image> tag at the start of the first message: the image goes there
+    assert messages[1]["content"] == [{"type": "image", "image": "cat.png"}, {"type": "text", "text": "Describe it."}]
+    assert row["messages"][1] == {"role": "assistant", "content": "A cat."}  # the row keeps its reference reply
+    tagged = prompt_messages({"messages": [{"role": "user", "content": "Look: <image>"}], "images": ["a.png"]})
+    assert tagged[0]["content"][-1] == {"type": "image", "image": "a.png"}
+    assert prompt_messages({"messages": [{"role": "assistant", "content": "only"}]}) == [
+        {"role": "assistant", "content": "only"}]  # a lone message is the prompt, whatever its role
+    with pytest.raises(DataError, match=r"row: messages\[0\] must be a message"):
+        prompt_messages({"messages": [{"from": "human"}]})
+    with pytest.raises(DataError, match="missing field 'prompt' .* or 'messages'"):
+        prompt_messages({"question": "?"})

@@ -1,0 +1,335 @@
+"""verl-style tools and rows through the public CLI: a BaseTool subclass with instance ids and a pydantic schema,
+loaded from a verl tool-config YAML, on rows as verl's preprocessing scripts write them (JSONL and parquet), with no
+--agent and no extra flag; the tool's reward; the first error of a trajectory kept."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from fakes import script_the_cli
+from typer.testing import CliRunner
+
+from turnrl.cli import app
+from turnrl.compat.verl import (
+    BaseTool,
+    OpenAIFunctionToolSchema,
+    ToolResponse,
+    geo3k,
+    gsm8k,
+    rollout_trace_op,
+)
+from turnrl.tools import ToolSet
+from turnrl.tracing import collect_spans
+from turnrl.types import ToolCall
+
+runner = CliRunner()
+
+# Written from verl's docs on BaseTool: one object serves every trajectory, state lives per instance id; create
+# gets the row's create_kwargs. `submit_answer` takes them as keywords (verl's SGLang path), `check_guess` as
+# `create_kwargs=` (verl's agent loop). The package name is unique to this file (sys.modules).
+TOOLS = '''
+from typing import Any, Optional
+from uuid import uuid4
+
+from turnrl.compat.verl import BaseTool, OpenAIFunctionToolSchema, ToolResponse, rollout_trace_op
+from turnrl.compat.verl import gsm8k
+
+EVENTS = []
+
+
+class SubmitAnswer(BaseTool):
+    def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema):
+        super().__init__(config, tool_schema)
+        self.state = {}
+        EVENTS.append(("init", self.name, config["penalty"]))
+
+    async def create(self, instance_id: Optional[str] = None, ground_truth: Optional[str] = None, **kwargs):
+        instance_id = instance_id or f"sub-{uuid4().hex[:8]}"
+        self.state[instance_id] = {"truth": ground_truth, "answer": "", "best": 0.0}
+        EVENTS.append(("create", instance_id))
+        return instance_id, ToolResponse()
+
+    @rollout_trace_op
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs):
+        state = self.state[instance_id]
+        state["answer"] = f"#### {parameters['answer']}"
+        reward = await self.calc_reward(instance_id)
+        step = 0.0 if reward > state["best"] else -self.config["penalty"]
+        state["best"] = max(state["best"], reward)
+        arg = next(iter(self.tool_schema.function.parameters.properties))
+        return ToolResponse(text=f"{self.tool_schema.function.name} got {arg}={parameters[arg]}"), step, {"n": 1}
+
+    async def calc_reward(self, instance_id: str, **kwargs) -> float:
+        state = self.state[instance_id]
+        return gsm8k.compute_score(state["answer"], state["truth"], method="flexible")
+
+    async def release(self, instance_id: str, **kwargs) -> None:
+        EVENTS.append(("release", instance_id))
+        del self.state[instance_id]
+
+
+class CheckGuess(BaseTool):
+    def __init__(self, config, tool_schema):
+        super().__init__(config, tool_schema)
+        self.targets = {}
+
+    async def create(self, instance_id=None, **kwargs):
+        instance_id = "guess-" + uuid4().hex[:6]
+        self.targets[instance_id] = kwargs["create_kwargs"]["target"]
+        return instance_id  # a bare id, as older verl tools return
+
+    def execute(self, instance_id, parameters, **kwargs):  # a sync method is fine too
+        higher = int(parameters["guess"]) < self.targets[instance_id]
+        return ToolResponse(text="higher" if higher else "not higher"), 0.0, {}
+'''
+TOOL_CONFIG = '''
+tools:
+  - class_name: "verlrepo_c13.tools.SubmitAnswer"
+    config:
+      type: native
+      penalty: 0.05
+    tool_schema:
+      type: "function"
+      function:
+        name: "submit_answer"
+        description: "Score the answer to the math problem (1.0 if correct)."
+        parameters:
+          type: "object"
+          properties:
+            answer:
+              type: "string"
+              description: "The final answer, digits only"
+          required: ["answer"]
+  - class_name: "verlrepo_c13.tools.CheckGuess"
+    config: {type: native}
+    tool_schema:
+      type: function
+      function:
+        name: check_guess
+        description: Whether the target is higher than a guess.
+        parameters: {type: object, properties: {guess: {type: string}}, required: [guess]}
+'''
+SYSTEM = "Solve it step by step, call `submit_answer` at least once, then answer as `#### <answer>`."
+
+
+def verl_row(index: int, question: str, truth: str, tools_kwargs: dict) -> dict:
+    """A row as verl's gsm8k tool-agent preprocessing script writes it."""
+    return {
+        "data_source": "openai/gsm8k", "agent_name": "tool_agent",
+        "prompt": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        "ability": "math", "reward_model": {"style": "rule", "ground_truth": truth},
+        "extra_info": {"split": "train", "index": index, "answer": f"... #### {truth}", "question": question,
+                       "need_tools_kwargs": True, "tools_kwargs": tools_kwargs,
+                       "interaction_kwargs": {"query": question, "ground_truth": truth}},
+    }
+
+
+ROWS = [
+    verl_row(0, "Natalia sold 48 clips in April and half as many in May. How many in total?", "72",
+             {"submit_answer": {"create_kwargs": {"ground_truth": "72"}},
+              "check_guess": {"create_kwargs": {"target": 9}}}),
+    verl_row(1, "What is 5 + 5?", "10", {"submit_answer": {"create_kwargs": {"ground_truth": "10"}}}),
+]
+
+
+def tool_call(name: str, **arguments) -> str:
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+def script(request_id, turn, prompt):
+    """Both rows answer 72: right for row 0, wrong (then not improved) for row 1."""
+    return {1: "Half of 48 is 24; 48 + 24 = 72. " + tool_call("submit_answer", answer="72"),
+            2: tool_call("submit_answer", answer="72")}.get(turn, "So the answer is #### 72")
+
+
+@pytest.fixture
+def verl_repo(tmp_path, monkeypatch):
+    package = tmp_path / "verlrepo_c13"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "tools.py").write_text(textwrap.dedent(TOOLS))
+    (tmp_path / "tool_config.yaml").write_text(textwrap.dedent(TOOL_CONFIG))
+    (tmp_path / "reward.py").write_text("def reward(tool_rewards):\n    return tool_rewards['submit_answer']\n")
+    monkeypatch.chdir(tmp_path)  # verl names tool classes by module: the repo is the current directory
+    yield tmp_path
+    sys.modules.pop("verlrepo_c13.tools", None)
+    sys.modules.pop("verlrepo_c13", None)
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)  # struct columns: row 1 gets check_guess = None
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def rollout(tmp_path, data: Path, *extra) -> list[dict]:
+    out = tmp_path / "out.jsonl"
+    result = runner.invoke(app, ["rollout", "--model", "tiny-qwen3", "--data", str(data), "--out", str(out),
+                                 "--tools", "tool_config.yaml", "--max-turns", "4", "--max-new-tokens", "96", *extra])
+    assert result.exit_code == 0, result.output
+    return sorted(map(json.loads, out.read_text().splitlines()), key=lambda t: t["id"])
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_verl_rows_and_tool_give_the_tool_reward_with_no_extra_flag(verl_repo, monkeypatch, qwen3_tokenizer, suffix):
+    script_the_cli(monkeypatch, qwen3_tokenizer, script)
+    data = write_rows(verl_repo / f"train{suffix}", ROWS)
+    right, wrong = rollout(verl_repo, data, "--n", "2", "--reward", "reward.py:reward")[::2]
+    for traj in (right, wrong):  # the row's agent_name picked the tool agent; nobody passed --agent
+        assert (traj["agent"], traj["status"], traj["termination_reason"], traj["num_turns"]) == (
+            "tool_agent", "completed", "no_tool_call", 3)
+        assert traj["error"] is None and traj["warnings"] == []
+        tool_messages = [m["content"] for m in traj["messages"] if m["role"] == "tool"]
+        assert tool_messages == ["submit_answer got answer=72"] * 2
+    # extra_info.tools_kwargs reached create: the ground truth decides the reward (verl's gsm8k compute_score)
+    assert (right["tool_rewards"], right["reward"]) == ({"submit_answer": 1.0}, 1.0)
+    assert (wrong["tool_rewards"], wrong["reward"]) == ({"submit_answer": 0.0}, 0.0)
+    # execute's step rewards: no penalty for the first correct submission, -penalty for one that did not improve
+    assert right["turn_rewards"] == [0.0, -0.05] and wrong["turn_rewards"] == [-0.05, -0.05]
+    # rollout_trace_op recorded execute under the tool call, with its inputs and outputs
+    call = right["turns"][0]["env"]["info"]["tool_calls"][0]
+    assert call["metrics"] == {"n": 1}
+    [span] = call["spans"]
+    assert span["name"] == "SubmitAnswer.execute" and span["inputs"]["parameters"] == {"answer": "72"}
+    assert span["outputs"][0]["text"] == "submit_answer got answer=72" and span["end_ns"] >= span["start_ns"]
+    # one tool object per process; per trajectory: one instance id, created before its first call, released once
+    events = sys.modules["verlrepo_c13.tools"].EVENTS
+    assert [e for e in events if e[0] == "init"] == [("init", "submit_answer", 0.05)]
+    created = [e[1] for e in events if e[0] == "create"]
+    assert len(created) == len(set(created)) == 4 and sorted(created) == sorted(e[1] for e in events
+                                                                                  if e[0] == "release")
+
+
+def test_a_verl_tool_with_create_kwargs_and_a_sync_execute(verl_repo, monkeypatch, qwen3_tokenizer):
+    script_the_cli(monkeypatch, qwen3_tokenizer, lambda rid, turn, prompt: tool_call("check_guess", guess="3")
+                   if turn == 1 else "done")
+    trajs = rollout(verl_repo, write_rows(verl_repo / "rows.jsonl", ROWS[:1]))
+    assert [m["content"] for m in trajs[0]["messages"] if m["role"] == "tool"] == ["higher"]
+    assert trajs[0]["tool_rewards"] == {"check_guess": 0.0}
+
+
+VERL_SCORE = '''
+from turnrl.compat.verl import gsm8k
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    assert data_source == "openai/gsm8k" and extra_info["split"] == "train"
+    return gsm8k.compute_score(solution_str, ground_truth)
+'''
+
+
+def test_a_verl_reward_function_is_called_with_verls_arguments(verl_repo, monkeypatch, qwen3_tokenizer):
+    (verl_repo / "verl_score.py").write_text(textwrap.dedent(VERL_SCORE))
+    script_the_cli(monkeypatch, qwen3_tokenizer, script)
+    trajs = rollout(verl_repo, write_rows(verl_repo / "rows.jsonl", ROWS), "--reward", "verl_score.py:compute_score")
+    # solution_str is the final reply ("So the answer is #### 72"), ground_truth the row's reward_model.ground_truth
+    assert [(t["id"], t["reward"], t["reward_error"]) for t in trajs] == [("0-0", 1.0, None), ("1-0", 0.0, None)]
+
+
+FLAKY = '''
+from turnrl.compat.verl import BaseTool, ToolResponse
+
+
+class Flaky(BaseTool):
+    calls = 0
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        Flaky.calls += 1
+        if Flaky.calls == 1:
+            raise RuntimeError("backend down")
+        return ToolResponse(text="ok"), "high", {}  # a bug: the step reward is not a number
+
+    async def release(self, instance_id, **kwargs):
+        raise RuntimeError("cleanup failed")
+'''
+FLAKY_CONFIG = '''
+tools:
+  - class_name: flaky_tool.py:Flaky
+    tool_schema: {type: function, function: {name: flaky, description: x, parameters: {type: object, properties: {}}}}
+'''
+
+
+def test_the_first_error_of_a_trajectory_is_kept(tmp_path, monkeypatch, qwen3_tokenizer):
+    (tmp_path / "flaky_tool.py").write_text(textwrap.dedent(FLAKY))
+    (tmp_path / "tools.yaml").write_text(textwrap.dedent(FLAKY_CONFIG))
+    script_the_cli(monkeypatch, qwen3_tokenizer, lambda rid, turn, prompt: tool_call("flaky"))
+    data = write_rows(tmp_path / "rows.jsonl", [{"prompt": "go", "agent_name": "tool_agent"}])
+    out = tmp_path / "out.jsonl"
+    result = runner.invoke(app, ["rollout", "--model", "tiny-qwen3", "--data", str(data), "--out", str(out),
+                                 "--tools", str(tmp_path / "tools.yaml"), "--max-new-tokens", "32"])
+    assert result.exit_code == 0, result.output
+    [traj] = map(json.loads, out.read_text().splitlines())
+    # the first execute raised: the model was told, the episode went on
+    first = next(m for m in traj["messages"] if m["role"] == "tool")
+    assert first["content"] == "Error: tool 'flaky' raised RuntimeError: backend down"
+    # the second returned a malformed result: the trajectory failed with that error, and the release that
+    # failed afterwards is recorded after it, not over it
+    assert (traj["status"], traj["termination_reason"]) == ("failed", "env_error")
+    assert "reward 'high'" in traj["error"] and "cleanup failed" not in traj["error"]
+    assert len(traj["warnings"]) == 1 and "release() failed" in traj["warnings"][0]
+    assert "cleanup failed" in traj["warnings"][0]
+
+
+# ---- the pieces ------------------------------------------------------------------------------------------
+class Echo(BaseTool):
+    """No tool_schema in a config: the class gives it."""
+
+    def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema:
+        return OpenAIFunctionToolSchema.model_validate({"type": "function", "function": {
+            "name": "echo", "description": "Echo.", "parameters": {"type": "object", "properties": {
+                "items": {"type": "array", "items": {"type": "string"}}}, "required": ["items"]}}})
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        return ToolResponse(text=",".join(parameters["items"]), image=["img.png"]), 0.5, {}
+
+
+async def test_a_verl_class_added_directly_keeps_its_schema_and_images():
+    toolset = ToolSet([Echo])
+    assert toolset.schemas[0]["function"]["parameters"]["properties"]["items"] == {"type": "array",
+                                                                                   "items": {"type": "string"}}
+    async with toolset.session() as session:
+        result = await session.call(ToolCall(name="echo", arguments={"items": ["a", "b"]}, id="1"))
+    assert (result.text, result.images, result.reward) == ("a,b", ["img.png"], 0.5)
+    with pytest.raises(ValueError, match="ToolResponse.image must be a list"):
+        ToolResponse(image="one.png")
+    with pytest.raises(ValueError, match="no tool schema"):
+        BaseTool({}, None)
+
+
+async def test_rollout_trace_op_records_only_while_collecting():
+    @rollout_trace_op
+    async def op(x):
+        return x * 2
+
+    assert await op(2) == 4
+    with collect_spans() as spans:
+        await op(3)
+    assert [(s["name"].rsplit(".", 1)[-1], s["inputs"], s["outputs"]) for s in spans] == [("op", {"x": 3}, 6)]
+
+
+@pytest.mark.parametrize(("text", "truth", "method", "expected"), [
+    ("so #### 72", "72", "strict", 1.0),
+    ("so 72", "72", "strict", 0),  # no `#### n`: no answer
+    ("#### 1,234", "1234", "strict", 1.0),  # strict drops the commas
+    ("answer 72", "72", "flexible", 1.0),
+    ("72 then 7.", "72", "flexible", 0.0),  # the last number counts
+    ("the total is 72.", "72", "flexible", 0.0),  # "72." as written, as verl compares it
+    ("1,234", "1234", "flexible", 0.0),  # flexible keeps the commas
+])
+def test_gsm8k_scores_as_verls(text, truth, method, expected):
+    assert gsm8k.compute_score(text, truth, method=method) == expected
+
+
+def test_geo3k_score():
+    assert geo3k.compute_score("<think>r</think> \\boxed{3}", "3") == pytest.approx(1.0)
+    assert geo3k.compute_score("\\boxed{3}", "3") == pytest.approx(0.9)
+    assert geo3k.compute_score("<think>r</think> \\boxed{4}", "3") == pytest.approx(0.1)

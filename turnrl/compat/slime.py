@@ -1,0 +1,147 @@
+"""slime's names for turnrl's environment contract: a slime interaction env ports by changing its imports.
+
+    from slime.utils.types import Sample                        →  from turnrl.compat.slime import Sample
+    from slime.rollout.rm_hub import grade_answer_verl          →  from turnrl.compat.slime import grade_answer_verl
+    from slime.rollout.rm_hub.math_utils import extract_answer  →  from turnrl.compat.slime import extract_answer
+
+turnrl calls `build_env(sample, config)` with the row as a `Sample` and the rollout's env config (the
+`--custom-config` YAML under `env_config`) as an `Args`. Both are dicts that also read by attribute, so an env
+written for turnrl (`sample["answer"]`, `config.get("max_turns")`) and one written for slime (`sample.label`,
+`args.max_turns`) run on the same call, with no mode to pick. The env file's folder is importable (sibling
+imports), and so is the current directory when the file lies under it, so slime's `from examples.x.base_env
+import ...` works run from the repository root (turnrl.loading).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from turnrl.rewards import last_boxed, math_equal
+
+
+class SampleStatus(enum.Enum):
+    """slime's `Sample.Status`."""
+
+    PENDING = "pending"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+# slime's Sample fields a row does not carry, and what they read as until set. Mutable defaults are stored on
+# first read so that `sample.metadata["k"] = v` sticks.
+_DEFAULTS: dict[str, Any] = {
+    "group_index": None, "index": None, "rollout_id": None, "prompt": "", "tokens": list,
+    "multimodal_inputs": None, "multimodal_train_inputs": None, "apply_chat_template_kwargs": dict,
+    "response": "", "response_length": 0, "label": None, "reward": None, "loss_mask": None,
+    "weight_versions": list, "rollout_log_probs": None, "remove_sample": False, "status": SampleStatus.PENDING,
+    "metadata": dict, "generate_function_path": None, "custom_rm_path": None, "train_metadata": None,
+    "session_id": None,
+}
+
+
+class Sample(dict):
+    """A dataset row that also reads like slime's `Sample`: every column by key (`sample["answer"]`), and
+    slime's fields by attribute (`sample.label`, `sample.prompt`, `sample.metadata`, `sample.status`, ...).
+
+    An attribute is the column of that name when the row has one, else:
+    - `label`: the `answer` column (a `label_key` in the env config names another column: slime's --label-key);
+    - `prompt`: the `messages` column (ms-swift-style rows);
+    - `multimodal_inputs`: `{"images": [...]}` when the row has `images`;
+    - any other slime field: slime's default (`response` "", `reward` None, `status` Sample.Status.PENDING,
+      `metadata` {}, `index` None, ...).
+    Setting an attribute sets the key. `Sample(prompt=..., label=..., metadata=...)` builds one by keyword, as
+    in slime. A field that is neither a column nor a slime field raises AttributeError naming both lists.
+    """
+
+    Status = SampleStatus
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any], label_key: str | None = None, **fields: Any) -> Sample:
+        """The row's columns, `label` from `label_key` when given, and `fields` (e.g. `session_id`)."""
+        sample = cls(row)
+        if label_key:
+            if label_key not in row:
+                raise KeyError(f"label_key {label_key!r}: the row has no such column (columns: {sorted(row)})")
+            sample["label"] = row[label_key]
+        sample.update(fields)
+        return sample
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # copy, pickle and friends probe dunders: they are not fields
+            raise AttributeError(name)
+        if name in self:
+            return self[name]
+        if name == "label" and "answer" in self:
+            return self["answer"]
+        if name == "prompt" and "messages" in self:
+            return self["messages"]
+        if name == "multimodal_inputs" and self.get("images"):
+            return {"images": self["images"]}
+        if name in _DEFAULTS:
+            default = _DEFAULTS[name]
+            return self.setdefault(name, default()) if callable(default) else default
+        raise AttributeError(f"Sample has no field {name!r}: not a column of the row ({', '.join(sorted(self))}) "
+                             f"nor one of slime's Sample fields ({', '.join(_DEFAULTS)})")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self[name] = value
+
+    def __delattr__(self, name: str) -> None:
+        self.pop(name, None)
+
+
+class Args(dict):
+    """The env config read as slime's `args`: `args.max_turns`, `args["max_turns"]` and `args.get(...)`.
+
+    slime sets every key of its `--custom-config-path` YAML on `args`; turnrl's `--custom-config` YAML is
+    `env_config`, so the same keys arrive, with `max_turns` always set (the rollout's turn limit)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if name in self:
+            return self[name]
+        raise AttributeError(f"args has no {name!r}: set it in the --custom-config YAML (or rollout.env_config); "
+                             f"it has {', '.join(sorted(self)) or 'nothing'}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self[name] = value
+
+
+def env_arguments(row: Mapping[str, Any], config: Mapping[str, Any], **fields: Any) -> tuple[Sample, Args]:
+    """The `(sample, config)` that `build_env` receives for a row (see the module docstring)."""
+    return Sample.from_row(row, config.get("label_key"), **fields), Args(config)
+
+
+# ---- slime's graders -------------------------------------------------------------------------------
+def extract_answer(passage: str) -> str | None:
+    """The content of the last `\\boxed{...}` (or `\\fbox{...}`) of `passage`; None when it has none
+    (slime's `rm_hub.math_utils.extract_answer`)."""
+    return last_boxed(passage) if passage and ("\\boxed" in passage or "\\fbox" in passage) else None
+
+
+def grade_answer_verl(solution_str: str, ground_truth: Any) -> bool:
+    """Whether the last `\\boxed{}` of `solution_str` equals `ground_truth` (itself boxed or not), as slime's
+    `grade_answer_verl`: False without a boxed answer or without a ground truth. Equality is math-verify's
+    (turnrl.rewards.math_equal), falling back to normalised text when the reference cannot be parsed."""
+    if ground_truth is None or not str(ground_truth).strip():
+        return False
+    truth = str(ground_truth)
+    if "\\boxed" in truth:
+        truth = extract_answer(truth) or truth
+    given = extract_answer(str(solution_str))
+    if given is None:
+        return False
+    try:
+        return math_equal(given, truth)
+    except ValueError:  # a reference math-verify cannot read: compare the text
+        return _plain(given) == _plain(truth)
+
+
+def _plain(answer: str) -> str:
+    return re.sub(r"\s+", "", answer).strip("$").rstrip(".").lower()
