@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import difflib
 import json
 import re
 import sys
-import traceback
 import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +36,7 @@ sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]  # t
 
 from template_zoo import FAMILIES, Family, family_tokenizer  # noqa: E402
 
-from turnrl.render import ChatRenderer  # noqa: E402
+from turnrl.render import ChatRenderer, RenderError  # noqa: E402
 from turnrl.rollout import RolloutContext, RolloutLimits, drive  # noqa: E402
 from turnrl.types import FinishReason, GenerateOutput, SamplingParams, StepResult  # noqa: E402
 
@@ -152,12 +152,16 @@ class IdealEngine:
     def model_text(self, reply: Reply) -> tuple[str, dict]:
         history = self.conversation
         prompt = self.render(history, True)
+        header = prompt[_lcp(self.render(history, False), prompt):]  # the generation prompt
         bare = Reply(reply.content, None, reply.calls)
         candidates = [assistant_message(self.family, r) for r in (reply, bare, Reply(reply.content, "", reply.calls))]
         for message in candidates:
             full = self.render(history + [message], False)
             if full.startswith(prompt):
                 return self._to_stop(full[len(prompt):]), message
+            at = full.rfind(header) if header else -1  # after a history the template re-rendered (Hermes)
+            if at >= 0 and at + len(header) > _lcp(prompt, full):
+                return self._to_stop(full[at + len(header):]), message
         for message in candidates:
             full = self.render(history + [message], False)
             prefill = prompt[_lcp(prompt, full):]
@@ -165,7 +169,7 @@ class IdealEngine:
                 return message["content"][len(prefill):] + self.family.stops[0], message
         message = candidates[1]
         full = self.render(history + [message], False)
-        common = _lcp(prompt, full)
+        common = self._token_start_at_most(full, _lcp(prompt, full))
         prefill, opened = prompt[common:], "".join(self.family.reasoning)
         if not opened.startswith(prefill):
             return self._to_stop(full[common:]), message
@@ -173,6 +177,10 @@ class IdealEngine:
         if not message.get("tool_calls"):
             message = {**message, "content": opened + (message["content"] or "")}
         return opened[len(prefill):] + self._to_stop(full[common:]), message
+
+    def _token_start_at_most(self, text: str, limit: int) -> int:
+        starts = [a for a, _ in self.tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]]
+        return max([a for a in starts if a <= limit] or [0])
 
     def _to_stop(self, text: str) -> str:
         ends = [(text.find(s), s) for s in self.family.stops if s in text]
@@ -225,50 +233,60 @@ class Cell:
     family: str
     scenario: str
     outcome: str
-    """exact | explained | unexplained | refused"""
+    """exact | explained | unexplained | refused (a RenderError, reason kept) | n/a (the template itself cannot
+    express the scripted turn) | error (anything else raised)"""
     detail: str = ""
     check: str = ""
-    """The sanity check of `drive`: ok | strippable | flagged | error"""
+    """The sanity check on the trajectory's messages (what `drive` runs): ok | strippable | flagged | unchecked"""
+    check_structured: str = ""
+    """The sanity check on the conversation as written (structured tool calls): ok | strippable | flagged"""
     masks_ok: bool = True
 
     @property
     def false_alarm(self) -> bool:
-        return self.outcome in ("exact", "explained") and self.check in ("flagged", "error")
+        return self.outcome in ("exact", "explained") and "flagged" in (self.check, self.check_structured)
 
     @property
     def miss(self) -> bool:
-        return self.outcome == "unexplained" and self.check in ("ok", "strippable")
+        return self.outcome == "unexplained" and not {self.check, self.check_structured} <= {"flagged", "unchecked"}
 
 
 def make_renderer(family: Family, tok=None) -> ChatRenderer:
-    return ChatRenderer(tok if tok is not None else family_tokenizer(family), family.kwargs)
+    tok = tok if tok is not None else family_tokenizer(family)
+    tok.name_or_path = family.name  # errors and the profile name the template
+    return ChatRenderer(tok, family.kwargs)
 
 
 def run_cell(family: Family, scenario: Scenario, renderer: ChatRenderer) -> Cell:
+    if not family.system:
+        scenario = dataclasses.replace(scenario, prompt=[m for m in scenario.prompt if m["role"] != "system"])
+    if family.tools_always and not scenario.tools:
+        scenario = dataclasses.replace(scenario, tools=TOOLS)
     engine = IdealEngine(family, renderer, scenario)
     ctx = RolloutContext(
         engine=engine, renderer=renderer, sampling=SamplingParams(temperature=0.0),
         limits=RolloutLimits(max_turns=len(scenario.turns), max_new_tokens=4096, env_timeout_s=None),
         trajectory_id="t", group_id="g", sample_index=0, sample={}, sanity_mode="strict",
     )
-    try:
-        traj = asyncio.run(drive(ctx, ScriptedEnv(scenario, engine), copy.deepcopy(scenario.prompt)))
-    except Exception as e:
-        return Cell(family.name, scenario.name, "refused", f"drive raised {type(e).__name__}: {e}")
+    traj = asyncio.run(drive(ctx, ScriptedEnv(scenario, engine), copy.deepcopy(scenario.prompt)))
     if traj.error or len(engine.emitted) != len(scenario.turns):
-        return Cell(family.name, scenario.name, "refused", f"{traj.termination_reason}: {traj.error}")
+        outcome = "refused" if "RenderError" in (traj.error or "") else "n/a" \
+            if traj.termination_reason == "engine_error" else "error"
+        return Cell(family.name, scenario.name, outcome, f"{traj.termination_reason}: {traj.error}")
     stream = traj.prompt_ids + traj.response_ids
-    try:
-        full = full_render_ids(renderer, engine.conversation, scenario)
-    except Exception as e:
-        return Cell(family.name, scenario.name, "refused", f"the template refuses the conversation: {type(e).__name__}: {e}")
+    full = full_render_ids(renderer, engine.conversation, scenario)
     outcome, detail = compare(family, renderer, stream, full)
-    info = traj.info.get("render_check")
-    check = "ok" if info is None else ("strippable" if info["strippable"] else "flagged")
     model = [t for seg in traj.segments if seg.source == "model" for t, m in zip(seg.token_ids, seg.loss_mask, strict=True) if m]
     masks_ok = model == [t for ids in engine.emitted for t in ids] and all(
         not any(seg.loss_mask) for seg in traj.segments if seg.source != "model")
-    return Cell(family.name, scenario.name, outcome, detail, check, masks_ok)
+    return Cell(family.name, scenario.name, outcome, detail, _verdict(renderer.check(stream, traj.messages, scenario.tools)),
+                _verdict(renderer.check(stream, engine.conversation, scenario.tools)), masks_ok)
+
+
+def _verdict(check) -> str:
+    if not check.checked:
+        return "unchecked"
+    return "ok" if check.ok else "strippable" if check.strippable else "flagged"
 
 
 def full_render_ids(renderer: ChatRenderer, conversation: list[dict], scenario: Scenario) -> list[int]:
@@ -281,29 +299,41 @@ def full_render_ids(renderer: ChatRenderer, conversation: list[dict], scenario: 
 
 
 def compare(family: Family, renderer: ChatRenderer, stream: list[int], full: list[int]) -> tuple[str, str]:
+    """exact, or each stretch where the ids differ named (retokenised, rewrite, reasoning) or unexplained."""
     if full[: len(stream)] == stream:
         return "exact", ""
-    matcher = difflib.SequenceMatcher(None, stream, full, autojunk=False)
-    unexplained, explained = [], []
-    for op, i1, i2, j1, j2 in matcher.get_opcodes():
-        if op == "equal" or (op == "insert" and i1 == len(stream)):
-            continue  # the render's own closing of the last turn
-        a, b = renderer.decode(stream[i1:i2]), renderer.decode(full[j1:j2])
-        if op == "replace" and unicodedata.normalize("NFC", a) == unicodedata.normalize("NFC", b):
-            explained.append(f"retokenised {a!r}")  # the same text split into other tokens at a turn boundary
-            continue
-        (explained if _is_reasoning_only(family, a, b) else unexplained).append(f"{op}: stream {a!r} / render {b!r}")
+    ops = [op for op in difflib.SequenceMatcher(None, stream, full, autojunk=False).get_opcodes()
+           if op[0] != "equal" and not (op[0] == "insert" and op[1] == len(stream))]  # the render's own closing
+    stretches: list[list[int]] = []
+    for _, i1, i2, j1, j2 in ops:  # stretches one token apart are one (a marker split by the alignment)
+        if stretches and i1 - stretches[-1][1] < 2 and j1 - stretches[-1][3] < 2:
+            stretches[-1][1], stretches[-1][3] = i2, j2
+        else:
+            stretches.append([i1, i2, j1, j2])
+    named, unexplained = [], []
+    for i1, i2, j1, j2 in stretches:
+        a, b = (unicodedata.normalize("NFC", renderer.decode(x)) for x in (stream[i1:i2], full[j1:j2]))
+        before = renderer.decode(full[max(0, j1 - 8):j1])
+        if a == b:
+            named.append(f"retokenised {a!r}")
+        elif any(before.endswith(left) and (a, b) == (x, y) for left, x, y in family.rewrites):
+            named.append(f"rewrite {a!r} -> {b!r}")
+        elif _is_reasoning_only(family, a, b):
+            named.append(f"reasoning {a!r} -> {b!r}")
+        else:
+            unexplained.append(f"stream {a!r} / render {b!r}")
     if unexplained:
         return "unexplained", "; ".join(unexplained[:3])
-    return "explained", "; ".join(explained[:3])
+    return "explained", "; ".join(named[:4])
 
 
 def _is_reasoning_only(family: Family, stream: str, render: str) -> bool:
     """True when the stream's text is the render's plus reasoning blocks in the family's markers (possibly
-    empty or left open by a pre-fill) and whitespace."""
+    empty or left open by a pre-fill) and the whitespace around them; a whitespace difference alone is not."""
     open_, close = (m.strip() for m in family.reasoning)
-    block = re.compile(re.escape(open_) + r".*?" + re.escape(close) + "|" + re.escape(open_), re.DOTALL)
-    return re.sub(r"\s+", "", block.sub("", stream)) == re.sub(r"\s+", "", render) and stream != render
+    block = re.compile(re.escape(open_) + r".*?(" + re.escape(close) + "|$)", re.DOTALL)
+    stripped = block.sub("", stream)
+    return stripped != stream and re.sub(r"\s+", "", stripped) == re.sub(r"\s+", "", block.sub("", render))
 
 
 # ---- the matrix -----------------------------------------------------------------------------------------
@@ -329,14 +359,14 @@ def matrix(families: list[Family] | None = None, with_vision: bool = True) -> li
         try:
             renderer = make_renderer(family)
         except Exception as e:
-            cells += [Cell(family.name, s.name, "refused", f"renderer: {type(e).__name__}: {e}") for s in scenarios()]
+            outcome = "refused" if isinstance(e, RenderError) else "error"
+            cells += [Cell(family.name, s.name, outcome, f"renderer: {type(e).__name__}: {e}") for s in scenarios()]
             continue
         for scenario in scenarios():
             try:
                 cells.append(run_cell(family, scenario, renderer))
             except Exception as e:
-                cells.append(Cell(family.name, scenario.name, "refused", f"harness: {traceback.format_exc(limit=-2)}"))
-                print(e)
+                cells.append(Cell(family.name, scenario.name, "error", f"{type(e).__name__}: {e}"))
     if with_vision:
         for family, renderer in vision_families():
             cells.append(run_cell(family, image_scenario(), renderer))
@@ -349,11 +379,11 @@ def summary(cells: list[Cell]) -> str:
     outcomes = Counter(c.outcome for c in cells)
     lines = [f"{len(cells)} cells: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items()))
              + f"; sanity-check false alarms {sum(c.false_alarm for c in cells)}, misses {sum(c.miss for c in cells)}"
-             + f"; mask errors {sum(not c.masks_ok for c in cells)}"]
+             + f", unchecked {sum(c.check == 'unchecked' for c in cells)}; mask errors {sum(not c.masks_ok for c in cells)}"]
     for c in cells:
         if c.outcome != "exact" or c.false_alarm or c.miss or not c.masks_ok:
-            lines.append(f"  {c.family:26} {c.scenario:10} {c.outcome:11} check={c.check:10} "
-                         f"{'MASKS ' if not c.masks_ok else ''}{c.detail[:220]}")
+            lines.append(f"  {c.family:26} {c.scenario:10} {c.outcome:11} check={c.check}/{c.check_structured} "
+                         f"{'MASKS ' if not c.masks_ok else ''}{c.detail[:200]}")
     return "\n".join(lines)
 
 

@@ -197,6 +197,13 @@ class Family:
     reasoning: tuple[str, str] = ("<think>\n", "\n</think>\n\n")
     """How a model of this family writes its reasoning before the answer (open, close)."""
     tokenizer_note: str = ""
+    tools_always: bool = False
+    """A tool-use template that renders only with tools: every scenario offers them."""
+    system: bool = True
+    """The template accepts a system message (gemma-2's raises); scenario prompts drop theirs otherwise."""
+    rewrites: tuple[tuple[str, str, str], ...] = ()
+    """(text before, stream text, render text) where the template renders an observation differently once a
+    reply follows it, so no incremental stream can match the full render there (read off the template)."""
     raw_calls: tuple[str, str] | None = None
     """(wrapper, call) formats when the model writes its calls as text: a template whose structured
     tool_calls rendering is not one a model can produce (DeepSeek-R1's renders later call turns without
@@ -207,6 +214,8 @@ QWEN = ("<|im_end|>",)
 LLAMA3 = ("<|eot_id|>",)  # the GGUF is the Llama-3.0 vocabulary: <|eom_id|> (3.1+) is a reserved token there
 DEEPSEEK_CALLS = ("<｜tool▁calls▁begin｜>{}<｜tool▁calls▁end｜>",
                   "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{args}\n```<｜tool▁call▁end｜>")
+# the last tool response of a round ends "\n</tool_response>", an earlier one "\n</tool_response>\n"
+HERMES_REWRITES = (("</tool_response>", "", "\n"),)
 GEMMA4_REASONING = ("<|channel>thought\n", "\n<channel|>")
 FAMILIES = [
     Family("Qwen2.5", "Qwen-Qwen2.5-7B-Instruct", "qwen3", QWEN, tokenizer_note="Qwen3 tokenizer"),
@@ -219,13 +228,13 @@ FAMILIES = [
     Family("Llama-3.2", "meta-llama-Llama-3.2-3B-Instruct", "llama3", LLAMA3),
     Family("Llama-3.3", "meta-llama-Llama-3.3-70B-Instruct", "llama3", LLAMA3),
     Family("Hermes-2-Pro (tool_use)", "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use", "llama3+chatml", QWEN,
-           tokenizer_note="Llama-3 vocabulary + ChatML special tokens"),
+           tools_always=True, rewrites=HERMES_REWRITES, tokenizer_note="Llama-3 vocabulary + ChatML special tokens"),
     Family("Hermes-3 (tool_use)", "NousResearch-Hermes-3-Llama-3.1-8B-tool_use", "llama3+chatml", QWEN,
-           tokenizer_note="Llama-3 vocabulary + ChatML special tokens"),
+           tools_always=True, rewrites=HERMES_REWRITES, tokenizer_note="Llama-3 vocabulary + ChatML special tokens"),
     Family("SmolLM2", None, "smollm2", QWEN),
     Family("SmolLM3", "HuggingFaceTB-SmolLM3-3B", "llama3+chatml", QWEN,
            tokenizer_note="Llama-3 vocabulary + ChatML special tokens"),
-    Family("gemma-2", "google-gemma-2-2b-it", "gemma4+gemma2", ("<end_of_turn>",),
+    Family("gemma-2", "google-gemma-2-2b-it", "gemma4+gemma2", ("<end_of_turn>",), system=False,
            tokenizer_note="Gemma-4 vocabulary + <start_of_turn>/<end_of_turn>"),
     Family("gemma-4", "google-gemma-4-31B-it", "gemma4", ("<turn|>", "<|tool_response>"),
            reasoning=GEMMA4_REASONING),

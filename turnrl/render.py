@@ -57,10 +57,11 @@ DUMMY_TOOL = {"type": "function", "function": {"name": "turnrl_probe", "descript
 
 REASONING_MARKERS: tuple[tuple[str, str], ...] = (
     ("<think>", "</think>"),  # Qwen3, QwQ, Qwen3.5, DeepSeek-R1, SmolLM3, MiMo
-    ("<|channel>", "<channel|>"),  # gemma-4's thought channel
+    ("<|channel>thought", "<channel|>"),  # gemma-4's thought channel
 )
-"""Where each family writes its reasoning (open, close). A template's markers are those its source names;
-the sanity check accepts a difference that is only such a block (the template dropped it from history)."""
+"""Where each family writes its reasoning (open, close), as turnrl.reasoning reads it. A template's markers
+are those its source names; the sanity check accepts a difference that is only such a block (the template
+dropped it from history)."""
 
 
 class SanityMode(StrEnum):
@@ -105,10 +106,14 @@ class RenderCheck:
 
     ok: bool
     strippable: bool = False
-    """True when the only differences are reasoning blocks the template drops or token boundaries."""
+    """True when every difference is a named, harmless one (`reasons`)."""
     diff: str = ""
     checked: bool = True
     """False when the conversation cannot be re-rendered faithfully (`diff` says why); `ok` is then True."""
+    reasons: list[str] = field(default_factory=list)
+    """One per stretch where the ids differ: `retokenised` (the same text in other tokens), `reasoning` (a
+    reasoning block the template drops from history), `observation_rewrite` (the template re-renders the end
+    of an observation once a reply follows, as probed), or `content` (a real difference)."""
 
 
 @dataclass
@@ -128,6 +133,10 @@ class TemplateProfile:
     """The closing of an assistant turn that calls tools, when it differs (gemma-4: `<|tool_response>`)."""
     user: Strategy = Strategy.DUMMY
     tool: Strategy = Strategy.DUMMY
+    rewrites: list[tuple[str, str, str]] = field(default_factory=list)
+    """(text before, stream text, render text): how the template re-renders the end of an observation once a
+    reply follows it (Hermes tool_use: `</tool_response><|im_end|>` becomes `</tool_response>\n<|im_end|>`).
+    The stream keeps what the model was shown; the sanity check names the difference."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -189,7 +198,8 @@ class ChatRenderer:
             lines.append(f"  {where}: user observations {p.user}, tool observations {p.tool}, closing {p.closing!r}"
                          + (f", tool-call closing {p.tool_closing!r}" if p.tool_closing != p.closing else "")
                          + (f", trailer {p.trailer!r}" if p.trailer else "") + (f", pre-fill {p.prefill!r}" if p.prefill else "")
-                         + ("" if p.system else ", no system message in the dummy"))
+                         + ("" if p.system else ", no system message in the dummy")
+                         + "".join(f", re-renders {a + b!r} as {a + c!r} once a reply follows" for a, b, c in p.rewrites))
         return "\n".join(lines)
 
     def _profile(self, tools: list[dict] | None) -> TemplateProfile:
@@ -215,6 +225,7 @@ class ChatRenderer:
             p.prefill = self._probe_prefill(system, tools)
             p.user = self._probe_strategy(p, [{"role": "user", "content": PROBE_MARK}], tools)
             p.tool = self._probe_tool_strategy(p, tools)
+            p.rewrites = self._probe_rewrites(p, tools)
             return p
         except RenderError as e:
             return TemplateProfile(error=str(e))
@@ -273,11 +284,11 @@ class ChatRenderer:
 
     def _probe_tool_strategy(self, p: TemplateProfile, tools: list[dict] | None) -> Strategy:
         observation = [{"role": "tool", "tool_call_id": "turnrl_call_0", "name": "turnrl_probe", "content": PROBE_MARK}]
+        p.tool_closing = p.closing
         try:
             strategy = self._probe_strategy(p, observation, tools)
         except Exception:  # e.g. gemma-2: "roles must alternate"
             return Strategy.UNSUPPORTED
-        p.tool_closing = p.closing
         if strategy != Strategy.UNSUPPORTED:
             return strategy
         try:
@@ -302,6 +313,28 @@ class ChatRenderer:
             if text[a:].strip():
                 break
         return ""
+
+    def _probe_rewrites(self, p: TemplateProfile, tools: list[dict] | None) -> list[tuple[str, str, str]]:
+        """Does an observation render the same once the model's reply follows it? Where not, what changes."""
+        found = []
+        for strategy, observation in ((p.user, {"role": "user", "content": PROBE_MARK}),
+                                      (p.tool, {"role": "tool", "tool_call_id": "turnrl_call_0",
+                                                "name": "turnrl_probe", "content": PROBE_MARK})):
+            if strategy == Strategy.UNSUPPORTED:
+                continue
+            context = self._dummy(p.system, _calls_for([observation]) if strategy == Strategy.DUMMY_TOOL_CALLS else None)
+            shown = self.render_text(context + [observation], tools, add_generation_prompt=True)
+            shown = shown[: len(shown) - len(p.prefill)]
+            later = self.render_text(context + [observation, {"role": "assistant", "content": DUMMY_MARK + "2"}],
+                                     tools, add_generation_prompt=False)
+            later = later[: later.find(DUMMY_MARK + "2")]
+            if later.startswith(shown):
+                continue
+            at = _common_prefix_len(shown, later)
+            tail = _common_suffix_len(shown[at:], later[at:])
+            left = shown[:at].rsplit(PROBE_MARK, 1)[-1]
+            found.append((left, shown[at:len(shown) - tail], later[at:len(later) - tail]))
+        return found
 
     def _special_ids(self) -> set[int]:
         return set(getattr(self.tokenizer, "added_tokens_decoder", {}) or {}) | set(self.tokenizer.all_special_ids)
@@ -361,6 +394,16 @@ class ChatRenderer:
         """(text, start): a render that ends with the observation delta of `messages`, from char `start`."""
         if not messages:
             raise RenderError("observation_ids needs at least one message")
+        try:
+            return self._observation_text(messages, tools, history)
+        except RenderError:
+            raise
+        except Exception as e:  # the template raised (bad roles, bad content): name it, never a bare TypeError
+            raise RenderError(f"{self.template_name} cannot render the observation "
+                              f"{[m.get('role') for m in messages]}: {type(e).__name__}: {e}") from e
+
+    def _observation_text(self, messages: list[Message], tools: list[dict] | None,
+                          history: list[Message] | None) -> tuple[str, int]:
         p = self._profile(tools)
         role = "tool" if any(m.get("role") == "tool" for m in messages) else "user"
         strategy = p.tool if role == "tool" else p.user
@@ -383,7 +426,11 @@ class ChatRenderer:
 
     def render_initial(self, messages: list[Message], tools: list[dict] | None = None) -> str:
         self._profile(tools)  # a template that cannot render this variant says so by name
-        return self.render_text(messages, tools, add_generation_prompt=True)
+        try:
+            return self.render_text(messages, tools, add_generation_prompt=True)
+        except Exception as e:
+            raise RenderError(f"{self.template_name} cannot render the prompt {[m.get('role') for m in messages]}: "
+                              f"{type(e).__name__}: {e}") from e
 
     def observation_ids(self, messages: list[Message], tools: list[dict] | None = None, *,
                         history: list[Message] | None = None) -> list[int]:
@@ -479,10 +526,14 @@ class ChatRenderer:
         full_ids = self.encode(full)
         if full_ids[: len(stream_ids)] == stream_ids:
             return RenderCheck(ok=True)
-        stretches = _differences(stream_ids, full_ids)
-        strippable = all(self._strippable(self.decode(a), self.decode(b)) for a, b in stretches)
-        diff = readable_diff(self.decode(stream_ids), full)
-        return RenderCheck(ok=strippable and mode == SanityMode.IGNORE_STRIPPABLE, strippable=strippable, diff=diff)
+        rewrites = self.profiles[bool(tools)].rewrites
+        reasons = [self._explain(self.decode(stream_ids[i1:i2]), self.decode(full_ids[j1:j2]),
+                                 self.decode(full_ids[max(0, j1 - 8):j1]), rewrites)
+                   for i1, i2, j1, j2 in _differences(stream_ids, full_ids)]
+        strippable = "content" not in reasons
+        diff = f"differences: {', '.join(reasons)}\n" + readable_diff(self.decode(stream_ids), full)
+        return RenderCheck(ok=strippable and mode == SanityMode.IGNORE_STRIPPABLE, strippable=strippable, diff=diff,
+                           reasons=reasons)
 
     def _unrenderable(self, messages: list[Message], tools: list[dict] | None) -> str:
         """Why a full render of `messages` cannot show what the stream holds, or ""."""
@@ -494,14 +545,18 @@ class ChatRenderer:
                         "calls, and the assistant message holds the model's raw text")
         return ""
 
-    def _strippable(self, stream: str, render: str) -> bool:
+    def _explain(self, stream: str, render: str, before: str, rewrites: list[tuple[str, str, str]]) -> str:
+        """Name one stretch where the ids differ (see `RenderCheck.reasons`)."""
         stream, render = unicodedata.normalize("NFC", stream), unicodedata.normalize("NFC", render)
         if stream == render:
-            return True  # the same text, other tokens
+            return "retokenised"
+        if any(before.endswith(left) and (stream, render) == (a, b) for left, a, b in rewrites):
+            return "observation_rewrite"
         stripped = _strip_reasoning(stream, self.reasoning_markers)
-        if stripped == stream:
-            return False  # no reasoning block: a whitespace difference is a real one
-        return re.sub(r"\s+", "", stripped) == re.sub(r"\s+", "", _strip_reasoning(render, self.reasoning_markers))
+        if stripped != stream and re.sub(r"\s+", "", stripped) == re.sub(
+                r"\s+", "", _strip_reasoning(render, self.reasoning_markers)):
+            return "reasoning"  # whitespace beside the block goes with it (templates strip it); alone it counts
+        return "content"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -534,6 +589,10 @@ def _common_prefix_len(a: str, b: str) -> int:
     return next((i for i in range(n) if a[i] != b[i]), n)
 
 
+def _common_suffix_len(a: str, b: str) -> int:
+    return _common_prefix_len(a[::-1], b[::-1])
+
+
 def _strip_reasoning(text: str, markers: tuple[tuple[str, str], ...]) -> str:
     """`text` without reasoning blocks (a block left open by a pre-fill runs to the end)."""
     for open_, close in markers:
@@ -541,9 +600,9 @@ def _strip_reasoning(text: str, markers: tuple[tuple[str, str], ...]) -> str:
     return text
 
 
-def _differences(stream: list[int], full: list[int], join_gap: int = 2) -> list[tuple[list[int], list[int]]]:
-    """The stretches where the ids differ, as (stream ids, render ids); stretches separated by fewer than
-    `join_gap` equal tokens are one. The render's own closing after the end of the stream is no difference."""
+def _differences(stream: list[int], full: list[int], join_gap: int = 2) -> list[tuple[int, int, int, int]]:
+    """The stretches where the ids differ, as (stream start, end, render start, end); stretches separated by
+    fewer than `join_gap` equal tokens are one. The render's closing after the end of the stream is none."""
     ops = [op for op in difflib.SequenceMatcher(None, stream, full, autojunk=False).get_opcodes()
            if op[0] != "equal" and not (op[0] == "insert" and op[1] == len(stream))]
     merged: list[list[int]] = []
@@ -552,7 +611,7 @@ def _differences(stream: list[int], full: list[int], join_gap: int = 2) -> list[
             merged[-1][1], merged[-1][3] = i2, j2
         else:
             merged.append([i1, i2, j1, j2])
-    return [(stream[i1:i2], full[j1:j2]) for i1, i2, j1, j2 in merged]
+    return [(i1, i2, j1, j2) for i1, i2, j1, j2 in merged]
 
 
 def _refuse_images(messages: list[Message]) -> None:

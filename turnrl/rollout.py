@@ -273,13 +273,14 @@ async def _turn_loop(
         record: dict[str, Any] = {"turn": turn}
         traj.info.setdefault("turns", []).append(record)  # the trace of this turn (docs/trajectory-format.md)
         out = await _generate(ctx, b, params, timing, record)
+        prefill = "" if continuing else ctx.renderer.prefill_of(b.token_ids)  # issue 15: e.g. "<think>\n" opens the turn
         b.add_model(out, turn, extend=continuing)
         traj.num_turns = turn
         text = ctx.renderer.assistant_text(out.token_ids)
         if continuing:
             messages[-1]["content"] += text
         else:
-            messages.append({"role": "assistant", "content": text})
+            messages.append({"role": "assistant", "content": prefill + text})
         if out.finish_reason == FinishReason.ABORT:
             return TerminationReason.CANCELLED
         length_reason = TerminationReason.LENGTH if max_new == limits.max_new_tokens else TerminationReason.TOKEN_BUDGET
@@ -315,13 +316,14 @@ async def _turn_loop(
         if not observation:
             raise _End(TerminationReason.ENV_ERROR, "env.step returned done=False without an observation")
         closing = ctx.renderer.turn_closing_ids(b.trajectory.segments[-1].token_ids)
-        rendered = ctx.renderer.observation(observation, tools)
+        rendered = ctx.renderer.observation(observation, tools, history=messages)  # issue 15: stateful templates
         obs_ids = rendered.ids
         if limits.token_budget is not None and b.response_len + len(closing) + len(obs_ids) >= limits.token_budget:
             return TerminationReason.TOKEN_BUDGET
         source = SegmentSource.TOOL if any(m.get("role") == "tool" for m in observation) else SegmentSource.ENV
         b.add_injected(closing, SegmentSource.TEMPLATE, turn)
-        b.add_injected(obs_ids, source, turn)
+        b.add_injected(obs_ids[: len(obs_ids) - len(rendered.prefill_ids)], source, turn)
+        b.add_injected(rendered.prefill_ids, SegmentSource.TEMPLATE, turn)  # issue 15: the pre-fill, its own segment
         b.images.add(rendered)
         record["observation_tokens"] = len(closing) + len(obs_ids)
         messages.extend(observation)
