@@ -241,6 +241,11 @@ class Cell:
     check_structured: str = ""
     """The sanity check on the conversation as written (structured tool calls): ok | strippable | flagged"""
     masks_ok: bool = True
+    trajectory: Any = field(default=None, repr=False)
+    conversation: list[dict] = field(default_factory=list, repr=False)
+    """The conversation as written (the ideal policy's messages, structured tool calls)."""
+    tools: list[dict] | None = field(default=None, repr=False)
+    renderer: Any = field(default=None, repr=False)
 
     @property
     def false_alarm(self) -> bool:
@@ -280,7 +285,8 @@ def run_cell(family: Family, scenario: Scenario, renderer: ChatRenderer) -> Cell
     masks_ok = model == [t for ids in engine.emitted for t in ids] and all(
         not any(seg.loss_mask) for seg in traj.segments if seg.source != "model")
     return Cell(family.name, scenario.name, outcome, detail, _verdict(renderer.check(stream, traj.messages, scenario.tools)),
-                _verdict(renderer.check(stream, engine.conversation, scenario.tools)), masks_ok)
+                _verdict(renderer.check(stream, engine.conversation, scenario.tools)), masks_ok, traj,
+                engine.conversation, scenario.tools, renderer)
 
 
 def _verdict(check) -> str:
