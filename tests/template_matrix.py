@@ -290,7 +290,7 @@ def run_cell(family: Family, scenario: Scenario, renderer: ChatRenderer) -> Cell
 
 
 def _verdict(check) -> str:
-    if not check.checked:
+    if not getattr(check, "checked", True):  # (the renderer before issue 15 had no such field)
         return "unchecked"
     return "ok" if check.ok else "strippable" if check.strippable else "flagged"
 
@@ -393,8 +393,33 @@ def summary(cells: list[Cell]) -> str:
     return "\n".join(lines)
 
 
+def docs_table(cells: list[Cell]) -> str:
+    """The family table of docs/templates.md, from the renderers' probes and the matrix."""
+    by_family: dict[str, list[Cell]] = {}
+    for c in cells:
+        by_family.setdefault(c.family, []).append(c)
+    rows = ["| family | tokenizer | user / tool observations | closing · tool-call closing | pre-fill | stop tokens "
+            "| matrix (plain, tools, tool error, reasoning, unicode) |", "|---|---|---|---|---|---|---|"]
+    notes = {f.name: f.tokenizer_note for f in FAMILIES}
+    for name, row in by_family.items():
+        r = next((c.renderer for c in row if c.renderer is not None), None)
+        if r is None:
+            continue
+        p = r.profiles[True] if r.profiles[False].error else r.profiles[False]
+        closing = f"`{p.closing!r}`" + (f" · `{p.tool_closing!r}`" if p.tool_closing not in ("", p.closing) else "")
+        if p.trailer:
+            closing += f" (+ trailer `{p.trailer!r}`)"
+        stops = ", ".join(f"`{r.decode([t])}`" for t in sorted(r.end_of_turn_ids))
+        outcomes = ", ".join(c.outcome for c in row)
+        cells = [name, notes.get(name, "Qwen3's + tiny-qwen3-vl processor"), f"{p.user} / {p.tool}", closing,
+                 f"`{p.prefill!r}`" if p.prefill else "", stops, outcomes]
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")  # a pipe in a cell ends it
+    return "\n".join(rows)
+
+
 if __name__ == "__main__":
     import logging
 
     logging.disable(logging.WARNING)
-    print(summary(matrix()))
+    cells = matrix()
+    print(docs_table(cells) if "--docs" in sys.argv else summary(cells))

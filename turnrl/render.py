@@ -164,7 +164,6 @@ class ChatRenderer:
             raise RenderError(f"{self.template_name} cannot be rendered append-only: {self.profiles[False].error}")
         self.profile = usable[0]
         """The profile of conversations without tools (with tools, for templates that need them)."""
-        self._closing_text = self.profile.closing
         self.closing_ids: list[int] = self.encode(self.profile.closing)
         """Tokens that close an assistant turn in the template (e.g. `<|im_end|>`, `\\n`)."""
         self._closings = self._closing_variants()
@@ -496,15 +495,18 @@ class ChatRenderer:
     def initial(self, messages: list[Message], tools: list[dict] | None = None) -> Rendered:
         _refuse_images(messages)
         text = self.render_initial(messages, tools)
-        ids = self.encode(text)
-        return Rendered(ids, prefill=(prefill := self._prefill_of(text, ids))[0], prefill_ids=prefill[1])
+        return self._rendered(text, self.encode(text))
 
     def observation(self, messages: list[Message], tools: list[dict] | None = None, *,
                     history: list[Message] | None = None) -> Rendered:
+        """The delta of `messages` (see `observation_ids`) and the pre-fill it ends with."""
         _refuse_images(messages)
         text, start = self.observation_text(messages, tools, history)
-        ids = self._encode_suffix(text, start)
-        return Rendered(ids, prefill=(prefill := self._prefill_of(text, ids))[0], prefill_ids=prefill[1])
+        return self._rendered(text, self._encode_suffix(text, start))
+
+    def _rendered(self, text: str, ids: list[int]) -> Rendered:
+        prefill, prefill_ids = self._prefill_of(text, ids)
+        return Rendered(ids, prefill=prefill, prefill_ids=prefill_ids)
 
     # ---- sanity check ---------------------------------------------------------------------------
     def check(
@@ -512,10 +514,11 @@ class ChatRenderer:
         mode: SanityMode | str = SanityMode.STRICT,
     ) -> RenderCheck:
         """Compare the incremental stream with a full render of `messages`, token by token (a prefix match:
-        the stream ends where the model stopped, the render also closes the last turn). Where the ids
-        differ, each differing stretch is compared as text: the same text split into other tokens (a
-        boundary the model could not merge across, Unicode normalisation) or only reasoning blocks the
-        template drops from history are strippable; anything else is a content difference."""
+        the stream ends where the model stopped, the render also closes the last turn). Each stretch where
+        the ids differ is named (`RenderCheck.reasons`): the same text in other tokens (a boundary the model
+        could not merge across, Unicode normalisation), a reasoning block the template drops from history,
+        an observation the template re-renders once a reply follows (probed); anything else is `content`,
+        and only `content` makes a difference real. `messages` may carry structured `tool_calls`."""
         mode = SanityMode(mode)
         if mode == SanityMode.DISABLE:
             return RenderCheck(ok=True)
