@@ -226,6 +226,10 @@ def test_phi35_eos_after_the_last_turn_is_a_trailer_not_part_of_the_closing(rend
     assert r.observation_ids([{"role": "user", "content": "Wrong."}]) == r.encode("<|user|>\nWrong.<|end|>\n<|assistant|>\n")
     with pytest.raises(RenderError, match="chat template of Phi-3.5 .*renders no 'tool' messages"):
         r.observation_ids([TOOL_4])
+    with pytest.raises(RenderError, match="chat template of Phi-3.5 .*agent whose observations are tool messages"):
+        r.require("tool")  # at start-up, for a tool agent
+    r.require("user")
+    renderer_of("Qwen2.5").require("tool")
 
 
 def test_every_family_reports_its_strategy_and_stop_tokens(renderer_of):

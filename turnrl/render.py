@@ -201,6 +201,14 @@ class ChatRenderer:
                          + "".join(f", re-renders {a + b!r} as {a + c!r} once a reply follows" for a, b, c in p.rewrites))
         return "\n".join(lines)
 
+    def require(self, role: str, tools: bool = True) -> None:
+        """Raise now, naming the template, if observations of `role` ("user" or "tool") cannot be rendered,
+        e.g. a tool agent on Phi-3.5, whose template has no tool role (a composition root calls this once)."""
+        p = self._profile([DUMMY_TOOL] if tools else None)
+        if (p.tool if role == "tool" else p.user) == Strategy.UNSUPPORTED:
+            raise RenderError(f"{self.template_name} renders no {role!r} messages as a turn of the conversation, "
+                              f"so an agent whose observations are {role} messages cannot run on it")
+
     def _profile(self, tools: list[dict] | None) -> TemplateProfile:
         profile = self.profiles[bool(tools)]
         if profile.error is not None:
