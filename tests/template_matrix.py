@@ -7,13 +7,18 @@ tokenised `apply_chat_template` of the final conversation, and the sanity check 
 that verdict:
 
 - `exact`: the stream is a token prefix of the full render (the render also closes the last turn);
-- `explained`: every difference is a reasoning block (or an empty pre-filled one) of the family's markers that
-  the template drops from history: the stream keeps what the model saw, the render does not;
+- `explained`: every stretch where the ids differ is named: `reasoning` (a block in the family's markers, or an
+  empty pre-filled one, that the template drops from history: the stream keeps what the model saw), `retokenised`
+  (the same text in other tokens at a boundary the model could not merge across) or a `rewrite` the family's
+  template makes to an observation once a reply follows (Hermes tool_use);
 - `unexplained`: any other difference (a lost tool result, a wrong boundary token, ...);
-- `refused`: the renderer or the template refused the conversation (the reason is kept).
+- `refused`: a RenderError (the reason is kept); `n/a`: the template itself cannot express the scripted turn;
+  `error`: anything else raised.
 
-The sanity check is a false alarm when it reports a content difference on an exact/explained cell, and a miss
-when it reports nothing (or only strippable differences) on an unexplained one.
+The harness names differences from its own knowledge of each family (tests/template_zoo.py), not from the
+renderer's probe. The sanity check is a false alarm when it reports a content difference on an exact/explained
+cell, and a miss when it accepts an unexplained one; it runs twice per cell, on the trajectory's own messages
+(what `drive` runs) and on the conversation as written (structured tool calls).
 
 Run `python tests/template_matrix.py` for the table; tests/test_templates.py asserts on it.
 """
