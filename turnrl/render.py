@@ -285,7 +285,7 @@ class ChatRenderer:
         history = self._dummy(p.system) + observation + [{"role": "assistant", "content": DUMMY_MARK + "2"}]
         try:
             second = self._delta_after_history(p, history, observation, tools)
-        except RenderError:  # the template rewrites history (Qwen3 drops old reasoning): only the dummy works
+        except Exception:  # the template rewrites history (Qwen3 drops old reasoning): only the dummy works
             return Strategy.DUMMY
         return Strategy.DUMMY if second == first else Strategy.HISTORY
 
@@ -330,12 +330,15 @@ class ChatRenderer:
             if strategy == Strategy.UNSUPPORTED:
                 continue
             context = self._dummy(p.system, _calls_for([observation]) if strategy == Strategy.DUMMY_TOOL_CALLS else None)
-            shown = self.render_text(context + [observation], tools, add_generation_prompt=True)
-            shown = shown[: len(shown) - len(p.prefill)]
-            later = self.render_text(context + [observation, {"role": "assistant", "content": DUMMY_MARK + "2"}],
-                                     tools, add_generation_prompt=False)
-            later = later[: later.find(DUMMY_MARK + "2")]
-            if later.startswith(shown):
+            try:
+                shown = self.render_text(context + [observation], tools, add_generation_prompt=True)
+                later = self.render_text(context + [observation, {"role": "assistant", "content": DUMMY_MARK + "2"}],
+                                         tools, add_generation_prompt=False)
+            except Exception:  # a reply after this observation is refused: nothing to compare
+                continue
+            shown, reply_at = shown[: len(shown) - len(p.prefill)], later.find(DUMMY_MARK + "2")
+            later = later[:reply_at]
+            if reply_at < 0 or later.startswith(shown):
                 continue
             at = _common_prefix_len(shown, later)
             tail = _common_suffix_len(shown[at:], later[at:])
