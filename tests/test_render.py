@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from turnrl.render import ChatRenderer, RenderError, SanityMode
@@ -113,7 +115,7 @@ def test_templates_that_cannot_be_delta_rendered_are_refused(qwen3_tokenizer):
         def apply_chat_template(self, messages, **kw):
             return "".join(m["content"][::-1] for m in messages)  # reverses content: no assistant text survives
 
-    with pytest.raises(RenderError, match="drops assistant content"):
+    with pytest.raises(RenderError, match="chat template of Tok .*drops assistant content"):
         ChatRenderer(Tok())
 
     class NoTemplate:
@@ -123,3 +125,116 @@ def test_templates_that_cannot_be_delta_rendered_are_refused(qwen3_tokenizer):
         ChatRenderer(NoTemplate())
     with pytest.raises(RenderError, match="text-only"):
         ChatRenderer(qwen3_tokenizer).initial([{"role": "user", "content": [{"type": "image", "image": "x.png"}]}])
+
+
+# ---- issue 15: probed strategies, pre-fill, the token-level check ------------------------------------------
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# numbers the user turns: a template whose rendering of a new message depends on the earlier conversation
+NUMBERED = ("{% set ns = namespace(n=0) %}{% for m in messages %}{% if m.role == 'user' %}{% set ns.n = ns.n + 1 %}"
+            "<|im_start|>user {{ ns.n }}\n{{ m.content }}<|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n"
+            "{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+            "{% endif %}")
+
+
+def with_template(tokenizer, template: str):
+    tok = copy.copy(tokenizer)
+    tok.chat_template = template
+    return tok
+
+
+def test_a_difference_in_token_ids_alone_is_reported(qwen3_tokenizer):
+    """The reply's leading newline cannot merge with the generation prompt's: the same text, other tokens.
+    A text-level check saw nothing; the token-level one names it, and only ignore_strippable accepts it."""
+    r = ChatRenderer(with_template(qwen3_tokenizer, CHATML))
+    messages = [{"role": "user", "content": "Hi"}]
+    stream = r.initial_ids(messages) + r.encode("\nHello") + r.encode("<|im_end|>")
+    conversation = [*messages, {"role": "assistant", "content": "\nHello"}]
+    assert r.encode(r.render_text(conversation, add_generation_prompt=False))[: len(stream)] != stream
+    strict = r.check(stream, conversation)
+    assert not strict.ok and strict.strippable and strict.reasons == ["retokenised"]
+    assert r.check(stream, conversation, mode=SanityMode.IGNORE_STRIPPABLE).ok
+
+
+def test_a_missing_newline_after_the_turn_is_a_content_difference(qwen3_tokenizer):
+    """Whitespace differences are not harmless when no reasoning block explains them: a lost closing newline
+    is exactly the turn-boundary bug the check exists for."""
+    r = ChatRenderer(with_template(qwen3_tokenizer, CHATML))
+    messages = [{"role": "user", "content": "Hi"}]
+    feedback = [{"role": "user", "content": "Again."}]
+    conversation = [*messages, {"role": "assistant", "content": "Hello"}, *feedback,
+                    {"role": "assistant", "content": "Hello again"}]
+    reply, again = r.encode("Hello<|im_end|>"), r.encode("Hello again<|im_end|>")
+    closed = r.initial_ids(messages) + reply + r.turn_closing_ids(reply) + r.observation_ids(feedback) + again
+    assert r.check(closed, conversation).ok
+    stream = r.initial_ids(messages) + reply + r.observation_ids(feedback) + again  # the closing "\n" is lost
+    check = r.check(stream, conversation, mode=SanityMode.IGNORE_STRIPPABLE)
+    assert not check.ok and check.reasons == ["content"]
+
+
+def test_unicode_normalisation_by_the_tokenizer_is_no_difference(qwen):
+    """Qwen's tokenizer normalises e + combining acute to é: ids agree, a text comparison did not."""
+    messages = [{"role": "user", "content": "Caf" + "e\u0301?"}]
+    ids, conversation = stream_of(qwen, messages, ["<think>\nx\n</think>\n\nOui, caf" + "e\u0301."], [])
+    assert qwen.check(ids, conversation, mode=SanityMode.STRICT).ok
+
+
+def test_the_pre_fill_is_reported_with_its_tokens(qwen3_tokenizer):
+    r = ChatRenderer(qwen3_tokenizer, {"enable_thinking": False})
+    assert r.profile.prefill == "<think>\n\n</think>\n\n"
+    prompt = r.initial([{"role": "user", "content": "Hi"}])
+    assert prompt.prefill == r.profile.prefill and prompt.ids[-len(prompt.prefill_ids):] == prompt.prefill_ids
+    assert r.decode(prompt.prefill_ids) == prompt.prefill and r.prefill_of(prompt.ids) == prompt.prefill
+    obs = r.observation([{"role": "user", "content": "Again."}])
+    assert obs.prefill == prompt.prefill and r.decode(obs.prefill_ids) == prompt.prefill
+    assert ChatRenderer(qwen3_tokenizer).initial([{"role": "user", "content": "Hi"}]).prefill == ""
+
+
+async def test_drive_records_the_pre_fill_in_the_messages_and_as_a_template_segment(qwen3_tokenizer):
+    from fakes import ScriptedEngine
+
+    from turnrl.rollout import RolloutContext, RolloutLimits, drive
+    from turnrl.types import SamplingParams, StepResult
+
+    class Feedback:
+        turn = 0
+
+        def step(self, text):
+            self.turn += 1
+            return StepResult("Again.") if self.turn == 1 else StepResult(done=True)
+
+    r = ChatRenderer(qwen3_tokenizer, {"enable_thinking": False})
+    ctx = RolloutContext(engine=ScriptedEngine(qwen3_tokenizer, lambda rid, turn, prompt: f"Answer {turn}."),
+                         renderer=r, sampling=SamplingParams(), limits=RolloutLimits(max_turns=2),
+                         trajectory_id="t", group_id="g", sample_index=0, sample={})
+    traj = await drive(ctx, Feedback(), [{"role": "user", "content": "Hi"}])
+    assert [m["content"] for m in traj.messages if m["role"] == "assistant"] == \
+        ["<think>\n\n</think>\n\nAnswer 1.", "<think>\n\n</think>\n\nAnswer 2."]
+    assert [s.source for s in traj.segments] == ["model", "template", "env", "template", "model"]
+    prefill = traj.segments[3]
+    assert r.decode(prefill.token_ids) == "<think>\n\n</think>\n\n" and prefill.loss_mask == [0] * len(prefill.token_ids)
+    assert r.decode(traj.segments[2].token_ids).endswith("<|im_start|>assistant\n")
+    check = r.check(traj.prompt_ids + traj.response_ids, traj.messages)
+    assert check.strippable and check.reasons == ["reasoning"]  # the template drops the first turn's empty block
+
+
+def test_a_template_with_state_across_the_conversation_gets_history_deltas(qwen3_tokenizer):
+    r = ChatRenderer(with_template(qwen3_tokenizer, NUMBERED))
+    assert r.profile.user == "history" and "user observations history" in r.describe()
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    delta = r.decode(r.observation_ids([{"role": "user", "content": "Again."}], history=history))
+    assert delta == "<|im_start|>user 2\nAgain.<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(RenderError, match="pass history="):
+        r.observation_ids([{"role": "user", "content": "Again."}])
+    history += [{"role": "user", "content": "Again."}, {"role": "assistant", "content": "Hello again"}]
+    stream = (r.initial_ids(history[:1]) + r.encode("Hello<|im_end|>") + r.encode("\n")
+              + r.observation_ids(history[2:3], history=history[:2]) + r.encode("Hello again<|im_end|>"))
+    assert r.check(stream, history).ok  # the full render numbers the turns the same way
+
+
+def test_a_template_that_renders_no_tool_messages_refuses_them_by_name(qwen3_tokenizer):
+    r = ChatRenderer(with_template(qwen3_tokenizer, CHATML.replace("{% for m in messages %}",
+                                                                     "{% for m in messages if m.role != 'tool' %}")))
+    assert r.profile.tool == "unsupported" and r.profile.user == "dummy"
+    with pytest.raises(RenderError, match="chat template of .* renders no 'tool' messages"):
+        r.observation([{"role": "tool", "content": "4"}])

@@ -215,9 +215,9 @@ async def broken_rollout(renderer: VisionRenderer, images: list, monkeypatch, br
         edit = drop_placeholder_run if breakage == "missing_run" else drop_one_pad
         calls = []
 
-        def observation(self, messages, tools=None):  # breaks the first observation (the env's image)
+        def observation(self, messages, tools=None, **kwargs):  # breaks the first observation (the env's image)
             calls.append(1)
-            rendered = original(self, messages, tools)
+            rendered = original(self, messages, tools, **kwargs)
             return edit(rendered, self) if len(calls) == 1 else rendered
 
         monkeypatch.setattr(VisionRenderer, "observation", observation)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from turnrl.render import DUMMY_MARK, ChatRenderer, RenderCheck, Rendered, RenderError, SanityMode
+from turnrl.render import ChatRenderer, RenderCheck, Rendered, SanityMode
 from turnrl.types import Message
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -208,18 +208,19 @@ class VisionRenderer(ChatRenderer):
         mm = {k: v for k, v in out.items() if k not in TEXT_KEYS and isinstance(v, torch.Tensor)}
         return Rendered(out["input_ids"][0].tolist(), list(images), mm)
 
-    def initial(self, messages: list[Message], tools: list[dict] | None = None) -> Rendered:
-        return self._encode_with_images(self.render_text(messages, tools, add_generation_prompt=True),
-                                        content_images(messages))
+    def _with_prefill(self, rendered: Rendered, text: str) -> Rendered:
+        rendered.prefill, rendered.prefill_ids = self._prefill_of(text, rendered.ids)
+        return rendered
 
-    def observation(self, messages: list[Message], tools: list[dict] | None = None) -> Rendered:
-        text = self.render_text(self._dummy() + list(messages), tools, add_generation_prompt=True)
-        start = text.find(DUMMY_MARK) + len(DUMMY_MARK)
-        if not text.startswith(self._closing_text, start):
-            raise RenderError(f"the chat template closes an assistant turn differently before {[m.get('role') for m in messages]}")
-        delta = text[start + len(self._closing_text):]
-        self._encode_suffix(text, start + len(self._closing_text))  # the boundary must be a token boundary
-        return self._encode_with_images(delta, content_images(messages))
+    def initial(self, messages: list[Message], tools: list[dict] | None = None) -> Rendered:
+        text = self.render_initial(messages, tools)
+        return self._with_prefill(self._encode_with_images(text, content_images(messages)), text)
+
+    def observation(self, messages: list[Message], tools: list[dict] | None = None, *,
+                    history: list[Message] | None = None) -> Rendered:
+        text, start = self.observation_text(messages, tools, history)
+        self._encode_suffix(text, start)  # the boundary must be a token boundary
+        return self._with_prefill(self._encode_with_images(text[start:], content_images(messages)), text)
 
     def check(self, stream_ids: list[int], messages: list[Message], tools: list[dict] | None = None,
               mode: SanityMode | str = SanityMode.STRICT) -> RenderCheck:

@@ -21,10 +21,11 @@ from __future__ import annotations
 import re
 
 REASONING_MARKERS: tuple[tuple[str, str], ...] = (
-    ("<think>", "</think>"),
-    ("<|channel>thought", "<channel|>"),
+    ("<think>", "</think>"),  # Qwen3, QwQ, Qwen3.5, DeepSeek-R1, SmolLM3, MiMo
+    ("<|channel>thought", "<channel|>"),  # gemma-4's thought channel
 )
-"""(open, close) marker pairs, one per model family."""
+"""(open, close) marker pairs, one per model family. The renderer's sanity check accepts a difference that is only
+such a block (a template that drops reasoning from history); a template's markers are those its source names."""
 
 _CLOSED_BLOCKS = re.compile(
     "|".join(f"{re.escape(open_tag)}.*?{re.escape(close_tag)}" for open_tag, close_tag in REASONING_MARKERS),

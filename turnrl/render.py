@@ -1,31 +1,50 @@
 """Chat templates to tokens, append-only: the initial prompt, observation deltas, turn-boundary repair, and a
-sanity check against a full re-render.
+token-level sanity check against a full re-render.
 
 The conversation is never re-tokenized. After the prompt, the token stream only grows by what the model
 sampled and by *observation deltas*: the tokens the chat template would add for new messages (tool
-results, env feedback) plus the next generation prompt. A delta is computed against a fixed dummy
-conversation, not the real history (slime's and verl's trick): render `[system, user, assistant(MARK)] +
-new_messages` and keep what follows the dummy assistant turn. So the system prompt and tool block are never
-repeated, and templates that rewrite history (Qwen3 drops the reasoning of earlier turns) still give the
-same delta every turn: the stream stays append-only and identical between rollout and training.
+results, env feedback) plus the next generation prompt. How a delta is computed is decided per template by
+probing it once, at start-up (`ChatRenderer.profile`, logged and listed in docs/templates.md):
+
+- `dummy` (most templates): against a fixed dummy conversation, not the real history (slime's and verl's
+  trick): render `[system, user, assistant(MARK)] + new_messages` and keep what follows the dummy assistant
+  turn. The system prompt and tool block are never repeated, and templates that rewrite history (Qwen3
+  drops the reasoning of earlier turns) still give the same delta every turn. The dummy has the shape the
+  template needs: no system message for templates that refuse one (gemma-2).
+- `dummy_tool_calls`: tool results against a dummy whose assistant turn carries the tool calls they answer
+  (same ids and names), for templates that render a tool message only inside the assistant turn that
+  called it (gemma-4: without the calls every tool result would be dropped).
+- `history`: against the real previous conversation, for templates whose rendering of new messages
+  depends on earlier ones (DeepSeek-R1 opens the tool outputs block only once per conversation). The
+  previous render must be a text prefix of the new one (checked); only the new suffix is tokenised.
+- `unsupported`: the template renders nothing for that role (Phi-3.5 has no tool role; gemma-2 refuses
+  it): a RenderError names the template and the role, never a silently lost tool result.
 
 Turn-boundary repair: templates close an assistant turn with more than the stop token the model emits
 (Qwen and ChatML add a newline after `<|im_end|>`). The closing text is read off the template itself (what
-follows the dummy assistant content), so no per-family table is needed; whatever part of it the model
-did not emit is appended as a mask-0 `template` segment before the next observation. A model that stopped
-on another stop token (say `</tool_call>`) gets the whole closing, end-of-turn token included, masked.
+follows the dummy assistant content, before the next message; an end-of-conversation trailer such as
+Phi-3.5's eos is not part of it), and a tool-call turn has its own (gemma-4 ends it with `<|tool_response>`,
+which is also a stop token). Whatever part of the closing the model did not emit is appended as a mask-0
+`template` segment; a model that stopped on another stop token gets the whole closing, masked.
+
+Pre-fill: a generation prompt may open the model's turn for it (`<think>\\n` for QwQ, Qwen3.5 and
+DeepSeek-R1; an empty thought channel for gemma-4). `Rendered.prefill` says so; the turn loop records it at
+the start of the assistant message and as its own mask-0 `template` segment, so the messages say what the
+model was conditioned on.
 """
 
 from __future__ import annotations
 
 import difflib
+import hashlib
 import logging
 import re
+import unicodedata
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from turnrl.reasoning import remove_reasoning_blocks
+from turnrl.reasoning import REASONING_MARKERS
 from turnrl.types import Message
 
 log = logging.getLogger(__name__)
@@ -33,14 +52,26 @@ log = logging.getLogger(__name__)
 DUMMY_SYSTEM = "You are a helpful assistant."
 DUMMY_USER = "Hello."
 DUMMY_MARK = "TURNRL_DUMMY_ASSISTANT_REPLY"
+PROBE_MARK = "TURNRL_PROBE_OBSERVATION"
+DUMMY_TOOL = {"type": "function", "function": {"name": "turnrl_probe", "description": "Probe.", "parameters": {
+    "type": "object", "properties": {"x": {"type": "string", "description": "x"}}, "required": ["x"]}}}
 
 
 class SanityMode(StrEnum):
     STRICT = "strict"
     """Any difference between the incremental stream and a full re-render is reported."""
     IGNORE_STRIPPABLE = "ignore_strippable"
-    """Differences only in reasoning blocks (`<think>...</think>`) or whitespace are accepted."""
+    """Differences only in reasoning blocks the template drops, or only in tokenisation, are accepted."""
     DISABLE = "disable"
+
+
+class Strategy(StrEnum):
+    """How the observation deltas of one role are rendered (module docstring)."""
+
+    DUMMY = "dummy"
+    DUMMY_TOOL_CALLS = "dummy_tool_calls"
+    HISTORY = "history"
+    UNSUPPORTED = "unsupported"
 
 
 class RenderError(ValueError):
@@ -56,6 +87,10 @@ class Rendered:
     """Inference side: the images of this chunk in order (as given: paths, PIL images, base64...)."""
     mm_inputs: dict[str, Any] = field(default_factory=dict)
     """Training side: the processor's tensors for this chunk (pixel_values, image_grid_thw...)."""
+    prefill: str = ""
+    """Text the generation prompt pre-fills for the model's next turn (e.g. `<think>\\n`); part of `ids`."""
+    prefill_ids: list[int] = field(default_factory=list)
+    """The tokens of `prefill`: the tail of `ids` (empty when they merge with the tokens before them)."""
 
 
 @dataclass
@@ -64,10 +99,42 @@ class RenderCheck:
 
     ok: bool
     strippable: bool = False
-    """True when the only differences are reasoning blocks or whitespace."""
+    """True when every difference is a named, harmless one (`reasons`)."""
     diff: str = ""
+    checked: bool = True
+    """False when the conversation cannot be re-rendered faithfully (`diff` says why); `ok` is then True."""
+    reasons: list[str] = field(default_factory=list)
+    """One per stretch where the ids differ: `retokenised` (the same text in other tokens), `reasoning` (a
+    reasoning block the template drops from history), `observation_rewrite` (the template re-renders the end
+    of an observation once a reply follows, as probed), or `content` (a real difference)."""
 
 
+@dataclass
+class TemplateProfile:
+    """What probing a chat template found, with tools offered or without (`ChatRenderer.profile`)."""
+
+    error: str | None = None
+    """Why the template cannot be used this way (then nothing else is set)."""
+    system: bool = True
+    """The dummy conversation has a system message (False for templates that refuse one)."""
+    closing: str = ""
+    """Text after an assistant turn's content before the next message (e.g. `<|im_end|>\\n`)."""
+    trailer: str = ""
+    """Text a render adds only at the very end of a conversation (Phi-3.5's eos)."""
+    prefill: str = ""
+    tool_closing: str = ""
+    """The closing of an assistant turn that calls tools, when it differs (gemma-4: `<|tool_response>`)."""
+    user: Strategy = Strategy.DUMMY
+    tool: Strategy = Strategy.DUMMY
+    rewrites: list[tuple[str, str, str]] = field(default_factory=list)
+    """(text before, stream text, render text): how the template re-renders the end of an observation once a
+    reply follows it (Hermes tool_use: `</tool_response><|im_end|>` becomes `</tool_response>\n<|im_end|>`).
+    The stream keeps what the model was shown; the sanity check names the difference."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# The renderer
+# ---------------------------------------------------------------------------------------------------
 class ChatRenderer:
     """Turns chat messages into token ids with a Hugging Face tokenizer's chat template.
 
@@ -81,15 +148,21 @@ class ChatRenderer:
             raise RenderError(f"tokenizer {type(tokenizer).__name__} has no chat template")
         self.tokenizer = tokenizer
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
-        self._closing_text = self._derive_closing_text()
-        self.closing_ids: list[int] = self.encode(self._closing_text)
+        self.template_name = _template_name(tokenizer)
+        self.reasoning_markers = _markers_of(tokenizer.chat_template)
+        self.profiles: dict[bool, TemplateProfile] = {False: self._probe(None), True: self._probe([DUMMY_TOOL])}
+        """The template's behaviour without tools (False) and with tools offered (True)."""
+        usable = [p for p in self.profiles.values() if p.error is None]
+        if not usable:
+            raise RenderError(f"{self.template_name} cannot be rendered append-only: {self.profiles[False].error}")
+        self.profile = usable[0]
+        """The profile of conversations without tools (with tools, for templates that need them)."""
+        self.closing_ids: list[int] = self.encode(self.profile.closing)
         """Tokens that close an assistant turn in the template (e.g. `<|im_end|>`, `\\n`)."""
-        eos = tokenizer.eos_token_id
-        ends = {eos} if isinstance(eos, int) else set(eos or [])
-        if self.closing_ids:
-            ends.add(self.closing_ids[0])
-        self.end_of_turn_ids: frozenset[int] = frozenset(ends)
-        """Token ids that end a model turn: the tokenizer's eos and the template's end-of-turn token."""
+        self._closings = self._closing_variants()
+        self.end_of_turn_ids: frozenset[int] = self._end_of_turn_ids()
+        """Token ids that end a model turn: the tokenizer's eos and each closing's end-of-turn token."""
+        log.info("%s", self.describe())
 
     # ---- text level -----------------------------------------------------------------------------
     def render_text(
@@ -106,60 +179,315 @@ class ChatRenderer:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def _dummy(self) -> list[Message]:
-        return [
-            {"role": "system", "content": DUMMY_SYSTEM},
-            {"role": "user", "content": DUMMY_USER},
-            {"role": "assistant", "content": DUMMY_MARK},
-        ]
+    def describe(self) -> str:
+        """One line per probed variant: the strategies, closings, pre-fill and stop tokens (docs/templates.md)."""
+        lines = [f"{self.template_name}: stop tokens {[self.decode([t]) for t in sorted(self.end_of_turn_ids)]}"]
+        for tools, p in self.profiles.items():
+            where = "with tools" if tools else "without tools"
+            if p.error is not None:
+                lines.append(f"  {where}: unusable ({p.error})")
+                continue
+            lines.append(f"  {where}: user observations {p.user}, tool observations {p.tool}, closing {p.closing!r}"
+                         + (f", tool-call closing {p.tool_closing!r}" if p.tool_closing != p.closing else "")
+                         + (f", trailer {p.trailer!r}" if p.trailer else "") + (f", pre-fill {p.prefill!r}" if p.prefill else "")
+                         + ("" if p.system else ", no system message in the dummy")
+                         + "".join(f", re-renders {a + b!r} as {a + c!r} once a reply follows" for a, b, c in p.rewrites))
+        return "\n".join(lines)
 
-    def _derive_closing_text(self) -> str:
-        text = self.render_text(self._dummy(), add_generation_prompt=False)
-        at = text.find(DUMMY_MARK)
+    def require(self, role: str, tools: bool = True) -> None:
+        """Raise now, naming the template, if observations of `role` ("user" or "tool") cannot be rendered,
+        e.g. a tool agent on Phi-3.5, whose template has no tool role (a composition root calls this once)."""
+        p = self._profile([DUMMY_TOOL] if tools else None)
+        if (p.tool if role == "tool" else p.user) == Strategy.UNSUPPORTED:
+            raise RenderError(f"{self.template_name} renders no {role!r} messages as a turn of the conversation, "
+                              f"so an agent whose observations are {role} messages cannot run on it")
+
+    def _profile(self, tools: list[dict] | None) -> TemplateProfile:
+        profile = self.profiles[bool(tools)]
+        if profile.error is not None:
+            raise RenderError(f"{self.template_name} cannot render conversations {'with' if tools else 'without'} "
+                              f"tools: {profile.error}")
+        return profile
+
+    def _dummy(self, system: bool = True, calls: list[dict] | None = None) -> list[Message]:
+        assistant: Message = {"role": "assistant", "content": DUMMY_MARK}
+        if calls:
+            assistant = {"role": "assistant", "content": "", "tool_calls": calls}
+        head = [{"role": "system", "content": DUMMY_SYSTEM}] if system else []
+        return [*head, {"role": "user", "content": DUMMY_USER}, assistant]
+
+    # ---- probing (once, at start-up) ------------------------------------------------------------
+    def _probe(self, tools: list[dict] | None) -> TemplateProfile:
+        try:
+            system = self._accepts_system(tools)
+            closing, trailer = self._probe_closing(system, tools)
+            p = TemplateProfile(system=system, closing=closing, trailer=trailer)
+            p.prefill = self._probe_prefill(system, tools)
+            p.user = self._probe_strategy(p, [{"role": "user", "content": PROBE_MARK}], tools)
+            p.tool = self._probe_tool_strategy(p, tools)
+            p.rewrites = self._probe_rewrites(p, tools)
+            return p
+        except RenderError as e:
+            return TemplateProfile(error=str(e))
+        except Exception as e:  # the template raised: it cannot render this shape of conversation
+            return TemplateProfile(error=f"the template raised {type(e).__name__}: {e}")
+
+    def _accepts_system(self, tools: list[dict] | None) -> bool:
+        try:
+            self.render_text(self._dummy(True), tools, add_generation_prompt=False)
+            return True
+        except Exception:
+            self.render_text(self._dummy(False), tools, add_generation_prompt=False)  # raises if neither works
+            return False
+
+    def _probe_closing(self, system: bool, tools: list[dict] | None) -> tuple[str, str]:
+        """The closing is what follows the assistant content both at the end of a conversation and before
+        the next message (cut at a token boundary); what only the end has is the trailer."""
+        end = self.render_text(self._dummy(system), tools, add_generation_prompt=False)
+        at = end.find(DUMMY_MARK)
         if at < 0:
             raise RenderError("the chat template drops assistant content; cannot derive the turn closing")
-        return text[at + len(DUMMY_MARK):]
+        follow = self.render_text(self._dummy(system) + [{"role": "user", "content": PROBE_MARK}], tools,
+                                  add_generation_prompt=True)
+        tail, nxt = end[at + len(DUMMY_MARK):], follow[follow.find(DUMMY_MARK) + len(DUMMY_MARK):]
+        cut = self._token_boundary_at_most(tail, _common_prefix_len(tail, nxt))
+        return tail[:cut], tail[cut:]
+
+    def _token_boundary_at_most(self, text: str, limit: int) -> int:
+        if limit >= len(text):
+            return len(text)
+        starts = [a for a, _ in self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]]
+        return max([a for a in starts if a <= limit] or [0])
+
+    def _probe_prefill(self, system: bool, tools: list[dict] | None) -> str:
+        """What the generation prompt adds after the assistant header an earlier turn is rendered with."""
+        user = self._dummy(system)[:-1]
+        prompt = self.render_text(user, tools, add_generation_prompt=True)
+        history = self.render_text(self._dummy(system) + [{"role": "user", "content": PROBE_MARK}], tools,
+                                   add_generation_prompt=False)
+        header_end = history.find(DUMMY_MARK)
+        if prompt.startswith(history[:header_end]):
+            return prompt[header_end:]
+        return ""
+
+    def _probe_strategy(self, p: TemplateProfile, observation: list[Message], tools: list[dict] | None) -> Strategy:
+        """DUMMY unless a second round against the real history renders differently (cross-turn state)."""
+        first = self._delta_after_mark(p, observation, tools)
+        if PROBE_MARK not in first:
+            return Strategy.UNSUPPORTED
+        history = self._dummy(p.system) + observation + [{"role": "assistant", "content": DUMMY_MARK + "2"}]
+        try:
+            second = self._delta_after_history(p, history, observation, tools)
+        except Exception:  # the template rewrites history (Qwen3 drops old reasoning): only the dummy works
+            return Strategy.DUMMY
+        return Strategy.DUMMY if second == first else Strategy.HISTORY
+
+    def _probe_tool_strategy(self, p: TemplateProfile, tools: list[dict] | None) -> Strategy:
+        observation = [{"role": "tool", "tool_call_id": "turnrl_call_0", "name": "turnrl_probe", "content": PROBE_MARK}]
+        p.tool_closing = p.closing
+        try:
+            strategy = self._probe_strategy(p, observation, tools)
+        except Exception:  # e.g. gemma-2: "roles must alternate"
+            return Strategy.UNSUPPORTED
+        if strategy != Strategy.UNSUPPORTED:
+            return strategy
+        try:
+            delta = self._delta_after_history(p, self._dummy(p.system, _calls_for(observation)), observation, tools)
+        except Exception:
+            return Strategy.UNSUPPORTED
+        if PROBE_MARK not in delta:
+            return Strategy.UNSUPPORTED
+        p.tool_closing = self._tool_call_closing(p, tools)
+        return Strategy.DUMMY_TOOL_CALLS
+
+    def _tool_call_closing(self, p: TemplateProfile, tools: list[dict] | None) -> str:
+        """From the last special token of a closed tool-call turn on (gemma-4: `<|tool_response>`)."""
+        calls = _calls_for([{"role": "tool", "tool_call_id": "turnrl_call_0", "name": "turnrl_probe"}])
+        text = self.render_text(self._dummy(p.system, calls), tools, add_generation_prompt=False)
+        text = text[: len(text) - len(p.trailer)] if p.trailer and text.endswith(p.trailer) else text
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        special = self._special_ids()
+        for tid, (a, _) in reversed(list(zip(enc["input_ids"], enc["offset_mapping"], strict=True))):
+            if tid in special:
+                return text[a:]
+            if text[a:].strip():
+                break
+        return ""
+
+    def _probe_rewrites(self, p: TemplateProfile, tools: list[dict] | None) -> list[tuple[str, str, str]]:
+        """Does an observation render the same once the model's reply follows it? Where not, what changes."""
+        found = []
+        for strategy, observation in ((p.user, {"role": "user", "content": PROBE_MARK}),
+                                      (p.tool, {"role": "tool", "tool_call_id": "turnrl_call_0",
+                                                "name": "turnrl_probe", "content": PROBE_MARK})):
+            if strategy == Strategy.UNSUPPORTED:
+                continue
+            context = self._dummy(p.system, _calls_for([observation]) if strategy == Strategy.DUMMY_TOOL_CALLS else None)
+            try:
+                shown = self.render_text(context + [observation], tools, add_generation_prompt=True)
+                later = self.render_text(context + [observation, {"role": "assistant", "content": DUMMY_MARK + "2"}],
+                                         tools, add_generation_prompt=False)
+            except Exception:  # a reply after this observation is refused: nothing to compare
+                continue
+            shown, reply_at = shown[: len(shown) - len(p.prefill)], later.find(DUMMY_MARK + "2")
+            later = later[:reply_at]
+            if reply_at < 0 or later.startswith(shown):
+                continue
+            at = _common_prefix_len(shown, later)
+            tail = _common_suffix_len(shown[at:], later[at:])
+            left = shown[:at].rsplit(PROBE_MARK, 1)[-1]
+            found.append((left, shown[at:len(shown) - tail], later[at:len(later) - tail]))
+        return found
+
+    def _special_ids(self) -> set[int]:
+        return set(getattr(self.tokenizer, "added_tokens_decoder", {}) or {}) | set(self.tokenizer.all_special_ids)
+
+    def _closing_variants(self) -> list[list[int]]:
+        texts = [p.closing for p in self.profiles.values() if p.error is None]
+        texts += [p.tool_closing for p in self.profiles.values() if p.error is None and p.tool_closing]
+        return [self.encode(t) for t in dict.fromkeys(texts) if t]
+
+    def _end_of_turn_ids(self) -> frozenset[int]:
+        eos = self.tokenizer.eos_token_id
+        ends = {eos} if isinstance(eos, int) else set(eos or [])
+        special = self._special_ids()
+        ends |= {c[0] for c in self._closings if c[0] in special}  # a plain-text first token is no stop token
+        return frozenset(ends)
+
+    # ---- deltas ---------------------------------------------------------------------------------
+    def _delta_after_mark(self, p: TemplateProfile, messages: list[Message], tools: list[dict] | None) -> str:
+        text, start = self._text_after_mark(p, messages, tools)
+        return text[start:]
+
+    def _text_after_mark(self, p: TemplateProfile, messages: list[Message], tools: list[dict] | None) -> tuple[str, int]:
+        """(text, start): the dummy conversation + `messages`, and where the delta starts in it."""
+        text = self.render_text(self._dummy(p.system) + list(messages), tools, add_generation_prompt=True)
+        at = text.find(DUMMY_MARK)
+        start = at + len(DUMMY_MARK)
+        if at < 0 or not text.startswith(p.closing, start):
+            roles = [m.get("role") for m in messages]
+            raise RenderError(
+                f"{self.template_name} closes an assistant turn differently when it is followed by {roles}: "
+                f"expected {p.closing!r} after the assistant content, got {text[start:start + 40]!r}"
+            )
+        return text, start + len(p.closing)
+
+    def _delta_after_history(self, p: TemplateProfile, history: list[Message], messages: list[Message],
+                             tools: list[dict] | None) -> str:
+        text, start = self._text_after_history(p, history, messages, tools)
+        return text[start:]
+
+    def _text_after_history(self, p: TemplateProfile, history: list[Message], messages: list[Message],
+                            tools: list[dict] | None) -> tuple[str, int]:
+        """(text, start): `history + messages`, and where the delta starts: after the render of `history`,
+        which must be a text prefix of it (less an end-of-conversation trailer)."""
+        before = self.render_text(history, tools, add_generation_prompt=False)
+        if p.trailer and before.endswith(p.trailer):
+            before = before[: len(before) - len(p.trailer)]
+        text = self.render_text(list(history) + list(messages), tools, add_generation_prompt=True)
+        if not text.startswith(before):
+            at = _common_prefix_len(before, text)
+            raise RenderError(f"{self.template_name} re-renders the conversation differently once "
+                              f"{[m.get('role') for m in messages]} follow: {before[at:at + 40]!r} became "
+                              f"{text[at:at + 40]!r}")
+        return text, len(before)
+
+    def observation_text(self, messages: list[Message], tools: list[dict] | None = None,
+                         history: list[Message] | None = None) -> tuple[str, int]:
+        """(text, start): a render that ends with the observation delta of `messages`, from char `start`."""
+        if not messages:
+            raise RenderError("observation_ids needs at least one message")
+        try:
+            return self._observation_text(messages, tools, history)
+        except RenderError:
+            raise
+        except Exception as e:  # the template raised (bad roles, bad content): name it, never a bare TypeError
+            raise RenderError(f"{self.template_name} cannot render the observation "
+                              f"{[m.get('role') for m in messages]}: {type(e).__name__}: {e}") from e
+
+    def _observation_text(self, messages: list[Message], tools: list[dict] | None,
+                          history: list[Message] | None) -> tuple[str, int]:
+        p = self._profile(tools)
+        role = "tool" if any(m.get("role") == "tool" for m in messages) else "user"
+        strategy = p.tool if role == "tool" else p.user
+        if strategy == Strategy.UNSUPPORTED:
+            raise RenderError(f"{self.template_name} renders no {role!r} messages as a turn of the conversation; "
+                              f"send them as {'user' if role == 'tool' else 'tool'} messages or use another template")
+        if strategy == Strategy.HISTORY:
+            if history is None:
+                raise RenderError(f"{self.template_name} renders {role} messages depending on the earlier "
+                                  "conversation; pass history= (the conversation so far)")
+            return self._text_after_history(p, history, messages, tools)
+        if strategy == Strategy.DUMMY_TOOL_CALLS:
+            return self._text_after_history(p, self._dummy(p.system, _calls_for(messages)), messages, tools)
+        return self._text_after_mark(p, messages, tools)
 
     # ---- token level ----------------------------------------------------------------------------
     def initial_ids(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
         """The prompt: every message rendered, followed by the generation prompt."""
-        return self.encode(self.render_text(messages, tools, add_generation_prompt=True))
+        return self.encode(self.render_initial(messages, tools))
 
-    def observation_ids(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
-        """Tokens for `messages` appended after a closed assistant turn, plus the next generation prompt."""
-        if not messages:
-            raise RenderError("observation_ids needs at least one message")
-        text = self.render_text(self._dummy() + list(messages), tools, add_generation_prompt=True)
-        at = text.find(DUMMY_MARK)
-        start = at + len(DUMMY_MARK)
-        if at < 0 or not text.startswith(self._closing_text, start):
-            roles = [m.get("role") for m in messages]
-            raise RenderError(
-                f"the chat template closes an assistant turn differently when it is followed by {roles}: "
-                f"expected {self._closing_text!r} after the assistant content, got {text[start:start + 40]!r}"
-            )
-        return self._encode_suffix(text, start + len(self._closing_text))
+    def render_initial(self, messages: list[Message], tools: list[dict] | None = None) -> str:
+        self._profile(tools)  # a template that cannot render this variant says so by name
+        try:
+            return self.render_text(messages, tools, add_generation_prompt=True)
+        except Exception as e:
+            raise RenderError(f"{self.template_name} cannot render the prompt {[m.get('role') for m in messages]}: "
+                              f"{type(e).__name__}: {e}") from e
+
+    def observation_ids(self, messages: list[Message], tools: list[dict] | None = None, *,
+                        history: list[Message] | None = None) -> list[int]:
+        """Tokens for `messages` appended after a closed assistant turn, plus the next generation prompt.
+        `history` (the conversation so far) is needed by templates whose strategy is `history`."""
+        text, start = self.observation_text(messages, tools, history)
+        return self._encode_suffix(text, start)
 
     def _encode_suffix(self, text: str, char_start: int) -> list[int]:
-        """Tokens of `text[char_start:]` as they are tokenized inside the whole text (same boundaries)."""
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        for i, (a, _) in enumerate(enc["offset_mapping"]):
-            if a >= char_start:
-                if a != char_start:
-                    raise RenderError(f"observation boundary at char {char_start} falls inside a token")
-                suffix = enc["input_ids"][i:]
+        """Tokens of `text[char_start:]` as they are tokenized inside the whole text (same boundaries). Only
+        a window before the suffix is tokenised with it: a delta never costs the length of the history."""
+        for window in (256, len(text)):
+            begin = max(0, char_start - window)
+            enc = self.tokenizer(text[begin:], add_special_tokens=False, return_offsets_mapping=True)
+            starts = [begin + a for a, _ in enc["offset_mapping"]]
+            if char_start in starts[1:] or (begin == 0 and char_start in starts):
+                suffix = enc["input_ids"][starts.index(char_start):]
                 if suffix != self.encode(text[char_start:]):
                     raise RenderError("observation tokens depend on the text before them; not append-safe")
                 return suffix
-        raise RenderError("the observation rendered to no tokens")
+            if begin == 0:
+                break
+        if char_start >= len(text):
+            raise RenderError("the observation rendered to no tokens")
+        raise RenderError(f"observation boundary at char {char_start} falls inside a token")
+
+    def _prefill_of(self, text: str, ids: list[int]) -> tuple[str, list[int]]:
+        """The pre-fill the rendered chunk ends with, and its tokens when they are the tail of `ids`."""
+        for p in self.profiles.values():
+            if p.error is None and p.prefill and text.endswith(p.prefill):
+                tail = self.encode(p.prefill)
+                return p.prefill, tail if ids[len(ids) - len(tail):] == tail else []
+        return "", []
+
+    def prefill_of(self, token_ids: list[int]) -> str:
+        """The template pre-fill a token stream ends with (what the model's next turn starts with), or ""."""
+        for p in self.profiles.values():
+            tail = self.encode(p.prefill) if p.error is None and p.prefill else []
+            if tail and token_ids[len(token_ids) - len(tail):] == tail:
+                return p.prefill
+        return ""
 
     def turn_closing_ids(self, model_ids: list[int]) -> list[int]:
-        """Template tokens to append (mask 0) after a model turn so it is closed as the template closes it."""
-        closing = self.closing_ids
-        for k in range(min(len(closing), len(model_ids)), 0, -1):
-            if model_ids[-k:] == closing[:k]:
-                return closing[k:]
-        return list(closing)
+        """Template tokens to append (mask 0) after a model turn so it is closed as the template closes it:
+        the rest of the closing whose start the model emitted (a tool-call turn has its own), else all of
+        the ordinary closing."""
+        best: tuple[int, list[int]] | None = None
+        for closing in self._closings:
+            for k in range(min(len(closing), len(model_ids)), 0, -1):
+                if model_ids[-k:] == closing[:k]:
+                    if best is None or k > best[0]:
+                        best = (k, closing[k:])
+                    break
+        return list(best[1]) if best is not None else list(self.closing_ids)
 
     def assistant_text(self, model_ids: list[int]) -> str:
         """The reply text: decoded model tokens without a trailing end-of-turn token."""
@@ -170,32 +498,127 @@ class ChatRenderer:
 
     def initial(self, messages: list[Message], tools: list[dict] | None = None) -> Rendered:
         _refuse_images(messages)
-        return Rendered(self.initial_ids(messages, tools))
+        text = self.render_initial(messages, tools)
+        return self._rendered(text, self.encode(text))
 
-    def observation(self, messages: list[Message], tools: list[dict] | None = None) -> Rendered:
+    def observation(self, messages: list[Message], tools: list[dict] | None = None, *,
+                    history: list[Message] | None = None) -> Rendered:
+        """The delta of `messages` (see `observation_ids`) and the pre-fill it ends with."""
         _refuse_images(messages)
-        return Rendered(self.observation_ids(messages, tools))
+        text, start = self.observation_text(messages, tools, history)
+        return self._rendered(text, self._encode_suffix(text, start))
 
-    # ---- sanity check (T2) ----------------------------------------------------------------------
+    def _rendered(self, text: str, ids: list[int]) -> Rendered:
+        prefill, prefill_ids = self._prefill_of(text, ids)
+        return Rendered(ids, prefill=prefill, prefill_ids=prefill_ids)
+
+    # ---- sanity check ---------------------------------------------------------------------------
     def check(
         self, stream_ids: list[int], messages: list[Message], tools: list[dict] | None = None,
         mode: SanityMode | str = SanityMode.STRICT,
     ) -> RenderCheck:
-        """Compare the incremental stream with a full render of `messages` (a prefix match: the stream
-        ends where the model stopped, the render also closes the last turn)."""
+        """Compare the incremental stream with a full render of `messages`, token by token (a prefix match:
+        the stream ends where the model stopped, the render also closes the last turn). Each stretch where
+        the ids differ is named (`RenderCheck.reasons`): the same text in other tokens (a boundary the model
+        could not merge across, Unicode normalisation), a reasoning block the template drops from history,
+        an observation the template re-renders once a reply follows (probed); anything else is `content`,
+        and only `content` makes a difference real. `messages` may carry structured `tool_calls`."""
         mode = SanityMode(mode)
         if mode == SanityMode.DISABLE:
             return RenderCheck(ok=True)
-        # assistant content already holds the raw tool-call text; structured tool_calls would render it twice
-        plain = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
-        full = self.render_text(plain, tools, add_generation_prompt=False)
-        stream = self.decode(stream_ids)
-        if full.startswith(stream):
+        unrenderable = self._unrenderable(messages, tools)
+        if unrenderable:
+            return RenderCheck(ok=True, checked=False, diff=unrenderable)
+        full = self.render_text(messages, tools, add_generation_prompt=False)
+        full_ids = self.encode(full)
+        if full_ids[: len(stream_ids)] == stream_ids:
             return RenderCheck(ok=True)
-        strippable = _normalise(full).startswith(_normalise(stream))
-        diff = readable_diff(stream, full)
-        ok = strippable and mode == SanityMode.IGNORE_STRIPPABLE
-        return RenderCheck(ok=ok, strippable=strippable, diff=diff)
+        rewrites = self.profiles[bool(tools)].rewrites
+        reasons = [self._explain(self.decode(stream_ids[i1:i2]), self.decode(full_ids[j1:j2]),
+                                 self.decode(full_ids[max(0, j1 - 8):j1]), rewrites)
+                   for i1, i2, j1, j2 in _differences(stream_ids, full_ids)]
+        strippable = "content" not in reasons
+        diff = f"differences: {', '.join(reasons)}\n" + readable_diff(self.decode(stream_ids), full)
+        return RenderCheck(ok=strippable and mode == SanityMode.IGNORE_STRIPPABLE, strippable=strippable, diff=diff,
+                           reasons=reasons)
+
+    def _unrenderable(self, messages: list[Message], tools: list[dict] | None) -> str:
+        """Why a full render of `messages` cannot show what the stream holds, or ""."""
+        if self.profiles[bool(tools)].tool != Strategy.DUMMY_TOOL_CALLS:
+            return ""
+        for prev, m in zip(messages, messages[1:], strict=False):
+            if m.get("role") == "tool" and prev.get("role") == "assistant" and not prev.get("tool_calls"):
+                return (f"not checked: {self.template_name} renders tool results only inside structured tool "
+                        "calls, and the assistant message holds the model's raw text")
+        return ""
+
+    def _explain(self, stream: str, render: str, before: str, rewrites: list[tuple[str, str, str]]) -> str:
+        """Name one stretch where the ids differ (see `RenderCheck.reasons`)."""
+        stream, render = unicodedata.normalize("NFC", stream), unicodedata.normalize("NFC", render)
+        if stream == render:
+            return "retokenised"
+        if any(before.endswith(left) and (stream, render) == (a, b) for left, a, b in rewrites):
+            return "observation_rewrite"
+        stripped = _strip_reasoning(stream, self.reasoning_markers)
+        if stripped != stream and re.sub(r"\s+", "", stripped) == re.sub(
+                r"\s+", "", _strip_reasoning(render, self.reasoning_markers)):
+            return "reasoning"  # whitespace beside the block goes with it (templates strip it); alone it counts
+        return "content"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------------
+def _template_name(tokenizer: Any) -> str:
+    template = tokenizer.chat_template
+    source = template if isinstance(template, str) else repr(sorted(template.items()))
+    where = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    return f"the chat template of {where} (sha1 {hashlib.sha1(source.encode()).hexdigest()[:8]})"
+
+
+def _markers_of(template: Any) -> tuple[tuple[str, str], ...]:
+    source = template if isinstance(template, str) else " ".join(map(str, dict(template).values()))
+    return tuple(m for m in REASONING_MARKERS if m[0] in source or m[1] in source)
+
+
+def _calls_for(messages: list[Message]) -> list[dict]:
+    """Dummy tool calls answered by the tool messages: their ids and names (arguments are not rendered
+    in the delta, which starts after the calls)."""
+    calls = []
+    for k, m in enumerate(m for m in messages if m.get("role") == "tool"):
+        calls.append({"id": m.get("tool_call_id") or f"turnrl_call_{k}", "type": "function",
+                      "function": {"name": m.get("name") or "tool", "arguments": {}}})
+    return calls
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def _common_suffix_len(a: str, b: str) -> int:
+    return _common_prefix_len(a[::-1], b[::-1])
+
+
+def _strip_reasoning(text: str, markers: tuple[tuple[str, str], ...]) -> str:
+    """`text` without reasoning blocks (a block left open by a pre-fill runs to the end)."""
+    for open_, close in markers:
+        text = re.sub(re.escape(open_) + ".*?(" + re.escape(close) + "|$)", "", text, flags=re.DOTALL)
+    return text
+
+
+def _differences(stream: list[int], full: list[int], join_gap: int = 2) -> list[tuple[int, int, int, int]]:
+    """The stretches where the ids differ, as (stream start, end, render start, end); stretches separated by
+    fewer than `join_gap` equal tokens are one. The render's closing after the end of the stream is none."""
+    ops = [op for op in difflib.SequenceMatcher(None, stream, full, autojunk=False).get_opcodes()
+           if op[0] != "equal" and not (op[0] == "insert" and op[1] == len(stream))]
+    merged: list[list[int]] = []
+    for _, i1, i2, j1, j2 in ops:
+        if merged and i1 - merged[-1][1] < join_gap and j1 - merged[-1][3] < join_gap:
+            merged[-1][1], merged[-1][3] = i2, j2
+        else:
+            merged.append([i1, i2, j1, j2])
+    return [(i1, i2, j1, j2) for i1, i2, j1, j2 in merged]
 
 
 def _refuse_images(messages: list[Message]) -> None:
@@ -203,10 +626,6 @@ def _refuse_images(messages: list[Message]) -> None:
         content = m.get("content")
         if isinstance(content, list) and any(p.get("type") in ("image", "image_url") for p in content):
             raise RenderError("the conversation has images but the policy is text-only; load a VLM (e.g. tiny-qwen3-vl)")
-
-
-def _normalise(text: str) -> str:
-    return re.sub(r"\s+", "", remove_reasoning_blocks(text))
 
 
 def readable_diff(stream: str, full: str, context: int = 60) -> str:

@@ -385,13 +385,14 @@ class Episode:
         traj.turns.append(TurnRecord(n))
         traj.sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k}
         out = await self._call_engine(params, traj.turns[-1])
+        prefill = "" if self.continuing else self.ctx.renderer.prefill_of(self.builder.token_ids)  # e.g. "<think>\n"
         self.builder.add_model(out, n, extend=self.continuing)
         traj.num_turns = n
         text = self.ctx.renderer.assistant_text(out.token_ids)
         if self.continuing:
             self.messages[-1]["content"] += text
-        else:
-            self.messages.append({"role": "assistant", "content": text})
+        else:  # the message holds what the template pre-filled too: the re-render check sees the same stream
+            self.messages.append({"role": "assistant", "content": prefill + text})
         if out.finish_reason == FinishReason.ABORT:
             raise EpisodeEnd(TerminationReason.CANCELLED, "the engine aborted the request")
         self._last = Turn(n, text, out.token_ids, out.logprobs, out.finish_reason, self.messages, self.continuing)
@@ -485,11 +486,13 @@ class Episode:
             raise EpisodeEnd(TerminationReason.ENV_ERROR, "env.step returned done=False without an observation")
         b, turn = self.builder, self.trajectory.num_turns
         closing = self.ctx.renderer.turn_closing_ids(b.trajectory.segments[-1].token_ids)
-        rendered = self.ctx.renderer.observation(observation, self.env.tools)
+        rendered = self.ctx.renderer.observation(observation, self.env.tools, history=self.messages)
         self._fit(len(closing) + len(rendered.ids))
         source = SegmentSource.TOOL if any(m.get("role") == "tool" for m in observation) else SegmentSource.ENV
+        obs_ids = rendered.ids[: len(rendered.ids) - len(rendered.prefill_ids)]
         b.add_injected(closing, SegmentSource.TEMPLATE, turn)
-        b.add_injected(rendered.ids, source, turn)
+        b.add_injected(obs_ids, source, turn)
+        b.add_injected(rendered.prefill_ids, SegmentSource.TEMPLATE, turn)  # what the template opens the turn with
         b.images.add(rendered)
         self.trajectory.turns[-1].observation_tokens = len(closing) + len(rendered.ids)
         self.messages.extend(observation)
