@@ -559,9 +559,10 @@ class ChatRenderer:
             return "retokenised"
         if any(before.endswith(left) and (stream, render) == (a, b) for left, a, b in rewrites):
             return "observation_rewrite"
-        stripped = _strip_reasoning(stream, self.reasoning_markers)
-        if stripped != stream and re.sub(r"\s+", "", stripped) == re.sub(
-                r"\s+", "", _strip_reasoning(render, self.reasoning_markers)):
+        stream_left = _strip_reasoning(stream, self.reasoning_markers)
+        render_left = _strip_reasoning(render, self.reasoning_markers)
+        had_block = stream_left != stream or render_left != render  # either side: the template may add an empty one
+        if had_block and re.sub(r"\s+", "", stream_left) == re.sub(r"\s+", "", render_left):
             return "reasoning"  # whitespace beside the block goes with it (templates strip it); alone it counts
         return "content"
 
