@@ -363,9 +363,11 @@ class RemoteEnvScheduler(MultiTurnScheduler):
             episode = self.episodes.pop(request.uuid, None)
             if episode is None:
                 continue
-            sessions.release()
-            if episode.env["session_id"] is not None:
-                await self._post(f"{episode.env['base_url']}/close", {"session_id": episode.env["session_id"]})
+            try:
+                if episode.env["session_id"] is not None:
+                    await self._post(f"{episode.env['base_url']}/close", {"session_id": episode.env["session_id"]})
+            finally:  # only once the server closed it: the next session must not overlap it (the cap)
+                sessions.release()
 
 
 BUILTIN_SCHEDULERS: dict[str, type[MultiTurnScheduler]] = {
