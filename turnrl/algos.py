@@ -31,7 +31,7 @@ Conventions a trainer relies on:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 import torch
 from torch import Tensor
@@ -289,7 +289,7 @@ def loss_denominator(mask_B_T: Tensor, mode: AggregationMode) -> Tensor:
         return mask_B_T.sum()
     if mode in ("seq_mean_token_mean", "seq_mean_token_sum_norm"):
         return mask_B_T.any(dim=-1).sum()
-    raise ValueError(f"mode must be one of {AggregationMode.__args__}, got {mode!r}")
+    raise ValueError(f"mode must be one of {get_args(AggregationMode)}, got {mode!r}")
 
 
 def aggregate_loss(

@@ -151,14 +151,15 @@ def tiny_vl_config(family: str = "qwen3_vl"):
     """A few-million-parameter random VLM config with the real Qwen3 vocabulary and vision token ids."""
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
 
-    ids = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653)
-    text = dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    ids: dict[str, Any] = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+                               vision_end_token_id=151653)
+    text: dict[str, Any] = dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=8192, tie_word_embeddings=True, eos_token_id=151645,
                 pad_token_id=151643, bos_token_id=151643)
     if family == "qwen3_vl":
         text.update(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3],
                                                   "mrope_interleaved": True})
-        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+        vision: dict[str, Any] = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                       num_position_embeddings=256, deepstack_visual_indexes=[0], patch_size=16, spatial_merge_size=2,
                       temporal_patch_size=2)
         return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
@@ -287,8 +288,8 @@ def check_parity(stream_ids: list[int], buffer: ImageBuffer, merged: dict[str, t
             return f"image {k} is out of order: its size needs {need} placeholder tokens, the tensors hold {needed[k]}"
     # same-sized images (every geo3k diagram) pass all the counts above in any order: compare pixels
     recorded = [d for digests in buffer.chunk_digests for d in digests]
-    for k, (have, want) in enumerate(zip(pixel_digests(merged), recorded, strict=False)):
-        if have != want:
+    for k, (digest, expected) in enumerate(zip(pixel_digests(merged), recorded, strict=False)):
+        if digest != expected:
             return (f"image {k} is out of order: the training tensors at its place hold other pixels than "
                     f"image {k} of the stream ({training[k]})")
     return None
@@ -335,9 +336,9 @@ def vl_positions(model: torch.nn.Module, ids: list[int], image_grid_thw: torch.T
     the token after it. Positions are translation-invariant per chunk, so a delta (e.g. the next turn after
     a cached prefix) gets the same positions as inside the whole sequence."""
     input_ids = torch.tensor([ids])
-    image_token_id = model.config.image_token_id
-    mm_token_type_ids = (input_ids == image_token_id).int()
-    positions, _ = model.model.get_rope_index(input_ids, mm_token_type_ids=mm_token_type_ids,
+    vlm: Any = model  # a transformers VLM: config.image_token_id, model.get_rope_index
+    mm_token_type_ids = (input_ids == vlm.config.image_token_id).int()
+    positions, _ = vlm.model.get_rope_index(input_ids, mm_token_type_ids=mm_token_type_ids,
                                               image_grid_thw=image_grid_thw)
     positions = positions + offset
     return positions, int(positions.max()) + 1

@@ -49,7 +49,7 @@ class RolloutStats:
         self.totals["injected_tokens"] += traj.num_response_tokens - traj.num_model_tokens
         for key in ("gen_time_s", "env_time_s", "env_retries", "render_mismatch", "cached_prompt_tokens",
                     "logprob_issues"):
-            self.totals[key] += traj.metrics.get(key, 0.0)
+            self.totals[key] += float(traj.metrics.get(key, 0.0))
         self.totals["reward_errors"] += traj.reward_error is not None
         for name, n in traj.info.get("tool_stats", {}).get("calls", {}).items():
             self.tool_calls[name] += n

@@ -585,7 +585,7 @@ def _markers_of(template: Any) -> tuple[tuple[str, str], ...]:
 def _calls_for(messages: list[Message]) -> list[dict]:
     """Dummy tool calls answered by the tool messages: their ids and names (arguments are not rendered
     in the delta, which starts after the calls)."""
-    calls = []
+    calls: list[dict] = []
     for k, m in enumerate(m for m in messages if m.get("role") == "tool"):
         calls.append({"id": m.get("tool_call_id") or f"turnrl_call_{k}", "type": "function",
                       "function": {"name": m.get("name") or "tool", "arguments": {}}})

@@ -7,6 +7,7 @@ or an explicit `name=spec`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import turnrl.agents.schedulers_builtin  # noqa: F401  (registers the built-in schedulers into SCHEDULERS)
@@ -67,7 +68,7 @@ def load_agent(spec: str) -> tuple[str, Agent]:
     return name or split_object_spec(target, "agent")[1], load_object(target, what="agent")
 
 
-def agent_registry(extra_specs: list[str] = ()) -> dict[str, Agent]:
+def agent_registry(extra_specs: Sequence[str] = ()) -> dict[str, Agent]:
     """The built-ins plus user agents loaded by path; a clash with a built-in name is an error."""
     registry = dict(AGENTS)
     for spec in extra_specs:

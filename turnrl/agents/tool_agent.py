@@ -93,7 +93,7 @@ class ToolEnv:
         self.tools = (toolset or settings.toolset).schemas  # the driver renders these into the prompt
         self.invalid_streak = 0
         self.user_turns = 0
-        self.stats = {"calls": {}, "errors": 0, "invalid_turns": 0}
+        self.stats: dict[str, Any] = {"calls": {}, "errors": 0, "invalid_turns": 0}
 
     def reset(self) -> None:
         return None

@@ -45,7 +45,8 @@ class FrozenLakeText:
         except ImportError:  # pragma: no cover - gymnasium is in the test and gym extras
             raise ImportError("the frozenlake env needs gymnasium: pip install 'turnrl[gym]'") from None
         self.env = gymnasium.make("FrozenLake-v1", map_name=map_name, is_slippery=is_slippery, **kwargs)
-        self.grid = [[cell.decode() for cell in row] for row in self.env.unwrapped.desc]
+        unwrapped: Any = self.env.unwrapped  # FrozenLakeEnv: its map is `desc`
+        self.grid = [[cell.decode() for cell in row] for row in unwrapped.desc]
         self.state = 0
 
     def render(self, state: int) -> str:
