@@ -30,12 +30,16 @@ from turnrl.parallel import full_tensor
 from turnrl.trainer import Trainer, TrainSample
 from turnrl.types import SamplingParams
 
-BASE = {"optim": {"lr": 1e-3, "micro_batch_tokens": 64, "grad_clip": 1.0}, "algo": {"is_mode": "truncate"}}
+# grad_clip below the gradient norms of these steps (~0.6-0.9): the clip acts, on sharded gradients. A small
+# lr: Adam's first steps move an element with a near-zero gradient by up to lr whatever its sign, so float
+# noise in such a gradient shows in the weights at the scale of lr (the gradients are compared as well).
+BASE = {"optim": {"lr": 1e-4, "micro_batch_tokens": 64, "grad_clip": 0.5}, "algo": {"is_mode": "truncate"}}
 UPDATES = {  # name -> overrides of BASE (each also run in one process by the test)
     "token_mean": {},
     "seq_mean": {"algo": {"loss_agg": "seq_mean_token_mean", "kl_coef": 0.05}, "optim": {"epochs": 2, "mini_batches": 2}},
     "ckpt_offload": {"optim": {"gradient_checkpointing": True}, "trainer": {"cpu_offload": True}},
     "bf16": {"dtype": "bfloat16"},
+    "smol": {"model": "smollm2-135m-instruct", "optim": {"micro_batch_tokens": 128}},  # the slow test
 }
 LORA = {"trainer": {"lora": {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}},
         "algo": {"kl_coef": 0.1}, "optim": {"lr": 1e-2}}
@@ -50,14 +54,14 @@ def config(out: str | Path, world_size: int, **overrides) -> TrainConfig:
     return TrainConfig.model_validate(data)
 
 
-def fixed_samples(step: int) -> list[TrainSample]:
+def fixed_samples(step: int, vocab: int = 49_152) -> list[TrainSample]:
     """Nine samples of uneven lengths (so the token balance across ranks is not trivial), some tokens masked,
-    rollout logprobs on all but one, advantages of both signs."""
+    rollout logprobs on all but one, advantages of both signs. Token ids fit SmolLM2's and Qwen3's vocab."""
     g = torch.Generator().manual_seed(100 + step)
     samples = []
     for k in range(9):
-        prompt = torch.randint(0, 150_000, (3 + k % 4,), generator=g).tolist()
-        response = torch.randint(0, 150_000, (4 + (5 * k) % 11,), generator=g).tolist()
+        prompt = torch.randint(0, vocab, (3 + k % 4,), generator=g).tolist()
+        response = torch.randint(0, vocab, (4 + (5 * k) % 11,), generator=g).tolist()
         mask = [0 if (k + t) % 5 == 0 else 1 for t in range(len(response))]
         logprobs = None if k == 4 else [-12.0 + 0.1 * t if m else 0.0 for t, m in enumerate(mask)]
         samples.append(TrainSample(prompt, response, mask, logprobs, [1.0, -0.5, 0.25][k % 3]))
@@ -73,12 +77,19 @@ def whole_params(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {n: full_tensor(p.detach()).float().clone() for n, p in trainer.policy.named_parameters()}
 
 
+def whole_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """The last optimizer step's (clipped) gradients, gathered whole."""
+    return {n: full_tensor(p.grad).float().clone() for n, p in trainer.policy.named_parameters()
+            if p.grad is not None}
+
+
 def run_update(out: Path, name: str, world_size: int) -> dict:
     trainer = make_trainer(config(out / name, world_size, **UPDATES[name]))
     trainer.step = 1
     metrics = trainer.update(fixed_samples(1))
-    return {"metrics": metrics, "params": whole_params(trainer),
-            "dtypes": sorted({str(p.dtype) for p in trainer.policy.parameters()})}
+    return {"metrics": metrics, "params": whole_params(trainer), "grads": whole_grads(trainer),
+            "dtypes": sorted({str(p.dtype) for p in trainer.policy.parameters()}),
+            "recomputes": any(getattr(m, "gradient_checkpointing", False) for m in trainer.policy.modules())}
 
 
 def engine_vs_trainer(trainer: Trainer, engine, prompt: list[int]) -> dict:
@@ -98,7 +109,7 @@ def engine_vs_trainer(trainer: Trainer, engine, prompt: list[int]) -> dict:
 def run_sync(out: Path) -> dict:
     from turnrl.engines.embedded import EmbeddedEngine
 
-    cfg = config(out / "sync", 2, weight_sync={"bucket_mb": 0.05})
+    cfg = config(out / "sync", 2, weight_sync={"bucket_mb": 0.05}, optim={"lr": 1e-3})
     engine = EmbeddedEngine(load_model(cfg.model), max_batch_size=2) if int(os.environ["RANK"]) == 0 else None
     trainer = make_trainer(cfg, engine)
     try:

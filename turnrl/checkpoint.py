@@ -54,9 +54,14 @@ class _TrainingState:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
         if self.optimizer is None:
-            return {"model": get_model_state_dict(self.model, options=_state_options())}
+            return {"model": self._trainable(get_model_state_dict(self.model, options=_state_options()))}
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_state_options())
-        return {"model": model_sd, "optim": optim_sd}
+        return {"model": self._trainable(model_sd), "optim": optim_sd}
+
+    def _trainable(self, model_sd: dict[str, Any]) -> dict[str, Any]:
+        # ignore_frozen_params misses the second name of a tied frozen weight (a LoRA run's lm_head)
+        frozen = {n for n, p in self.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        return {k: v for k, v in model_sd.items() if k not in frozen}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
