@@ -54,12 +54,19 @@ def _result(out: Path, task: str) -> dict:
     return torch.load(out / f"{task}.pt", weights_only=False)
 
 
-def _assert_same_tensors(one: dict[str, torch.Tensor], two: dict[str, torch.Tensor]) -> None:
-    """Each tensor within 1e-5 of the one-process one, relative to its norm."""
+def _assert_same_tensors(one: dict[str, torch.Tensor], two: dict[str, torch.Tensor], rel: float = 1e-5) -> None:
+    """Each tensor within `rel` of the one-process one, relative to its norm."""
     assert one.keys() == two.keys() and one
     for name in one:
         relative = float((one[name] - two[name]).norm() / one[name].norm().clamp(min=1e-12))
-        assert relative <= 1e-5, (name, relative)
+        assert relative <= rel, (name, relative)
+
+
+def _assert_same_update(one: dict, two: dict) -> None:
+    """Every updated parameter within 1e-5 relative; the gradients within 1e-4 (a gradient that is a sum over
+    tokens that nearly cancels, like a norm weight's, keeps float32 rounding of order 1e-5)."""
+    _assert_same_tensors(one["params"], two["params"])
+    _assert_same_tensors(one["grads"], two["grads"], rel=1e-4)
 
 
 @pytest.mark.parametrize(("two_rank", "one_process"), [
@@ -76,8 +83,7 @@ def test_a_two_rank_step_equals_the_one_process_step(two_ranks, tmp_path, two_ra
     assert two["metrics"]["train/grad_norm"] > 0.5  # so the clip at 0.5 acted
     if "kl_coef" in worker.UPDATES[two_rank].get("algo", {}):
         assert two["metrics"]["train/kl"] == pytest.approx(one["metrics"]["train/kl"], rel=1e-4)
-    _assert_same_tensors(one["params"], two["params"])
-    _assert_same_tensors(one["grads"], two["grads"])
+    _assert_same_update(one, two)
 
 
 @pytest.mark.slow
@@ -87,8 +93,7 @@ def test_smollm2_two_rank_step_equals_the_one_process_step(tmp_path):
     one = worker.run_update(tmp_path / "one", "smol", world_size=1)
     for key in ("train/loss", "train/grad_norm", "train/tokens"):
         assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5), key
-    _assert_same_tensors(one["params"], two["params"])
-    _assert_same_tensors(one["grads"], two["grads"])
+    _assert_same_update(one, two)
 
 
 def test_bf16_compute_keeps_fp32_shards_and_close_numbers(two_ranks, tmp_path):

@@ -57,7 +57,7 @@ from turnrl.packing import (
     unpack_to_padded,
     use_varlen_attention,
 )
-from turnrl.parallel import Parallel, full_tensor
+from turnrl.parallel import Parallel
 from turnrl.rollout import Rollout
 from turnrl.tracing import TrajectoryTracer
 from turnrl.types import SamplingParams, Trajectory
@@ -286,9 +286,8 @@ class Trainer:
             loss.backward()
             tally.add_row(metrics, [samples[i] for i in row.sequence_index], tokens=row.input_ids.shape[1])
         if self.cfg.optim.grad_clip:
-            norm = torch.nn.utils.clip_grad_norm_([p for p in self.policy.parameters() if p.requires_grad],
-                                                  self.cfg.optim.grad_clip)
-            tally.grad_norms.append(float(full_tensor(norm)))
+            tally.grad_norms.append(self.parallel.clip_grad_norm(
+                [p for p in self.policy.parameters() if p.requires_grad], self.cfg.optim.grad_clip))
         self.optimizer.step()
         self.scheduler.step()
         tally.steps += 1
