@@ -7,8 +7,9 @@ Per setup and rank: the best and mean `Trainer.update` time per step (after a wa
 cores are shared, so the best step is the steadier figure), the peak resident memory
 during the steps, the training state the rank actually holds (its parameter, gradient and AdamW shards,
 summed from the tensors) beside the expected (4 + 4 + 8) bytes x parameters / world size, and one weight
-sync to an embedded engine on rank 0 in buckets of --bucket-mb: its time and the peak memory it adds above
-what the process held before it. Resident memory also counts the Python/torch runtime, the full model each
+sync to an embedded engine on rank 0 in buckets of --bucket-mb: its time, the largest bucket it assembled
+(what rank 0 holds beyond its shards; the other ranks hold one gathered tensor at a time) and the growth of
+the resident set during it (a lower bound: memory freed by the training step is reused first). Resident memory also counts the Python/torch runtime, the full model each
 rank loads before sharding and, on rank 0, the engine's own copy of the model, so it shrinks less than the
 training state does.
 """
@@ -80,6 +81,7 @@ def worker(args: argparse.Namespace) -> None:
         "mean_step_s": sum(times) / len(times), "peak_rss_mb": peak_mb,
         "held_mb": state / 2**20, "expected_mb": 16 * n_params / world / 2**20,
         "sync_s": sync["time/weight_sync_s"], "sync_buckets": sync["weight_sync/buckets"],
+        "largest_bucket_mb": sync["weight_sync/largest_bucket_mb"],
         "sync_peak_mb": sync_peak_mb}), flush=True)
     if engine is not None:
         engine.close()
@@ -125,15 +127,15 @@ def main() -> None:
     if args.worker:
         return worker(args)
     rows = [r for parallel, world in (("none", 1), ("fsdp", 1), ("fsdp", 2)) for r in launch(parallel, world, args)]
-    header = ("setup", "rank", "best step s", "mean step s", "peak RSS MB", "held state MB", "expected MB", "sync s", "buckets",
-              "sync peak +MB")
+    header = ("setup", "rank", "best step s", "mean step s", "peak RSS MB", "held state MB", "expected MB", "sync s",
+              "buckets", "largest bucket MB", "sync peak +MB")
     print(f"SmolLM2-135M, {args.samples} x 128 tokens per step, {args.steps} steps, bucket {args.bucket_mb} MB, "
           f"{os.cpu_count()} CPU cores")
     print(" | ".join(header))
     for r in rows:
         print(" | ".join([r["setup"], str(r["rank"]), f"{r['best_step_s']:.2f}", f"{r['mean_step_s']:.2f}", f"{r['peak_rss_mb']:.0f}",
                           f"{r['held_mb']:.0f}", f"{r['expected_mb']:.0f}", f"{r['sync_s']:.2f}",
-                          f"{r['sync_buckets']:.0f}", f"{r['sync_peak_mb']:.0f}"]))
+                          f"{r['sync_buckets']:.0f}", f"{r['largest_bucket_mb']:.0f}", f"{r['sync_peak_mb']:.0f}"]))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -31,6 +32,10 @@ import torch.distributed as dist
 from torch import nn
 
 from turnrl.config import TrainerConfig
+
+COLLECTIVE_TIMEOUT = timedelta(hours=2)
+"""How long a rank waits in a collective: the other ranks wait in one while rank 0 runs a step's rollouts and
+evaluations, which take far longer than torch's default (10 minutes for NCCL)."""
 
 
 @dataclass
@@ -71,7 +76,7 @@ class Parallel:
                                      f"(no WORLD_SIZE in the environment): torchrun --nproc-per-node {world_size} ...")
                 init_method = f"tcp://127.0.0.1:{_free_port()}"  # a group of one (fsdp on a single device)
             dist.init_process_group("nccl" if where.type == "cuda" else "gloo", init_method=init_method,
-                                    rank=rank, world_size=world_size)
+                                    rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
         from torch.distributed.device_mesh import init_device_mesh
 
         return cls(rank, world_size, where, init_device_mesh(where.type, (world_size,)))

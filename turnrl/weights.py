@@ -124,7 +124,7 @@ async def push_weights(engine: Any, model: nn.Module, parallel: Parallel, *, buc
     it at the end."""
     t0 = time.perf_counter()
     error: BaseException | None = None
-    sent, buckets, new_version = 0, 0, version
+    sent, buckets, largest, new_version = 0, 0, 0, version
     sources = weight_sources(model, adapted_only=True)
     for bucket in weight_buckets(sources, bucket_bytes, dtype, keep=parallel.is_main):
         if parallel.is_main and error is None:
@@ -133,7 +133,7 @@ async def push_weights(engine: Any, model: nn.Module, parallel: Parallel, *, buc
                 new_version = await engine.update_weights(bucket.tensors, version=version, **streamed)
             except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
                 error = e
-        sent, buckets = sent + bucket.nbytes, buckets + 1
+        sent, buckets, largest = sent + bucket.nbytes, buckets + 1, max(largest, bucket.nbytes)
         del bucket
     failure, new_version = parallel.broadcast_object(
         (None if error is None else f"{type(error).__name__}: {error}", new_version))
@@ -142,4 +142,5 @@ async def push_weights(engine: Any, model: nn.Module, parallel: Parallel, *, buc
             raise error
         raise RuntimeError(f"weight sync failed on rank 0: {failure}")
     return {"train/policy_version": float(new_version), "time/weight_sync_s": time.perf_counter() - t0,
-            "weight_sync/mb": sent / 2**20, "weight_sync/buckets": float(buckets)}
+            "weight_sync/mb": sent / 2**20, "weight_sync/buckets": float(buckets),
+            "weight_sync/largest_bucket_mb": largest / 2**20}
