@@ -37,6 +37,8 @@ BASE = {"optim": {"lr": 1e-4, "micro_batch_tokens": 64, "grad_clip": 0.5}, "algo
 UPDATES = {  # name -> overrides of BASE (each also run in one process by the test)
     "token_mean": {},
     "seq_mean": {"algo": {"loss_agg": "seq_mean_token_mean", "kl_coef": 0.05}, "optim": {"epochs": 2, "mini_batches": 2}},
+    "sum_norm": {"algo": {"loss_agg": "seq_mean_token_sum_norm", "norm_constant": 16.0}},
+    "vlm": {"model": "tiny-qwen3-vl"},  # text rows: the vision tower (in the root unit) gets no gradient
     "ckpt_offload": {"optim": {"gradient_checkpointing": True}, "trainer": {"cpu_offload": True}},
     "bf16": {"dtype": "bfloat16"},
     "smol": {"model": "smollm2-135m-instruct", "optim": {"micro_batch_tokens": 128}},  # the slow test
