@@ -298,6 +298,22 @@ async def test_update_weights_serves_the_new_policy(fresh_engine, model, prompts
     assert out.policy_version == 7
 
 
+async def test_a_streamed_update_holds_generation_until_the_final_bucket(fresh_engine, model, prompts):
+    eng = fresh_engine(copy.deepcopy(model))
+    perturbed = copy.deepcopy(model)
+    scramble(perturbed, seed=2, noise=0.1, logit_scale=1.0)
+    params = list(perturbed.named_parameters())
+    half = len(params) // 2
+    assert await eng.update_weights(params[:half], version=5, final=False) == 0  # not the new version yet
+    waiting = asyncio.ensure_future(eng.generate(prompts[0], GREEDY, request_id="during"))
+    await asyncio.sleep(0.5)
+    assert not waiting.done()  # no token from half-updated weights
+    assert await eng.update_weights(params[half:], version=5, final=True) == 5
+    out = await waiting
+    assert out.policy_version == 5 and out.token_ids == hf_greedy(perturbed, prompts[0], 16)
+    assert_logprobs_match(out, full_logprobs(perturbed, prompts[0], out.token_ids))
+
+
 async def test_update_weights_rejects_bad_tensors_and_changes_nothing(fresh_engine, model, prompts):
     eng = fresh_engine(copy.deepcopy(model))
     before = await eng.generate(prompts[1], GREEDY, request_id="a")

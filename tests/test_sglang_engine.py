@@ -95,6 +95,23 @@ async def test_update_weights_writes_safetensors_the_server_loads(embedded, fake
         await SGLangEngine(url).update_weights(tiny_qwen3.state_dict())
 
 
+async def test_a_streamed_update_stages_a_file_per_bucket_and_reloads_once(embedded, fake_server, tiny_qwen3,
+                                                                           tmp_path):
+    fake, url = fake_server
+    sglang = SGLangEngine(url, weights_dir=tmp_path / "weights")
+    params = list(tiny_qwen3.named_parameters())
+    version = fake.weight_version
+    assert await sglang.update_weights(params[:3], version=8, final=False) == 0
+    assert await sglang.update_weights(params[3:9], version=8, final=False) == 0
+    assert fake.weight_version == version  # nothing reloaded from a half-written folder
+    assert await sglang.update_weights(params[9:], version=8) == 8
+    assert fake.weight_version == "8"
+    files = sorted(f.name for f in (tmp_path / "weights").iterdir())
+    assert files == ["model-00001.safetensors", "model-00002.safetensors", "model-00003.safetensors"]
+    assert await sglang.update_weights(dict(params), version=9) == 9  # a one-shot update replaces the parts
+    assert sorted(f.name for f in (tmp_path / "weights").iterdir()) == ["model.safetensors"]
+
+
 async def test_sleep_wake_abort_and_errors(qwen3_tokenizer):
     slow = ScriptedEngine(qwen3_tokenizer, lambda rid, turn, text: "a b c", latency_s=3.0)
     fake = FakeSGLang(slow, max_context=50)

@@ -35,7 +35,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def sampling_params(cfg: RolloutConfig) -> SamplingParams:
@@ -71,7 +70,7 @@ def load_engine(source: str, cfg: EngineConfig, *, eos_token_ids: list[int] = ()
                 dtype: str = "float32") -> Engine:
     """`build_engine` with its weights: an embedded engine loads `source` (a model name or directory) in `dtype`
     here; vLLM in process loads it itself; server engines load nothing here."""
-    from turnrl.models import load_model
+    from turnrl.models import DTYPES, load_model
 
     model = load_model(source, dtype=DTYPES[dtype]) if cfg.kind == "embedded" else None
     return build_engine(model, cfg, eos_token_ids, image_processor, model_path=source)
@@ -282,7 +281,7 @@ def build_trainer(cfg: TrainConfig, *, checkpoint: Path | None = None,
     """The Trainer of `cfg` over its built components, and the stack to close when done. `checkpoint` (a
     model directory) replaces the base model's weights, in the policy and in the engines."""
     from turnrl.data import load_rows
-    from turnrl.models import load_model
+    from turnrl.models import DTYPES, load_model
     from turnrl.trainer import Trainer
 
     torch.manual_seed(cfg.seed)
@@ -295,10 +294,10 @@ def build_trainer(cfg: TrainConfig, *, checkpoint: Path | None = None,
     weights = str(checkpoint) if checkpoint else None
     stack = build_stack(cfg.model, cfg.rollout, cfg.engine, reward=cfg.reward, server=cfg.rollout_server,
                         weights=weights, dtype=cfg.dtype)
-    # the engines hold their own copy of the weights; this one trains, where cfg.device says
+    # the engines hold their own copy of the weights; this one trains (the Trainer moves or shards it onto the
+    # devices cfg.device and cfg.trainer say)
     policy = load_model(weights or cfg.model, dtype=DTYPES[cfg.dtype]).eval()
     if checkpoint and cfg.rollout_server:  # the server's engine loaded its own weights: give it the checkpoint's
         asyncio.run(stack.engine.update_weights(policy.state_dict()))
-    trainer = Trainer(cfg, policy.to(cfg.device), stack.engine, stack.rollout, train_rows, eval_rows, console,
-                      stack.tracer)
+    trainer = Trainer(cfg, policy, stack.engine, stack.rollout, train_rows, eval_rows, console, stack.tracer)
     return trainer, stack

@@ -148,6 +148,43 @@ class OptimConfig(Strict):
     micro_batch_tokens: int = Field(4096, ge=64)
     """Tokens per packed forward/backward (sequences are packed without padding up to this budget)."""
     gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass (activation checkpointing)."""
+
+
+class LoraConfig(Strict):
+    r: int = Field(16, ge=1)
+    """Rank of the adapters (peft LoRA)."""
+    alpha: float = Field(32.0, gt=0)
+    """Scale of the adapters: the update is (alpha / r) · B·A."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input while training."""
+    target_modules: list[str] | str = "all-linear"
+    """Module names (suffixes) that get adapters, e.g. [q_proj, v_proj]; "all-linear" = every linear layer but
+    the LM head (peft's shorthand)."""
+
+
+class TrainerConfig(Strict):
+    parallel: Literal["none", "fsdp"] = "none"
+    """none: one process on `device`. fsdp: FSDP2 (`fully_shard` per decoder layer and at the root) over
+    `world_size` ranks started by torchrun; the update is the same at any world size (docs/distributed.md).
+    With fsdp the sharded parameters, the gradient reduction and the optimizer state are fp32 and `dtype` is
+    the compute dtype (bfloat16: mixed precision)."""
+    world_size: int = Field(1, ge=1)
+    """Trainer ranks; under torchrun it must equal WORLD_SIZE."""
+    cpu_offload: bool = False
+    """fsdp: keep the sharded parameters, gradients and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy);
+    the optimizer step runs on the CPU. Trades step time for device memory."""
+    save_hf: bool = True
+    """Write the policy as a Hugging Face directory (checkpoint/model) at every checkpoint, beside the sharded
+    state. false: only config and tokenizer go there; the weights come from the sharded state by `turnrl export`."""
+    lora: LoraConfig | None = None
+    """Train LoRA adapters (peft) instead of every weight; None = full fine-tuning."""
+
+
+class WeightSyncConfig(Strict):
+    bucket_mb: float = Field(512.0, gt=0)
+    """Weights go to the engines in buckets of about this many MB (a tensor larger than a bucket goes alone): the
+    trainer never holds more than one bucket of gathered weights beyond its shard."""
 
 
 class RewardConfig(Strict):
@@ -199,11 +236,15 @@ class TrainConfig(Strict):
     algo: AlgoConfig = AlgoConfig()
     optim: OptimConfig = OptimConfig()
     reward: RewardConfig = RewardConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    weight_sync: WeightSyncConfig = WeightSyncConfig()
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
         if self.algo.loss_agg == "seq_mean_token_sum_norm" and self.algo.norm_constant is None:
             raise ValueError("algo.norm_constant is required with algo.loss_agg=seq_mean_token_sum_norm")
+        if self.trainer.parallel == "none" and self.trainer.world_size > 1:
+            raise ValueError(f"trainer.world_size={self.trainer.world_size} needs trainer.parallel: fsdp")
         return self
 
 

@@ -27,6 +27,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""The `dtype` config values."""
+
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

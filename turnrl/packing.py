@@ -126,21 +126,20 @@ def _build_row(sequences, members: list[int]) -> PackedRow:
 
 
 def packed_token_logprobs(model: torch.nn.Module, row: PackedRow, temperature: float = 1.0) -> torch.Tensor:
-    """Logprob of each target token under `model` with logits / temperature (as the engine sampled). [N]"""
-    if hasattr(model.config, "vision_config"):
-        hidden = _vl_hidden(model, row)
-    else:
-        base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-        hidden = base(input_ids=row.input_ids, position_ids=row.position_ids,
-                      turnrl_cu_seqlens=row.cu_seqlens).last_hidden_state  # [1, T, H]
-    logits_N_V = model.lm_head(hidden[0, row.predict_at]).float()
+    """Logprob of each target token under `model` with logits / temperature (as the engine sampled). [N]
+
+    Through the model's own forward with `logits_to_keep` = the predicting positions, so the LM head runs
+    only there and wrappers that hook the top-level call (FSDP2's all-gathers, peft) see an ordinary one."""
+    inputs = _vl_inputs(model, row) if hasattr(model.config, "vision_config") else {"position_ids": row.position_ids}
+    logits_N_V = model(input_ids=row.input_ids, turnrl_cu_seqlens=row.cu_seqlens, logits_to_keep=row.predict_at,
+                       use_cache=False, **inputs).logits[0].float()
     if temperature > 0 and temperature != 1.0:
         logits_N_V = logits_N_V / temperature
     return logits_N_V.log_softmax(-1).gather(1, row.targets[:, None])[:, 0]
 
 
-def _vl_hidden(model: torch.nn.Module, row: PackedRow) -> torch.Tensor:
-    """VLM forward of a packed row: each sequence's M-RoPE positions from 0, pixels of all its images."""
+def _vl_inputs(model: torch.nn.Module, row: PackedRow) -> dict[str, torch.Tensor]:
+    """VLM inputs of a packed row: each sequence's M-RoPE positions from 0, pixels of all its images."""
     from turnrl.multimodal import vl_positions
 
     mms = row.mm_inputs or [None] * (len(row.cu_seqlens) - 1)
@@ -151,8 +150,7 @@ def _vl_hidden(model: torch.nn.Module, row: PackedRow) -> torch.Tensor:
         positions.append(vl_positions(model, ids[a:b], grid)[0])
     with_images = [mm for mm in mms if mm]
     pixels = {key: torch.cat([mm[key] for mm in with_images]) for key in with_images[0]} if with_images else {}
-    return model.model(input_ids=row.input_ids, position_ids=torch.cat(positions, dim=2),
-                       turnrl_cu_seqlens=row.cu_seqlens, **pixels).last_hidden_state
+    return {"position_ids": torch.cat(positions, dim=2), **pixels}
 
 
 def unpack_to_padded(values_N: torch.Tensor, row: PackedRow, lengths: list[int]) -> torch.Tensor:

@@ -8,7 +8,7 @@ Endpoints (JSON; errors are `{"error": {"message", "type", "code"}}`):
 Token level, what `HttpEngine` speaks (wire format in turnrl/engines/http.py):
     POST /generate          {prompt_ids, sampling, request_id, images?} -> {token_ids, logprobs, finish_reason,
                             policy_version, cached_prompt_tokens}
-    POST /update_weights    safetensors bytes (?version=N), or {"path": "...", "version": N?} -> {policy_version}
+    POST /update_weights    safetensors bytes (?version=N&final=false), or {"path": "...", "version": N?} -> {policy_version}
     POST /sleep | /wake_up  -> {"ok": true}
     POST /release           {request_id} -> {"ok": true}
     GET  /health            -> {status, model, policy_version, sessions}
@@ -197,7 +197,9 @@ def _add_token_routes(app: Any, engine: Engine) -> None:
         else:
             tensors = tensors_from_safetensors_bytes(await request.body())
             version = request.query_params.get("version")
-        new_version = await engine.update_weights(tensors, None if version is None else int(version))
+        # final=false: one bucket of a streamed update (passed on only then, so any engine takes one-shot ones)
+        streamed = {"final": False} if request.query_params.get("final", "").lower() == "false" else {}
+        new_version = await engine.update_weights(tensors, None if version is None else int(version), **streamed)
         return {"policy_version": new_version}
 
     @app.post("/sleep")

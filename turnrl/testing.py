@@ -87,8 +87,10 @@ class LatencyEngine:
                 if not p.done.done():  # a cancelled caller
                     p.done.set_result(None)
 
-    async def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> int:
-        self.policy_version = self.policy_version + 1 if version is None else version
+    async def update_weights(self, named_tensors: NamedTensors, version: int | None = None, *,
+                             final: bool = True) -> int:
+        if final:
+            self.policy_version = self.policy_version + 1 if version is None else version
         return self.policy_version
 
     async def sleep(self) -> None:
@@ -166,8 +168,9 @@ class LockstepEngine:
         finally:
             await self._answered.wait()
 
-    async def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> int:
-        return await self.inner.update_weights(named_tensors, version)
+    async def update_weights(self, named_tensors: NamedTensors, version: int | None = None, *,
+                             final: bool = True) -> int:
+        return await self.inner.update_weights(named_tensors, version, final=final)
 
     async def sleep(self) -> None:
         await self.inner.sleep()

@@ -26,6 +26,7 @@ What is kept from GRPO/PPO and what is not (see turnrl.algos for the formulas):
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import math
@@ -36,17 +37,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from rich.console import Console
 
 from turnrl import algos
+from turnrl.checkpoint import load_rng, load_training_state, save_rng, save_training_state, write_hf
 from turnrl.config import TrainConfig
+from turnrl.lora import apply_lora
+from turnrl.models import DTYPES
 from turnrl.observe import RolloutStats, TrajectoryWriter
-from turnrl.packing import pack_sequences, packed_token_logprobs, unpack_to_padded, use_varlen_attention
+from turnrl.packing import (
+    PackedRow,
+    pack_sequences,
+    packed_token_logprobs,
+    unpack_to_padded,
+    use_varlen_attention,
+)
+from turnrl.parallel import Parallel
 from turnrl.rollout import Rollout, run_groups
 from turnrl.tracing import TrajectoryTracer
 from turnrl.types import SamplingParams, Trajectory
+from turnrl.weights import push_weights
 
 log = logging.getLogger(__name__)
 
@@ -138,29 +149,24 @@ def to_sample(traj: Trajectory, advantage: float) -> TrainSample:
 class Trainer:
     """The training loop over built components (turnrl.build makes them from a config): `rollout` runs the
     trajectories on `engine`, which gets the new weights after each step; `tracer` exports trajectories
-    (None: no tracing)."""
+    (None: no tracing); `parallel` is the process group the policy is sharded over (None: one process)."""
 
     def __init__(self, cfg: TrainConfig, policy: torch.nn.Module, engine: Any, rollout: Rollout,
                  train_rows: list[dict], eval_rows: list[dict], console: Console | None = None,
-                 tracer: TrajectoryTracer | None = None):
-        self.cfg, self.policy, self.engine, self.rollout = cfg, policy, engine, rollout
-        self.device = next(policy.parameters()).device
+                 tracer: TrajectoryTracer | None = None, parallel: Parallel | None = None):
+        self.cfg, self.engine, self.rollout = cfg, engine, rollout
+        self.parallel = parallel or Parallel.start(cfg.trainer, cfg.device)
         self.train_rows, self.eval_rows = train_rows, eval_rows
         self.console = console or Console()
         self.out = Path(cfg.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.reference = None
-        if cfg.algo.kl_coef > 0:
-            self.reference = copy.deepcopy(policy).eval().requires_grad_(False)
-        use_varlen_attention(policy)
-        if self.reference is not None:
-            use_varlen_attention(self.reference)
-        if cfg.optim.gradient_checkpointing:
-            policy.gradient_checkpointing_enable()
+        self.policy, self.reference = self._prepare(policy)
+        self.device = self.parallel.device
+        self.uses_kl = cfg.algo.kl_coef > 0
         o = cfg.optim
         # fused: one kernel over all parameters instead of a Python loop over each (~4x faster step on CPU)
-        self.optimizer = torch.optim.AdamW(policy.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay,
-                                           fused=True)
+        self.optimizer = torch.optim.AdamW([p for p in self.policy.parameters() if p.requires_grad], lr=o.lr,
+                                           betas=o.betas, weight_decay=o.weight_decay, fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda k: min(1.0, (k + 1) / o.warmup_steps) if o.warmup_steps else 1.0)
         self.sampler = PromptSampler(len(train_rows), cfg.prompts_per_step, cfg.seed, cfg.shuffle)
@@ -168,11 +174,30 @@ class Trainer:
         self.history: list[dict[str, float]] = []
         self.tracer = tracer if tracer is not None else TrajectoryTracer(None)
 
+    def _prepare(self, policy: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+        """The policy as it trains (LoRA adapters, activation checkpointing, sharded over the ranks) and the
+        frozen KL reference, sharded the same way; with LoRA the reference is the policy with its adapters
+        off, so there is no second model."""
+        cfg = self.cfg
+        reference = None
+        if cfg.algo.kl_coef > 0 and cfg.trainer.lora is None:
+            reference = copy.deepcopy(policy).eval().requires_grad_(False)
+        if cfg.optim.gradient_checkpointing:  # non-reentrant: works with frozen inputs (LoRA) and FSDP
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.trainer.lora is not None:
+            policy = apply_lora(policy, cfg.trainer.lora)
+        compute = None if cfg.dtype == "float32" else DTYPES[cfg.dtype]
+        models = [m for m in (policy, reference) if m is not None]
+        for m in models:
+            use_varlen_attention(m)
+            self.parallel.shard(m, compute_dtype=compute, cpu_offload=cfg.trainer.cpu_offload)
+        return policy, reference
+
     # ---- the loop ---------------------------------------------------------------------------------
     async def train(self) -> list[dict[str, float]]:
         self.tracer.log_params(self.cfg.model_dump())
         if self.cfg.resume and self.load_checkpoint():
-            await self.engine.update_weights(self.policy.state_dict(), version=self.step)
+            await self.sync_weights()
         if self.step == 0 and self.eval_rows:
             self._log(await self.evaluate("before"))
         from rich.progress import Progress
@@ -205,7 +230,7 @@ class Trainer:
                     self.tracer.export(traj, self.step, "train")
                     writer.write(traj)
         scored, adv_stats = group_advantages(groups, self.cfg)
-        samples = [to_sample(t, a) for t, a in scored if a != 0.0 or self.reference is not None]
+        samples = [to_sample(t, a) for t, a in scored if a != 0.0 or self.uses_kl]
         fallback = sum(s.rollout_logprobs is None for s in samples)
         if fallback:
             log.warning("step %d: %d trajectories have no usable rollout logprobs; trained without IS correction",
@@ -213,52 +238,66 @@ class Trainer:
         t1 = time.perf_counter()
         update = self.update(samples) if samples else {}
         t_update = time.perf_counter() - t1
-        version = await self.engine.update_weights(self.policy.state_dict(), version=self.step)
-        metrics = {"step": float(self.step), **stats.summary(), **adv_stats, **update,
+        sync = await self.sync_weights()
+        metrics = {"step": float(self.step), **stats.summary(), **adv_stats, **update, **sync,
                    "train/samples": float(len(samples)), "train/is_fallback": float(fallback),
-                   "train/policy_version": float(version), "time/rollout_s": t_rollout, "time/update_s": t_update,
+                   "time/rollout_s": t_rollout, "time/update_s": t_update,
                    "time/step_s": time.perf_counter() - t0, "train/lr": self.scheduler.get_last_lr()[0]}
         return metrics
 
-    # ---- the update -------------------------------------------------------------------------------
+    # ---- the update ----------------------------------------------------------------------------------
     def update(self, samples: list[TrainSample]) -> dict[str, float]:
-        cfg, a = self.cfg, self.cfg.algo
+        """PPO epochs over `samples` (every rank passes the same list); the same update at any world size."""
+        cfg = self.cfg
         temperature = cfg.rollout.sampling.temperature or 1.0
         self.policy.train()
-        sums: dict[str, list[float]] = defaultdict(list)
-        tokens, t0 = 0, time.perf_counter()
+        tally, t0 = _Tally(), time.perf_counter()
         old = self._old_logprobs(samples, temperature) if cfg.optim.epochs * cfg.optim.mini_batches > 1 else None
         rng = random.Random(cfg.seed * 7919 + self.step)
         for _ in range(cfg.optim.epochs):
             order = list(range(len(samples)))
             rng.shuffle(order)
             for mb in _split(order, cfg.optim.mini_batches):
-                masks = [torch.tensor(samples[i].loss_mask) for i in mb]
-                mask_B_T = torch.nn.utils.rnn.pad_sequence(masks, batch_first=True)
-                denominator = algos.loss_denominator(mask_B_T, a.loss_agg).to(self.device)
-                self.optimizer.zero_grad(set_to_none=True)
-                rows = pack_sequences([(samples[i].prompt_ids, samples[i].response_ids, samples[i].loss_mask)
-                                       for i in mb], cfg.optim.micro_batch_tokens,
-                                      [samples[i].mm_inputs for i in mb])
-                for row in rows:
-                    row = row.to(self.device)
-                    members = [mb[k] for k in row.sequence_index]
-                    loss, m = self._row_loss(row, [samples[i] for i in members], members, old, temperature,
-                                             denominator)
-                    loss.backward()
-                    tokens += row.input_ids.shape[1]
-                    for k, v in m.items():
-                        sums[k].append(v)
-                if cfg.optim.grad_clip:
-                    sums["train/grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(
-                        self.policy.parameters(), cfg.optim.grad_clip)))
-                self.optimizer.step()
-                self.scheduler.step()
+                self._optimizer_step(samples, mb, old, temperature, tally)
         self.policy.eval()
-        elapsed = time.perf_counter() - t0
-        out = {k: sum(v) / len(v) for k, v in sums.items()}
-        out.update({"train/tokens": float(tokens), "train/tokens_per_s": tokens / elapsed if elapsed else 0.0})
-        return out
+        return tally.summary(self.parallel, time.perf_counter() - t0)
+
+    def _optimizer_step(self, samples: list[TrainSample], mb: list[int], old: dict | None, temperature: float,
+                        tally: _Tally) -> None:
+        """One optimizer step on the mini-batch `mb`: this rank trains on its token-balanced share, packed into
+        micro-batches of at most `optim.micro_batch_tokens`, and divides by the mini-batch's global token (or
+        sequence) count; FSDP sums the gradients over ranks, so the step is the one-process step."""
+        a = self.cfg.algo
+        mine = [mb[k] for k in self.parallel.my_share([len(samples[i].prompt_ids) + len(samples[i].response_ids)
+                                                       for i in mb])]
+        local = float(algos.loss_denominator(_padded_masks(samples, mine), a.loss_agg)) if mine else 0.0
+        denominator = torch.tensor(self.parallel.all_sum([local])[0], device=self.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        rows = self._pack(samples, mine)
+        for k in range(self.parallel.all_max(len(rows))):  # FSDP: every rank runs as many forwards
+            if k >= len(rows):  # a padding row: the collectives of a forward and backward, zero gradient
+                loss, _ = self._row_loss(_padding_row().to(self.device), [_PADDING], [], None, temperature,
+                                         denominator)
+                (loss * 0.0).backward()
+                continue
+            row = rows[k].to(self.device)
+            loss, metrics = self._row_loss(row, [samples[i] for i in row.sequence_index], row.sequence_index, old,
+                                           temperature, denominator)
+            loss.backward()
+            tally.add_row(metrics, [samples[i] for i in row.sequence_index], tokens=row.input_ids.shape[1])
+        if self.cfg.optim.grad_clip:
+            tally.grad_norms.append(self.parallel.clip_grad_norm(
+                [p for p in self.policy.parameters() if p.requires_grad], self.cfg.optim.grad_clip))
+        self.optimizer.step()
+        self.scheduler.step()
+        tally.steps += 1
+
+    def _pack(self, samples: list[TrainSample], indices: list[int]) -> list[PackedRow]:
+        """`samples[indices]` packed into rows of at most optim.micro_batch_tokens; `sequence_index` holds
+        indices into `samples`."""
+        rows = pack_sequences([(samples[i].prompt_ids, samples[i].response_ids, samples[i].loss_mask) for i in indices],
+                              self.cfg.optim.micro_batch_tokens, [samples[i].mm_inputs for i in indices])
+        return [dataclasses.replace(r, sequence_index=[indices[j] for j in r.sequence_index]) for r in rows]
 
     def _row_loss(self, row, batch: list[TrainSample], members: list[int], old: dict | None, temperature: float,
                   denominator: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
@@ -283,9 +322,8 @@ class Trainer:
                                                         threshold=a.is_threshold)
             loss_B_T = loss_B_T * weights_B_T
             metrics.update({f"train/{k}": float(v) for k, v in ism.items()})
-        if self.reference is not None:
-            with torch.no_grad():
-                ref_B_T = unpack_to_padded(packed_token_logprobs(self.reference, row, temperature), row, lengths)
+        if self.uses_kl:
+            ref_B_T = unpack_to_padded(self._reference_logprobs(row, temperature), row, lengths)
             kl_B_T = algos.kl_penalty(logp_B_T, ref_B_T, a.kl_type)
             loss_B_T = loss_B_T + a.kl_coef * kl_B_T
             metrics["train/kl"] = float(algos.masked_mean(kl_B_T.detach(), mask_B_T))
@@ -295,16 +333,36 @@ class Trainer:
         return loss, metrics
 
     @torch.no_grad()
+    def _reference_logprobs(self, row: PackedRow, temperature: float) -> torch.Tensor:
+        """Logprobs under the KL reference: the frozen copy, or with LoRA the policy with its adapters off."""
+        if self.reference is not None:
+            return packed_token_logprobs(self.reference, row, temperature)
+        with self.policy.disable_adapter():
+            return packed_token_logprobs(self.policy, row, temperature)
+
+    @torch.no_grad()
     def _old_logprobs(self, samples: list[TrainSample], temperature: float) -> dict[int, torch.Tensor]:
-        """Logprobs of the policy before this step's updates, per sample (needed when it takes >1 update)."""
+        """Logprobs of the policy before this step's updates, per sample (needed when it takes >1 update).
+        Each rank computes its token-balanced share; every rank gets all of them."""
+        mine = self.parallel.my_share([len(s.prompt_ids) + len(s.response_ids) for s in samples])
+        rows = self._pack(samples, mine)
         old: dict[int, torch.Tensor] = {}
-        for row in pack_sequences([(s.prompt_ids, s.response_ids, s.loss_mask) for s in samples],
-                                  self.cfg.optim.micro_batch_tokens, [s.mm_inputs for s in samples]):
-            row = row.to(self.device)
+        for k in range(self.parallel.all_max(len(rows))):
+            row = (rows[k] if k < len(rows) else _padding_row()).to(self.device)
             logp_N = packed_token_logprobs(self.policy, row, temperature)
-            for k, i in enumerate(row.sequence_index):
-                old[i] = logp_N[row.target_seq == k]
-        return old
+            if k < len(rows):
+                for j, i in enumerate(row.sequence_index):
+                    old[i] = logp_N[row.target_seq == j].cpu()
+        if self.parallel.sharded:
+            old = {i: t for part in self.parallel.all_gather_object(old) for i, t in part.items()}
+        return {i: t.to(self.device) for i, t in old.items()}
+
+    async def sync_weights(self) -> dict[str, float]:
+        """The engine samples from the new policy: its weights streamed in buckets of weight_sync.bucket_mb
+        (rank 0 pushes, every rank gathers; with LoRA the merged adapted layers only)."""
+        return await push_weights(self.engine, self.policy, self.parallel,
+                                  bucket_bytes=int(self.cfg.weight_sync.bucket_mb * 2**20),
+                                  dtype=DTYPES[self.cfg.dtype], version=self.step)
 
     # ---- evaluation, logging, checkpoints -----------------------------------------------------------
     async def evaluate(self, tag: str) -> dict[str, float]:
@@ -332,22 +390,29 @@ class Trainer:
 
     def _log(self, metrics: dict[str, Any]) -> None:
         self.history.append(metrics)
+        if not self.parallel.is_main:
+            return
         self.tracer.log_metrics(metrics, self.step)
         with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(metrics) + "\n")
         self.console.print(format_step_line(metrics, self.cfg.steps))
 
     def save_checkpoint(self) -> Path:
+        """Sharded state that resumes exactly (every rank writes its part) and a Hugging Face model dir
+        (turnrl.checkpoint); `latest` names it once it is complete."""
         path = self.out / "checkpoints" / f"step_{self.step:06d}"
-        path.mkdir(parents=True, exist_ok=True)
-        self.policy.save_pretrained(path / "model")
-        self._save_tokenizer(path / "model")
-        torch.save({
-            "step": self.step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-            "sampler": self.sampler.state_dict(), "history": self.history,
-            "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
-        }, path / "trainer_state.pt")
-        (self.out / "checkpoints" / "latest").write_text(path.name)
+        save_rng(path, self.parallel.rank)
+        save_training_state(path, self.policy, self.optimizer)
+        write_hf(self.policy, path / "model", self.parallel, DTYPES[self.cfg.dtype], weights=self.cfg.trainer.save_hf)
+        if self.parallel.is_main:
+            self._save_tokenizer(path / "model")
+            torch.save({"step": self.step, "scheduler": self.scheduler.state_dict(),
+                        "sampler": self.sampler.state_dict(), "history": self.history,
+                        "world_size": self.parallel.world_size, "config": self.cfg.model_dump()},
+                       path / "trainer_state.pt")
+        self.parallel.barrier()  # every rank's files are written before `latest` points here
+        if self.parallel.is_main:
+            (self.out / "checkpoints" / "latest").write_text(path.name)
         return path
 
     def _save_tokenizer(self, where: Path) -> None:
@@ -362,30 +427,79 @@ class Trainer:
             (where / "chat_template.jinja").write_text(processor.chat_template)
 
     def load_checkpoint(self) -> bool:
-        """Restore model, optimizer, scheduler, data position, RNG and history from the latest checkpoint."""
+        """Restore weights, optimizer, scheduler, data position, RNG and history from the latest checkpoint,
+        whatever world size wrote it."""
         latest = self.out / "checkpoints" / "latest"
         if not latest.exists():
             log.warning("resume: no checkpoint in %s; starting from scratch", self.out)
             return False
         path = self.out / "checkpoints" / latest.read_text().strip()
-        from safetensors.torch import load_file
-
-        weights = {}
-        for f in sorted((path / "model").glob("*.safetensors")):
-            weights.update(load_file(f))
-        missing, unexpected = self.policy.load_state_dict(weights, strict=False)
-        if unexpected or [k for k in missing if "lm_head" not in k]:  # tied heads are not saved twice
-            raise RuntimeError(f"checkpoint {path}: missing {missing[:3]} unexpected {unexpected[:3]}")
         state = torch.load(path / "trainer_state.pt", weights_only=False)
-        self.optimizer.load_state_dict(state["optimizer"])
+        saved_lora = state["config"]["trainer"]["lora"]
+        lora = self.cfg.trainer.lora
+        if saved_lora != (lora.model_dump() if lora else None):
+            raise ValueError(f"checkpoint {path}: trainer.lora was {saved_lora}, the config now has {lora}; "
+                             "resume with the same adapters")
+        load_training_state(path, self.policy, self.optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
         self.step, self.history = state["step"], state["history"]
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
-        torch.set_rng_state(state["rng"]["torch"])
-        self.console.print(f"resumed from {path} (step {self.step})")
+        load_rng(path, self.parallel.rank)
+        if self.parallel.is_main:
+            self.console.print(f"resumed from {path} (step {self.step}, written by {state['world_size']} ranks, "
+                               f"now {self.parallel.world_size})")
         return True
+
+
+class _Tally:
+    """Update metrics that mean the same at any world size: `train/loss` is each mini-batch's loss (the sum of
+    its micro-batches' shares over all ranks), averaged over optimizer steps; the other metrics are means
+    over what they are defined on, across all ranks: trained tokens, trained tokens of samples with rollout
+    logprobs (the IS metrics), samples (`is_valid_frac`). `is_ess` is not a mean: its value is per
+    micro-batch, averaged the same way."""
+
+    def __init__(self):
+        self.weighted: dict[str, float] = defaultdict(float)
+        self.weights: dict[str, float] = defaultdict(float)
+        self.loss, self.tokens, self.steps = 0.0, 0, 0
+        self.grad_norms: list[float] = []
+
+    def add_row(self, metrics: dict[str, float], batch: list[TrainSample], *, tokens: int) -> None:
+        self.loss += metrics.pop("train/loss")
+        trained = sum(sum(s.loss_mask) for s in batch)
+        corrected = sum(sum(s.loss_mask) for s in batch if s.rollout_logprobs is not None)
+        for k, v in metrics.items():
+            weight = (len(batch) if k == "train/is_valid_frac" else
+                      corrected if k.startswith(("train/is_", "train/mismatch_")) else trained)
+            self.weighted[k] += v * weight
+            self.weights[k] += weight
+        self.tokens += tokens
+
+    def summary(self, parallel: Parallel, elapsed: float) -> dict[str, float]:
+        parts = parallel.all_gather_object((dict(self.weighted), dict(self.weights), self.loss, self.tokens))
+        weighted, weights = defaultdict(float), defaultdict(float)
+        for w, n, _, _ in parts:
+            for k in w:
+                weighted[k] += w[k]
+                weights[k] += n[k]
+        out = {k: weighted[k] / weights[k] if weights[k] else 0.0 for k in sorted(weighted)}
+        tokens = sum(p[3] for p in parts)
+        out["train/loss"] = sum(p[2] for p in parts) / max(self.steps, 1)
+        if self.grad_norms:
+            out["train/grad_norm"] = sum(self.grad_norms) / len(self.grad_norms)
+        out.update({"train/tokens": float(tokens), "train/tokens_per_s": tokens / elapsed if elapsed else 0.0})
+        return out
+
+
+_PADDING = TrainSample([0], [0], [1], None, 0.0)
+
+
+def _padding_row() -> PackedRow:
+    return pack_sequences([(_PADDING.prompt_ids, _PADDING.response_ids, _PADDING.loss_mask)], 64)[0]
+
+
+def _padded_masks(samples: list[TrainSample], indices: list[int]) -> torch.Tensor:
+    return torch.nn.utils.rnn.pad_sequence([torch.tensor(samples[i].loss_mask) for i in indices], batch_first=True)
 
 
 def _split(order: list[int], parts: int) -> list[list[int]]:

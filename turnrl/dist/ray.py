@@ -76,10 +76,11 @@ class EngineActor:
                        images: list[Any] | None = None) -> GenerateOutput:
         return await self.engine.generate(prompt_ids, params, request_id=request_id, images=images)
 
-    async def update_weights(self, weights: dict[str, Any] | ray.ObjectRef, version: int | None = None) -> int:
+    async def update_weights(self, weights: dict[str, Any] | ray.ObjectRef, version: int | None = None,
+                             final: bool = True) -> int:
         if isinstance(weights, ray.ObjectRef):  # Ray resolves a top-level ref argument, not one in a container
             weights = await weights
-        return await self.engine.update_weights(weights, version)
+        return await self.engine.update_weights(weights, version, final=final)
 
     async def sleep(self) -> None:
         await self.engine.sleep()
@@ -114,9 +115,10 @@ class RayEngine:
                 ray.cancel(ref)  # the actor's engine drops the request instead of finishing it for no one
             raise
 
-    async def update_weights(self, named_tensors: NamedTensors | ray.ObjectRef, version: int | None = None) -> int:
+    async def update_weights(self, named_tensors: NamedTensors | ray.ObjectRef, version: int | None = None, *,
+                             final: bool = True) -> int:
         """Accepts tensors (put in the object store here) or a ref of a state dict already put there."""
-        return await self.actor.update_weights.remote(_put_weights(named_tensors), version)
+        return await self.actor.update_weights.remote(_put_weights(named_tensors), version, final)
 
     async def sleep(self) -> None:
         await self.actor.sleep.remote()
@@ -146,10 +148,12 @@ class RayEngineGroup:
                        images: list[Any] | None = None) -> GenerateOutput:
         return await self.router.generate(prompt_ids, params, request_id=request_id, images=images)
 
-    async def update_weights(self, named_tensors: NamedTensors | ray.ObjectRef, version: int | None = None) -> int:
-        """Put the state dict in the object store once, then load it on every actor; raises if any fails."""
+    async def update_weights(self, named_tensors: NamedTensors | ray.ObjectRef, version: int | None = None, *,
+                             final: bool = True) -> int:
+        """Put the tensors (a whole state dict or one bucket of it) in the object store once, then load them
+        on every actor; raises if any fails."""
         ref = _put_weights(named_tensors)
-        versions = await asyncio.gather(*(a.update_weights.remote(ref, version) for a in self.actors))
+        versions = await asyncio.gather(*(a.update_weights.remote(ref, version, final) for a in self.actors))
         return max(versions)
 
     async def sleep(self) -> None:

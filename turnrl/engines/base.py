@@ -39,8 +39,15 @@ class Engine(Protocol):
         """Sample a continuation of `prompt_ids` (with `images`, in order, for a VLM)."""
         ...
 
-    async def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> int:
-        """Load new weights (name -> tensor, HF parameter names). Returns the new policy version."""
+    async def update_weights(self, named_tensors: NamedTensors, version: int | None = None, *,
+                             final: bool = True) -> int:
+        """Load new weights (name -> tensor, HF parameter names; any subset of the model's). Returns the
+        policy version (the new one after a final call).
+
+        A trainer streaming a large model sends it in buckets: every call but the last has `final=False`,
+        and the engine takes the version (and drops caches computed with the old weights) at the final
+        call. Between the first and the final bucket the weights are half old, half new: backends that
+        can hold generation meanwhile do (embedded); trainers sync between rollout phases anyway."""
         ...
 
     async def sleep(self) -> None:

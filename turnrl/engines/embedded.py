@@ -279,6 +279,7 @@ class EmbeddedEngine:
         self._active: list[_Request] = []
         self._wake = threading.Event()
         self._stopped = False
+        self._updating = False  # between the first and the final bucket of a streamed weight update
         self.stats = {"decode_steps": 0, "prefill_forwards": 0, "prefill_tokens": 0, "cached_prompt_tokens": 0,
                       "generated_tokens": 0, "requests": 0, "busy_s": 0.0}
         self._thread = threading.Thread(target=self._run, name="turnrl-engine", daemon=True)
@@ -318,9 +319,10 @@ class EmbeddedEngine:
             self._wake.set()
             raise
 
-    async def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> int:
+    async def update_weights(self, named_tensors: NamedTensors, version: int | None = None, *,
+                             final: bool = True) -> int:
         items = dict(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
-        return await self._call(("update_weights", items, version))
+        return await self._call(("update_weights", items, version, final))
 
     async def release(self, request_id: str) -> None:
         await self._call(("release", request_id))
@@ -366,7 +368,7 @@ class EmbeddedEngine:
         with torch.inference_mode():
             while not self._stopped:
                 self._drain_inbox()
-                if not self._active and not self._waiting:
+                if self._updating or (not self._active and not self._waiting):
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
@@ -409,7 +411,7 @@ class EmbeddedEngine:
     def _command(self, command: tuple):
         name = command[0]
         if name == "update_weights":
-            return self._load_weights(command[1], command[2])
+            return self._load_weights(*command[1:])
         if name == "release":
             self._unpark(command[1])
         elif name == "sleep":
@@ -421,7 +423,7 @@ class EmbeddedEngine:
         return None
 
     # ---- weights ---------------------------------------------------------------------------------
-    def _load_weights(self, tensors: dict[str, torch.Tensor], version: int | None) -> int:
+    def _load_weights(self, tensors: dict[str, torch.Tensor], version: int | None, final: bool = True) -> int:
         # remove_duplicate=False: a state dict names tied weights twice (lm_head.weight and embed_tokens.weight)
         params = dict(self.model.named_parameters(remove_duplicate=False))
         params.update(dict(self.model.named_buffers(remove_duplicate=False)))
@@ -434,7 +436,9 @@ class EmbeddedEngine:
         for name, t in tensors.items():
             params[name].copy_(t)
         self._drop_parked()  # parked KV was computed with the old weights
-        self.policy_version = self.policy_version + 1 if version is None else version
+        self._updating = not final  # no token is sampled from half-updated weights (see _run)
+        if final:
+            self.policy_version = self.policy_version + 1 if version is None else version
         return self.policy_version
 
     # ---- prefix reuse ----------------------------------------------------------------------------

@@ -10,7 +10,8 @@ The wire format (JSON unless said otherwise; `turnrl/serve.py` is the other side
                          "images": [str]?}
                         -> {"token_ids": [int], "logprobs": [float], "finish_reason": "stop"|"length"|"abort",
                             "policy_version": int, "cached_prompt_tokens": int}
-    POST /update_weights  body: a safetensors file (application/octet-stream), query `?version=N` (optional),
+    POST /update_weights  body: a safetensors file (application/octet-stream), query `?version=N` (optional)
+                        and `&final=false` (one bucket of a streamed update: the version is taken at the final),
                         or JSON {"path": "<file.safetensors or a folder of them, on the server>", "version": N?}
                         -> {"policy_version": int}
     POST /sleep, POST /wake_up                  -> {"ok": true}
@@ -30,6 +31,7 @@ import dataclasses
 import io
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -108,6 +110,29 @@ def safetensors_bytes(named_tensors: NamedTensors) -> bytes:
         storages.add(t.untyped_storage().data_ptr())
         out[name] = t
     return save_safetensors_bytes(out)
+
+
+class WeightsFolder:
+    """Weight pushes through a folder that a server reloads from (SGLang, vLLM server). A one-shot update is
+    `model.safetensors`; a streamed one (buckets with final=False, then the final one) writes a file per
+    bucket, and the server is asked to reload once, after the final. A file appears under its real name only
+    when complete (tmp + rename); the previous update's files go when a new one starts."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+        self.parts = 0  # buckets written of the update in progress
+
+    async def write(self, named_tensors: NamedTensors, final: bool) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        if self.parts == 0:
+            for old in self.folder.glob("model*.safetensors"):
+                old.unlink()
+        name = "model.safetensors" if final and self.parts == 0 else f"model-{self.parts + 1:05d}.safetensors"
+        payload = await asyncio.to_thread(safetensors_bytes, named_tensors)
+        tmp = self.folder / f"{name}.tmp"
+        await asyncio.to_thread(tmp.write_bytes, payload)
+        os.replace(tmp, self.folder / name)  # never a half-written file under the real name
+        self.parts = 0 if final else self.parts + 1
 
 
 def tensors_from_safetensors_bytes(payload: bytes) -> dict[str, torch.Tensor]:
@@ -211,11 +236,12 @@ class HttpEngine:
         data = await self._request("POST", "/generate", json=body)
         return output_from_json(data, f"POST {self.base_url}/generate")
 
-    async def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> int:
+    async def update_weights(self, named_tensors: NamedTensors, version: int | None = None, *,
+                             final: bool = True) -> int:
         payload = safetensors_bytes(named_tensors)
+        params = {k: v for k, v in (("version", version), ("final", None if final else "false")) if v is not None}
         data = await self._request("POST", "/update_weights", content=payload,
-                                   headers={"content-type": "application/octet-stream"},
-                                   params=None if version is None else {"version": version})
+                                   headers={"content-type": "application/octet-stream"}, params=params or None)
         return self._version(data)
 
     async def update_weights_from_path(self, path: str, version: int | None = None) -> int:

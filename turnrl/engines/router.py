@@ -147,10 +147,13 @@ class Router:
             f"{self.max_retries}); last error: {last_error}"
         )
 
-    async def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> int:
+    async def update_weights(self, named_tensors: NamedTensors, version: int | None = None, *,
+                             final: bool = True) -> int:
         # `named_tensors` may be a one-shot iterator, and every replica needs all of it.
         weights = dict(named_tensors)
-        versions = await self._broadcast("update_weights", lambda e: e.update_weights(weights, version))
+        # `final` only when streaming, so engines written before buckets existed still take one-shot updates
+        streamed = {} if final else {"final": False}
+        versions = await self._broadcast("update_weights", lambda e: e.update_weights(weights, version, **streamed))
         if len(set(versions.values())) > 1:
             logger.warning(
                 "Router.update_weights: replicas disagree on the version %s; using the max", versions

@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from turnrl.engines.base import EngineError, NamedTensors
-from turnrl.engines.http import JsonHttp, _excerpt, encode_image, safetensors_bytes
+from turnrl.engines.http import JsonHttp, WeightsFolder, _excerpt, encode_image
 from turnrl.types import FinishReason, GenerateOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,8 @@ class SGLangEngine:
         base_url: the server root, e.g. `http://localhost:30000`.
         api_key: sent as `Authorization: Bearer` (SGLang's `--api-key`).
         weights_dir: a folder both this process and the server can read at this path; `update_weights`
-            writes `model.safetensors` there. None: `update_weights` raises.
+            writes `model.safetensors` there (a file per bucket when streamed, see `WeightsFolder`). None:
+            `update_weights` raises.
         sleep_tags: memory regions released by `sleep` ("weights", "kv_cache"); None releases all.
         timeout_s / connect_timeout_s: per request / to open a connection.
     """
@@ -79,6 +80,7 @@ class SGLangEngine:
                              connect_timeout_s=connect_timeout_s)
         self.base_url, self.api_key = self.http.base_url, api_key
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
+        self._weights = WeightsFolder(self.weights_dir) if self.weights_dir is not None else None
         self.sleep_tags = sleep_tags
         self.policy_version = 0
         self._rid_counter = itertools.count()
@@ -104,18 +106,17 @@ class SGLangEngine:
             raise
         return self._parse_output(data, rid)
 
-    async def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> int:
+    async def update_weights(self, named_tensors: NamedTensors, version: int | None = None, *,
+                             final: bool = True) -> int:
         if self.weights_dir is None:
             raise EngineError(
                 "SGLangEngine.update_weights needs weights_dir: a folder the SGLang server can read at the same "
                 "path (its /update_weights_from_disk loads safetensors from there)"
             )
         new_version = self.policy_version + 1 if version is None else int(version)
-        self.weights_dir.mkdir(parents=True, exist_ok=True)
-        payload = await asyncio.to_thread(safetensors_bytes, named_tensors)
-        tmp = self.weights_dir / "model.safetensors.tmp"
-        await asyncio.to_thread(tmp.write_bytes, payload)
-        os.replace(tmp, self.weights_dir / "model.safetensors")  # never a half-written file under the real name
+        await self._weights.write(named_tensors, final)
+        if not final:  # one bucket of several: the server reloads the folder after the last
+            return self.policy_version
         data = await self._request("POST", "/update_weights_from_disk", json={
             "model_path": str(self.weights_dir), "weight_version": str(new_version),
         })

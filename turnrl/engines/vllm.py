@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from turnrl.engines.base import EngineError, NamedTensors
-from turnrl.engines.http import JsonHttp, _excerpt, safetensors_bytes
+from turnrl.engines.http import JsonHttp, WeightsFolder, _excerpt
 from turnrl.types import FinishReason, GenerateOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -177,18 +177,22 @@ class VLLMEngine:
             self._inbox.put(lambda: self._abort(rid))
             raise
 
-    async def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> int:
+    async def update_weights(self, named_tensors: NamedTensors, version: int | None = None, *,
+                             final: bool = True) -> int:
         new_version = self.policy_version + 1 if version is None else int(version)
         items = named_tensors.items() if hasattr(named_tensors, "items") else named_tensors
 
         def push() -> None:
+            # a streamed update sends whole layers per bucket (turnrl.weights.plan_buckets): vLLM's reload
+            # processes a fused layer (qkv, gate_up) from all of its parts at once
             weights = ((name, tensor.detach()) for name, tensor in items)
             self.engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-            self.engine.reset_prefix_cache(reset_running_requests=True)
-            self.policy_version = new_version
+            if final:
+                self.engine.reset_prefix_cache(reset_running_requests=True)
+                self.policy_version = new_version
 
         await self._call(push)
-        return new_version
+        return self.policy_version
 
     async def sleep(self) -> None:
         if self._sleep_mode_off():
@@ -332,6 +336,7 @@ class VLLMServerEngine:
         self.base_url = self.http.base_url
         self.model, self.api_key = model, api_key
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
+        self._weights = WeightsFolder(self.weights_dir) if self.weights_dir is not None else None
         self.eos_token_ids = frozenset(eos_token_ids)
         self.policy_version = 0
         self._rid_counter = itertools.count()
@@ -383,16 +388,15 @@ class VLLMServerEngine:
         return GenerateOutput(token_ids=token_ids, logprobs=logprobs, finish_reason=_FINISH[kind],
                               policy_version=self.policy_version)
 
-    async def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> int:
+    async def update_weights(self, named_tensors: NamedTensors, version: int | None = None, *,
+                             final: bool = True) -> int:
         if self.weights_dir is None:
             raise EngineError("VLLMServerEngine.update_weights needs weights_dir: a folder the vLLM server can read "
                               "at the same path (it reloads safetensors from there)")
         new_version = self.policy_version + 1 if version is None else int(version)
-        self.weights_dir.mkdir(parents=True, exist_ok=True)
-        payload = await asyncio.to_thread(safetensors_bytes, named_tensors)
-        tmp = self.weights_dir / "model.safetensors.tmp"
-        await asyncio.to_thread(tmp.write_bytes, payload)
-        os.replace(tmp, self.weights_dir / "model.safetensors")  # never a half-written file under the real name
+        await self._weights.write(named_tensors, final)
+        if not final:  # one bucket of several: the server reloads the folder after the last
+            return self.policy_version
         await self._request("POST", "/collective_rpc", json={
             "method": "reload_weights", "kwargs": {"weights_path": str(self.weights_dir)}})
         await self._request("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"})

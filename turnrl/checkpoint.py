@@ -1,0 +1,173 @@
+"""Checkpoints: sharded training state that resumes exactly, at the same or another world size, and Hugging
+Face directories for everything else (evaluation, vLLM, transformers).
+
+    checkpoints/step_000012/
+        state/              torch.distributed.checkpoint: trainable weights (fp32 shards) + optimizer state;
+                            any world size loads it (DCP reshards on load)
+        rng/rank_00000.pt   python / numpy / torch (and CUDA) RNG state of each rank
+        trainer_state.pt    step, scheduler, sampler (data position), history, world size, the config (rank 0)
+        model/              Hugging Face directory: config, tokenizer/processor, chat template and, with
+                            trainer.save_hf, the weights (LoRA merged in)
+    checkpoints/latest      the newest complete checkpoint's name (written last)
+
+`export_checkpoint(CKPT, OUT_DIR)` writes a Hugging Face directory from `state/` in one process, whatever
+world size wrote it (what `turnrl export` runs).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from turnrl import lora
+from turnrl.parallel import Parallel
+from turnrl.weights import weight_buckets, weight_sources
+
+HF_SHARD_BYTES = 4 * 2**30  # safetensors files of a Hugging Face directory (transformers' own default is 5 GB)
+WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json")
+
+
+def _state_options(loading: bool = False):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # Frozen weights (a LoRA run's base model) are not training state: they come from the base model. On load
+    # `strict=False` only lets those be absent: DCP itself fails on any requested (trainable) key it lacks.
+    return StateDictOptions(ignore_frozen_params=True, strict=not loading)
+
+
+class _TrainingState:
+    """DCP's Stateful view of the model and optimizer: sharded state dicts keyed by parameter name, which is
+    what lets a checkpoint written by N ranks load into M."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        if self.optimizer is None:
+            return {"model": self._trainable(get_model_state_dict(self.model, options=_state_options()))}
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_state_options())
+        return {"model": self._trainable(model_sd), "optim": optim_sd}
+
+    def _trainable(self, model_sd: dict[str, Any]) -> dict[str, Any]:
+        # ignore_frozen_params misses the second name of a tied frozen weight (a LoRA run's lm_head)
+        frozen = {n for n, p in self.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        return {k: v for k, v in model_sd.items() if k not in frozen}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        if self.optimizer is None:
+            set_model_state_dict(self.model, state["model"], options=_state_options(loading=True))
+        else:
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"], options=_state_options(loading=True))
+
+
+def save_training_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Every rank writes its shards of the weights and optimizer state into `path/state` (collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"training": _TrainingState(model, optimizer)}, checkpoint_id=str(path / "state"))
+
+
+def load_training_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Fill the (sharded) model and optimizer from `path/state`, resharding to this world size."""
+    import torch.distributed.checkpoint as dcp
+
+    if not (path / "state").is_dir():
+        raise FileNotFoundError(f"checkpoint {path} has no sharded training state ({path / 'state'}); a checkpoint "
+                                "from an older turnrl cannot be resumed: start from its model/ directory instead")
+    dcp.load({"training": _TrainingState(model, optimizer)}, checkpoint_id=str(path / "state"))
+
+
+def save_rng(path: Path, rank: int) -> None:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    (path / "rng").mkdir(parents=True, exist_ok=True)
+    torch.save(state, path / "rng" / f"rank_{rank:05d}.pt")
+
+
+def load_rng(path: Path, rank: int) -> None:
+    """This rank's RNG; at another world size a new rank takes rank 0's (streams then differ, the update not)."""
+    own = path / "rng" / f"rank_{rank:05d}.pt"
+    state = torch.load(own if own.exists() else path / "rng" / "rank_00000.pt", weights_only=False)
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def write_hf(model: nn.Module, where: Path, parallel: Parallel, dtype: torch.dtype, *, weights: bool = True) -> None:
+    """A Hugging Face directory of `model` (LoRA merged) in `dtype`: rank 0 writes config, generation config
+    and safetensors files of at most HF_SHARD_BYTES, gathered tensor by tensor (every rank takes part)."""
+    hf = lora.base_model(model)
+    if parallel.is_main:
+        where.mkdir(parents=True, exist_ok=True)
+        for old in (f for pattern in WEIGHT_FILES for f in where.glob(pattern)):
+            old.unlink()
+        config = copy.deepcopy(hf.config)  # the live model's config keeps its dtype
+        config.dtype = dtype
+        config.save_pretrained(where)
+        if getattr(hf, "generation_config", None) is not None:
+            hf.generation_config.save_pretrained(where)
+    if not weights:
+        return
+    from safetensors.torch import save_file
+
+    weight_map: dict[str, str] = {}
+    total = 0
+    for bucket in weight_buckets(weight_sources(model), HF_SHARD_BYTES, dtype, keep=parallel.is_main):
+        file = "model.safetensors" if bucket.count == 1 else f"model-{bucket.index + 1:05d}-of-{bucket.count:05d}.safetensors"
+        if parallel.is_main:
+            save_file({n: t.contiguous() for n, t in bucket.tensors}, where / file, metadata={"format": "pt"})
+            weight_map.update({n: file for n, _ in bucket.tensors})
+        total += bucket.nbytes
+        if parallel.is_main and bucket.final and bucket.count > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (where / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
+    """Write a Hugging Face directory (safetensors, config, tokenizer/processor, chat template) from a
+    checkpoint's sharded state, in this one process; LoRA adapters are merged into the base weights."""
+    from turnrl.config import TrainConfig
+
+    ckpt, out = Path(checkpoint), Path(out_dir)
+    if not (ckpt / "trainer_state.pt").exists():
+        raise FileNotFoundError(f"{ckpt} is not a turnrl checkpoint (no trainer_state.pt); expected a folder like "
+                                "runs/NAME/checkpoints/step_000010")
+    cfg = TrainConfig.model_validate(torch.load(ckpt / "trainer_state.pt", weights_only=False)["config"])
+    model = _model_to_fill(ckpt, cfg)
+    load_training_state(ckpt, model, optimizer=None)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in (ckpt / "model").iterdir():  # tokenizer, processor, chat template (the weights come from state/)
+        if f.is_file() and not any(f.match(p) for p in WEIGHT_FILES):
+            shutil.copy(f, out / f.name)
+    write_hf(model, out, Parallel(), getattr(torch, cfg.dtype))
+    return out
+
+
+def _model_to_fill(ckpt: Path, cfg) -> nn.Module:
+    """The architecture the state loads into: the base model with fresh adapters (LoRA: only the adapters are
+    in the state), else the checkpoint's config with fresh weights (all of them are in the state)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from turnrl.models import load_model
+
+    if cfg.trainer.lora is not None:
+        return lora.apply_lora(load_model(cfg.model), cfg.trainer.lora)
+    config = AutoConfig.from_pretrained(ckpt / "model")
+    cls = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    return cls.from_config(config, dtype=torch.float32)
