@@ -55,7 +55,7 @@ def worker(args: argparse.Namespace) -> None:
         "trainer": {"parallel": args.parallel, "world_size": world}, "weight_sync": {"bucket_mb": args.bucket_mb},
         "optim": {"lr": 1e-6, "micro_batch_tokens": 1024}, "algo": {"is_mode": "none"}})
     engine = EmbeddedEngine(load_model(MODEL), max_batch_size=1) if rank == 0 else None
-    trainer = Trainer(cfg, load_model(MODEL), engine, manager=None, train_rows=[{}], eval_rows=[])
+    trainer = Trainer(cfg, load_model(MODEL), engine, rollout=None, train_rows=[{}], eval_rows=[])
     g = torch.Generator().manual_seed(0)
     samples = [TrainSample(torch.randint(0, 49_152, (64,), generator=g).tolist(),
                            torch.randint(0, 49_152, (64,), generator=g).tolist(), [1] * 64, None,

@@ -71,7 +71,7 @@ def fixed_samples(step: int, vocab: int = 49_152) -> list[TrainSample]:
 
 
 def make_trainer(cfg: TrainConfig, engine=None) -> Trainer:
-    return Trainer(cfg, load_model(cfg.model), engine=engine, manager=None, train_rows=[{}], eval_rows=[])
+    return Trainer(cfg, load_model(cfg.model), engine=engine, rollout=None, train_rows=[{}], eval_rows=[])
 
 
 def whole_params(trainer: Trainer) -> dict[str, torch.Tensor]:

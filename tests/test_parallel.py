@@ -180,7 +180,7 @@ def test_export_writes_tokenizer_and_merged_lora(tmp_path, qwen3_tokenizer):
 
     manager = SimpleNamespace(renderer=SimpleNamespace(tokenizer=qwen3_tokenizer))
     cfg = worker.config(tmp_path / "run", 1, **worker.LORA)
-    trainer = Trainer(cfg, load_model(cfg.model), engine=None, manager=manager, train_rows=[{}], eval_rows=[])
+    trainer = Trainer(cfg, load_model(cfg.model), engine=None, rollout=manager, train_rows=[{}], eval_rows=[])
     trainer.step = 1
     trainer.update(worker.fixed_samples(1))
     ckpt = trainer.save_checkpoint()
