@@ -417,7 +417,7 @@ async def test_rejects_images_empty_and_too_long_prompts(fresh_engine):
         await eng.generate([1, 2], GREEDY, request_id="i", images=["x.png"])
     with pytest.raises(EngineError, match="empty prompt"):
         await eng.generate([], GREEDY, request_id="e")
-    with pytest.raises(EngineError, match="40 tokens does not fit the context of 32"):
+    with pytest.raises(EngineError, match="holds 40 tokens, which do not fit the context of 32"):
         await eng.generate(list(range(40)), GREEDY, request_id="l")
     out = await eng.generate(list(range(1, 29)), SamplingParams(temperature=0.0, max_new_tokens=100), request_id="c")
     assert len(out.token_ids) == 4 and out.finish_reason == FinishReason.LENGTH  # capped by the context

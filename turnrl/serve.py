@@ -200,7 +200,10 @@ def classify(exc: BaseException, path: str) -> tuple[int, str, str, str | None, 
     if isinstance(exc, ChatRequestError):
         return exc.status, "invalid_request_error", str(exc), exc.param, exc.code
     if isinstance(exc, InvalidRequest):  # turnrl's own token-level routes: 422; the OpenAI/Anthropic APIs: 400
-        return (422 if path in _TOKEN_PATHS else 400), "invalid_request_error", str(exc), exc.param, None
+        if path in _TOKEN_PATHS:
+            return 422, "invalid_request_error", str(exc), exc.param, None
+        param = "messages" if exc.param == "prompt_ids" else exc.param  # the chat client sent messages, not ids
+        return 400, "invalid_request_error", str(exc), param, "context_length_exceeded" if param == "messages" else None
     if isinstance(exc, SessionNotFound):
         return 404, "not_found_error", f"no session {exc.args[0]!r} (GET /sessions lists them)", None, None
     if isinstance(exc, EngineError):

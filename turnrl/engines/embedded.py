@@ -363,8 +363,8 @@ class EmbeddedEngine:
                 raise InvalidRequest(f"{where}: the prompt has {n_prompt} images but {len(images or [])} were sent",
                                      "images")
         if len(prompt_ids) >= self.max_context:
-            raise InvalidRequest(f"{where}: prompt of {len(prompt_ids)} tokens does not fit the context of "
-                                 f"{self.max_context} tokens", "prompt_ids")
+            raise InvalidRequest(f"{where}: prompt_ids holds {len(prompt_ids)} tokens, which do not fit the "
+                                 f"context of {self.max_context} tokens (the prompt must be shorter)", "prompt_ids")
 
     async def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> int:
         items = dict(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
