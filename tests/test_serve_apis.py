@@ -383,3 +383,49 @@ def test_idle_sessions_are_aborted_with_a_reason(qwen3_tokenizer):
         assert "idle for" in traj.error
     finally:
         served.stop()
+
+
+# ---- training them: `turnrl train` with the Agents SDK and Anthropic agents (slow) ------------------------
+WRAPPER = '''
+import sys
+sys.path.insert(0, {examples!r})
+from {module} import {entry} as agent_run
+
+
+async def run(base_url, api_key, sample):
+    await agent_run(base_url, api_key, sample)
+    return None  # scored by reward.function: the random tiny model never answers right, so rewards would not vary
+
+
+def by_length(response: str) -> float:
+    return float(len(response))
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("module", "entry"), [("agents_sdk_agent", "run_streamed"),
+                                               ("anthropic_agent", "run_streaming")])
+def test_turnrl_train_trains_the_agents_sdk_and_anthropic_agents(tmp_path, module, entry):
+    import subprocess
+    import sys
+
+    agent = tmp_path / "agent.py"
+    agent.write_text(WRAPPER.format(examples=str(EXAMPLES), module=module, entry=entry))
+    out = tmp_path / "run"
+    turnrl = str(Path(sys.executable).with_name("turnrl"))
+    result = subprocess.run(
+        [turnrl, "train", str(EXAMPLES / "config.yaml"), f"rollout.env_config.openai_agent={agent}:run",
+         f"reward.function={agent}:by_length", f"output_dir={out}", "steps=1", "prompts_per_step=2", "rollout.n=2",
+         "rollout.max_new_tokens=24"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    [step] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert step["rollout/trajectories"] == 4.0 and step["train/samples"] > 0 and "train/loss" in step
+    rows = [json.loads(line) for line in (out / "trajectories" / "last_step.jsonl").read_text().splitlines()]
+    for row in rows:
+        traj = Trajectory.from_json(row)
+        traj.validate()
+        assert traj.agent == "openai_agent" and traj.status != RolloutStatus.FAILED, traj.error
+        model = [s for s in traj.segments if s.source == MODEL]
+        assert model and all(s.loss_mask == [1] * len(s) and len(s.logprobs) == len(s) for s in model)
+        assert traj.reward == float(len(traj.messages[-1]["content"] or ""))

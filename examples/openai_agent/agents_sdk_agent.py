@@ -14,6 +14,8 @@ from pathlib import Path
 import openai
 from agents import (
     Agent,
+    MaxTurnsExceeded,
+    ModelBehaviorError,
     ModelSettings,
     OpenAIChatCompletionsModel,
     OpenAIResponsesModel,
@@ -52,10 +54,18 @@ def _reward(final_output: object, answer: object) -> float:
     return float(bool(numbers) and float(numbers[-1]) == float(answer))
 
 
+# The SDK raises when a reply is cut by max_tokens (a Responses `incomplete` status) or the agent runs out of
+# turns; for training, both are a failed attempt (reward 0), not a crash: the calls made so far are recorded.
+FAILED_ATTEMPT = (MaxTurnsExceeded, ModelBehaviorError)
+
+
 async def run(base_url: str, api_key: str, sample: dict, chat_completions: bool = False) -> float:
     """Responses API by default (the SDK's default model)."""
-    result = await Runner.run(build_agent(base_url, api_key, chat_completions), sample["prompt"],
-                              max_turns=MAX_STEPS)
+    try:
+        result = await Runner.run(build_agent(base_url, api_key, chat_completions), sample["prompt"],
+                                  max_turns=MAX_STEPS)
+    except FAILED_ATTEMPT:
+        return 0.0
     return _reward(result.final_output, sample["answer"])
 
 
@@ -65,6 +75,9 @@ async def run_chat_completions(base_url: str, api_key: str, sample: dict) -> flo
 
 async def run_streamed(base_url: str, api_key: str, sample: dict) -> float:
     result = Runner.run_streamed(build_agent(base_url, api_key), sample["prompt"], max_turns=MAX_STEPS)
-    async for _event in result.stream_events():  # a UI would render the text deltas here
-        pass
+    try:
+        async for _event in result.stream_events():  # a UI would render the text deltas here
+            pass
+    except FAILED_ATTEMPT:
+        return 0.0
     return _reward(result.final_output, sample["answer"])
