@@ -150,6 +150,10 @@ async def test_every_request_needs_the_bearer_token(qwen3_tokenizer, monkeypatch
         reply = await good.chat.completions.create(model="m", messages=messages)
         assert reply.choices[0].message.content == "hi"
         assert httpx.get(f"{url}/sessions/s/trajectories").status_code == 401
+        assert httpx.get(f"{url}/sessions", headers={"x-api-key": "s3cret"}).status_code == 200  # older Anthropic SDKs
+        assert httpx.get(f"{url}/sessions", headers={"x-api-key": "wrong"}).status_code == 401
+        refused = httpx.post(f"{url}/v1/messages", json={"model": "m", "max_tokens": 4, "messages": messages})
+        assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
     finally:
         server.stop()
 

@@ -1,8 +1,18 @@
-"""The OpenAI-compatible proxy: chat requests in, exact tokens recorded per session, trajectories out.
+"""The chat proxy: chat requests in, exact tokens recorded per session, trajectories out.
 
-An external agent (a plain `openai` client loop, LangGraph, anything) talks to `/sessions/{id}/v1` as if it were
-OpenAI. For every call the proxy records the exact prompt token ids it sent to the engine, the completion
-token ids and their sampling logprobs. Nothing recorded is ever re-tokenized text.
+An external agent (a plain `openai` or `anthropic` client loop, LangGraph, the OpenAI Agents SDK, anything) talks
+to `/v1` or `/sessions/{id}/v1` as if it were OpenAI or Anthropic (turnrl/serve.py; the Responses and Anthropic
+APIs are converted to chat messages by turnrl/chat_apis.py, so one `ChatCall` path serves all three). For every
+call the proxy records the exact prompt token ids it sent to the engine, the completion token ids and their
+sampling logprobs. Nothing recorded is ever re-tokenized text.
+
+Sessions (`ChatProxy.resolve`, the session rule): a call names its session by the URL, else by the X-Session-Id
+header, the body's `user` or `metadata.session_id`; a call naming none continues the open session whose
+conversation its messages extend (the continuation test below), else opens a new one. A session is open until a
+reward is posted (`set_reward`: FINISHED), or it idles past `session_ttl_s` (`reap`: ABORTED, with the reason;
+its trajectories end ABORTED/cancelled). A call carrying `metadata.reward` is the episode's last: it is
+recorded, then the session is finished with that reward. A per-turn reward (a list, one per call) gives each
+trajectory the `turn_rewards` of its own calls and the episode their sum.
 
 How a request becomes prompt tokens (masks are born with the tokens, as in `drive`):
 - If the request continues an earlier call of the session — its messages start with that call's messages,
@@ -27,7 +37,16 @@ Replies: tool calls are parsed from the completion text (`tool_parser`, hermes b
 `tool_calls` (finish_reason "tool_calls"); reasoning goes to `reasoning_content`; a malformed call is returned as
 the text the model wrote (the parse errors are kept in the trajectory's turn notes). `tool_choice: "none"`
 turns parsing off; "required" or a named tool is treated as "auto" (decoding is not constrained). Refused with a
-400 that names the field: `stream: true`, `n > 1`, non-text content parts, multi-token `stop` strings.
+400 that names the field: a request field of the wrong type or range, `n > 1`, non-text content parts (this is a
+text model), multi-token `stop` strings; a prompt longer than the engine's context is refused by the engine.
+
+Streaming (`complete(..., on_delta=)`, `ReplyStream`): the reply's text is sent as it is generated, decoded
+incrementally from the sampled token ids (an engine with `generate(on_token=)`, as EmbeddedEngine, streams
+while it decodes; others stream the whole output once it is back). The recorded reply is exactly what the
+streamed chunks add up to, so the client's echo of it continues the recorded tokens.
+
+Tokenisation (the chat template over a conversation that may be megabytes long) runs in a worker thread, off the
+event loop that serves every other request.
 
 Engine calls run on the caller's event loop: a session opened with `loop=` (the RolloutManager's loop) has its
 engine calls scheduled there even when the HTTP server runs in another thread, so the engine is used exactly

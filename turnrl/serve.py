@@ -1,26 +1,30 @@
-"""`turnrl serve`: one HTTP server for a token-level engine and the per-session OpenAI-compatible proxy.
+"""`turnrl serve`: one HTTP server for a token-level engine, the chat APIs agents speak, and the rollout server.
 
     turnrl serve --model tiny-qwen3                        # 127.0.0.1:8000, no token needed
     turnrl serve --model M --host 0.0.0.0 --token SECRET   # any other bind address requires a token
 
-Endpoints (JSON; errors are `{"error": {"message", "type", "code"}}`):
-
-Token level, what `HttpEngine` speaks (wire format in turnrl/engines/http.py):
+Token level, what `HttpEngine` speaks (wire format in turnrl/engines/http.py; a field that fails validation is a
+422 naming it, `{"error": {"message", "type", "param", "code"}}`):
     POST /generate          {prompt_ids, sampling, request_id, images?} -> {token_ids, logprobs, finish_reason,
-                            policy_version, cached_prompt_tokens}
+                            policy_version, cached_prompt_tokens}; a max_new_tokens beyond the context after the
+                            prompt is capped, and the answer then holds `max_new_tokens` and `warnings`
     POST /update_weights    safetensors bytes (?version=N), or {"path": "...", "version": N?} -> {policy_version}
     POST /sleep | /wake_up  -> {"ok": true}
     POST /release           {request_id} -> {"ok": true}
     GET  /health            -> {status, model, policy_version, sessions}
 
-OpenAI-compatible, per session: an unmodified OpenAI client gets `base_url = http://HOST:PORT/sessions/<id>/v1`.
-A session is created by its first request; its id is also the engine request id, so every call of the session
-goes to the same replica and reuses its KV cache.
-    POST /sessions/{id}/v1/chat/completions   a chat.completion (tool calls parsed into `tool_calls`)
-    GET  /sessions/{id}/v1/models, GET /v1/models
-    GET  /sessions/{id}/trajectories          -> {session_id, trajectories: [Trajectory JSON]}
-    DELETE /sessions/{id}                     drop the session (and the engine's cache for it)
-    GET  /sessions                            -> {sessions: [{id, calls}]}
+The chat APIs (turnrl/proxy.py records exact tokens; turnrl/chat_apis.py converts the Responses and Anthropic
+APIs), at the root and per session, streaming with `stream: true` (docs/serving.md):
+    POST /v1/chat/completions, /v1/responses, /v1/messages       the session rule names the episode
+    POST /sessions/{id}/v1/chat/completions, .../responses, .../messages
+    GET  /v1/models, /sessions/{id}/v1/models
+    GET  /sessions                            -> {sessions: [{id, status, calls, reward, ...}]}, open and finished
+    GET  /sessions/{id}, DELETE /sessions/{id}, GET /sessions/{id}/trajectories
+    POST /sessions/{id}/reward                {"reward": number | [one per call], "done": true}
+A session id is also the engine request id, so every call of the session goes to the same replica and reuses its
+KV cache. The session routes are one dispatcher that matches the known forms at the end of the path, so an
+unknown form is a 404 listing the URL forms, never another route. Errors are OpenAI's shape, or Anthropic's
+`{"type": "error", "error": {"type", "message"}}` under /v1/messages; client errors are 400 there.
 
 Rollout server (only when started with a rollout configuration: `--scheduler`, `--env`, `--agent`, `--plugin`,
 `--tools` or `--rollout-config`; ms-swift's `swift rollout --multi_turn_scheduler`). The server builds a
@@ -34,9 +38,12 @@ and the scheduler resolved in this process; the client is `turnrl.remote.RemoteR
                             {"error": {message, type}} if the server failed mid-stream. No rewards here (the
                             client scores); a failing trajectory arrives as a FAILED trajectory.
 
-Authentication: with a token (`--token` or TURNRL_SERVE_TOKEN) every request needs
-`Authorization: Bearer <token>` (401 otherwise; OpenAI clients send their api_key this way). Binding to an
-address other than loopback without a token is refused: the server runs the model for anyone who can reach it.
+Bodies over `--max-body-mb` (8 by default; /update_weights exempt) get a 413 before they are read; bodies over
+1 MB are parsed, and conversations tokenised, off the event loop. Authentication: with a token (`--token` or
+TURNRL_SERVE_TOKEN) every request needs `Authorization: Bearer <token>` (401 otherwise; OpenAI and Anthropic clients
+send their api_key this way; `X-Api-Key: <token>`, as older Anthropic clients send it, is accepted too). Binding
+to an address other than loopback without a token is refused: the server runs the model for anyone who can reach
+it.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the endpoints' annotations, and `Request` is imported
@@ -218,12 +225,13 @@ def _add_auth_and_errors(app: Any, token: str | None, forms: list[str]) -> None:
     from starlette.exceptions import HTTPException
 
     if token:
-        expected = f"Bearer {token}".encode()
+        expected, expected_key = f"Bearer {token}".encode(), token.encode()
 
         @app.middleware("http")
         async def require_token(request: Request, call_next):
             given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
+            key = request.headers.get("x-api-key", "").encode()  # Anthropic clients before 2.x send api_key so
+            if not (hmac.compare_digest(given, expected) or hmac.compare_digest(key, expected_key)):
                 return _error(request.url.path, 401, "missing or wrong bearer token (send 'Authorization: Bearer "
                               "<token>')", "authentication_error")
             return await call_next(request)
