@@ -17,7 +17,7 @@ from turnrl.agents import agent_registry
 from turnrl.agents.openai_agent import close_gateways
 from turnrl.cli import app as cli_app
 from turnrl.config import TrainConfig
-from turnrl.engines.base import EngineError
+from turnrl.engines.base import EngineError, InvalidRequest
 from turnrl.engines.embedded import EmbeddedEngine
 from turnrl.engines.http import HttpEngine
 from turnrl.proxy import ChatProxy
@@ -109,6 +109,9 @@ async def test_generate_round_trip_through_http_engine(tiny_qwen3, qwen3_tokeniz
         with pytest.raises(EngineError, match=r"POST http://127\.0\.0\.1:\d+/generate returned HTTP 422: .*top_p"):
             await remote._request("POST", "/generate", json={"prompt_ids": [1], "request_id": "x",
                                                              "sampling": {"top_p": 0}})
+        with pytest.raises(InvalidRequest, match="not a token id") as refused:  # the remote engine's refusal
+            await remote.generate([1, 10**7], greedy, request_id="oov")
+        assert refused.value.param == "prompt_ids"
         await remote.aclose()
     finally:
         server.stop()

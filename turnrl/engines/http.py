@@ -195,7 +195,10 @@ class JsonHttp:
             raise EngineError(f"{where} failed: {type(e).__name__}: {e or 'no details'}") from e
         if response.status_code >= 400:
             hint = self.hint(response.status_code, path) if self.hint else ""
-            raise EngineError(f"{where} returned HTTP {response.status_code}{hint}: {_excerpt(response.text)}")
+            message = f"{where} returned HTTP {response.status_code}{hint}: {_excerpt(response.text)}"
+            if response.status_code == 422:  # the request is invalid: no replica could serve it (Router: no retry)
+                raise InvalidRequest(message, _error_param(response))
+            raise EngineError(message)
         if not expect_json or not response.content:
             return None
         try:
@@ -212,6 +215,14 @@ class JsonHttp:
         """Forget the client. Its event loop has usually finished by now (asyncio.run closes it), so its
         connections cannot be closed politely; they go with the loop."""
         self._client = self._client_loop = None
+
+
+def _error_param(response: httpx.Response) -> str | None:
+    try:
+        error = response.json().get("error")
+    except (ValueError, AttributeError):
+        return None
+    return error.get("param") if isinstance(error, dict) else None
 
 
 def _token_hint(status: int, path: str) -> str:
