@@ -429,3 +429,63 @@ def test_turnrl_train_trains_the_agents_sdk_and_anthropic_agents(tmp_path, modul
         model = [s for s in traj.segments if s.source == MODEL]
         assert model and all(s.loss_mask == [1] * len(s) and len(s.logprobs) == len(s) for s in model)
         assert traj.reward == float(len(traj.messages[-1]["content"] or ""))
+
+
+
+THINKING = "<think>\nI multiply six by seven.\n</think>\n\nThe answer is 42."
+
+
+def test_reasoning_streams_apart_from_the_answer_in_each_api(qwen3_tokenizer):
+    served = Served(qwen3_tokenizer, script=lambda rid, turn, text: THINKING)
+    try:
+        chat = {"model": "m", "messages": [{"role": "user", "content": "6*7?"}], "stream": True}
+        events = _sse(httpx.post(f"{served.url}/sessions/c/v1/chat/completions", json=chat).text)[:-1]
+        deltas = [d["choices"][0]["delta"] for _, d in events if d["choices"]]
+        reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
+        content = "".join(d.get("content") or "" for d in deltas)
+        assert (reasoning, content) == ("I multiply six by seven.", "The answer is 42.")
+        reply = served.proxy.session("c").calls[0].reply
+        assert (reply["reasoning_content"], reply["content"]) == (reasoning, content)
+        client = anthropic.Anthropic(base_url=f"{served.url}/sessions/a", api_key="k",
+                                     max_retries=0)
+        with client.messages.stream(model="m", max_tokens=64, messages=[{"role": "user", "content": "6*7?"}]) as s:
+            message = s.get_final_message()
+        assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in message.content] == [
+            ("thinking", "I multiply six by seven."), ("text", "The answer is 42.")]
+        response = openai.OpenAI(base_url=f"{served.url}/v1", api_key="k", max_retries=0).responses.create(
+            model="m", input="6*7?")
+        assert [item.type for item in response.output] == ["reasoning", "message"]
+        assert response.output_text == "The answer is 42."
+    finally:
+        served.stop()
+
+
+def test_a_history_rewrite_starts_a_new_trajectory_of_the_episode(served):
+    """An Anthropic client that rewrites its first message: the second call is rendered afresh, a new trajectory
+    of the same episode whose only mask-1 tokens are the engine's, never the old reply re-tokenised."""
+    client = anthropic.Anthropic(base_url=f"{served.url}/sessions/rw", api_key="k", max_retries=0)
+    tools = _load("anthropic_agent").TOOLS
+    first = client.messages.create(model="m", max_tokens=64, tools=tools,
+                                   messages=[{"role": "user", "content": QUESTION["prompt"]}])
+    rewritten = [{"role": "user", "content": "What is 6 times 7?"},
+                 {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": first.content[0].id,
+                                               "content": "42"}]}]
+    client.messages.create(model="m", max_tokens=64, tools=tools, messages=rewritten)
+    main, split = served.trajectories("rw")
+    assert (main.id, split.id, split.episode_id) == ("rw", "rw.1", "rw")
+    assert split.prompt_ids == served.engine.calls[1].prompt_ids
+    assert [(s.source, s.token_ids) for s in split.segments] == [(MODEL, served.engine.outputs[1].token_ids)]
+    assert served.proxy.session("rw").calls[1].base_len is None
+
+
+def test_the_training_gateway_serves_only_the_sessions_it_opened(qwen3_tokenizer):
+    served = Served(qwen3_tokenizer, create_sessions=False)
+    try:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        root = httpx.post(f"{served.url}/v1/chat/completions", json=body)
+        assert root.status_code == 404 and "/sessions/<id>/v1" in root.json()["error"]["message"]
+        assert httpx.post(f"{served.url}/sessions/x/v1/chat/completions", json=body).status_code == 404
+        assert served.sessions() == [] and not served.engine.calls
+    finally:
+        served.stop()

@@ -262,6 +262,9 @@ class ChatProxy:
         conversation these messages extend; else a new one."""
         if named:
             return self.session(named, create=self.create_sessions, rule=rule)
+        if not self.create_sessions:  # the training gateway: only the sessions it opened, by their URL
+            raise ChatRequestError("this server serves only the sessions it opened: use the base_url "
+                                   "/sessions/<id>/v1 it gave you", code="session_required", status=404)
         with self._lock:
             candidates = sorted((s for s in self._sessions.values() if s.status == SessionStatus.OPEN),
                                 key=lambda s: s.last_active, reverse=True)
