@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from turnrl.engines.base import EngineError
+from turnrl.engines.base import EngineError, InvalidRequest
 from turnrl.engines.embedded import EmbeddedEngine, sample_tokens
 from turnrl.models import load_model
 from turnrl.types import FinishReason, GenerateOutput, SamplingParams
@@ -381,8 +381,9 @@ async def test_a_failing_step_fails_its_requests_and_the_engine_recovers(fresh_e
     failures = []
 
     def forward_failing_once_on_a_batch(*args, **kwargs):
-        if not failures and kwargs["input_ids"].shape[0] > 1:
-            failures.append(kwargs["input_ids"].shape[0])
+        rows, queries = kwargs["input_ids"].shape
+        if not failures and rows > 1 and queries == 1:  # a decode step of several rows
+            failures.append(rows)
             raise RuntimeError("simulated kernel failure")
         return original(*args, **kwargs)
 
@@ -391,8 +392,8 @@ async def test_a_failing_step_fails_its_requests_and_the_engine_recovers(fresh_e
         *[eng.generate(p, GREEDY, request_id=f"f{i}") for i, p in enumerate(prompts)], return_exceptions=True
     )
     failed = [r for r in results if isinstance(r, EngineError)]
-    # every row of the broken decode step failed (requests still queued may fail with them)
-    assert failures and len(failed) >= failures[0] >= 2
+    # every row of the broken decode step failed, and only those
+    assert failures and len(failed) == failures[0] >= 2
     assert all("simulated kernel failure" in str(e) for e in failed)
     for prompt, result in zip(prompts, results, strict=True):
         if not isinstance(result, EngineError):
@@ -432,7 +433,7 @@ async def test_rejects_images_empty_and_too_long_prompts(fresh_engine):
         await eng.generate([1, 2], GREEDY, request_id="i", images=["x.png"])
     with pytest.raises(EngineError, match="empty prompt"):
         await eng.generate([], GREEDY, request_id="e")
-    with pytest.raises(EngineError, match="40 tokens does not fit the context of 32"):
+    with pytest.raises(EngineError, match="holds 40 tokens, which do not fit the context of 32"):
         await eng.generate(list(range(40)), GREEDY, request_id="l")
     out = await eng.generate(list(range(1, 29)), SamplingParams(temperature=0.0, max_new_tokens=100), request_id="c")
     assert len(out.token_ids) == 4 and out.finish_reason == FinishReason.LENGTH  # capped by the context
@@ -462,3 +463,65 @@ async def test_batched_prefill_mixes_cached_and_fresh_requests_exactly(model, pr
     finally:
         batched.close()
         alone.close()
+
+
+def _unchecked(**fields) -> SamplingParams:
+    """SamplingParams holding what a server could pass through unchecked (its own checks bypassed)."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=16)
+    for name, value in fields.items():
+        object.__setattr__(params, name, value)
+    return params
+
+
+async def test_a_bad_request_fails_alone_and_never_joins_a_batch(fresh_engine, model, prompts):
+    eng = fresh_engine(max_batch_size=16)
+    vocab = model.get_input_embeddings().num_embeddings
+    bad = {  # each would break the step it joined (embedding lookup, sampling, generator), failing its neighbours
+        "out of vocabulary": ([*prompts[1], vocab], GREEDY, "prompt_ids"),
+        "negative id": ([-1, *prompts[1]], GREEDY, "prompt_ids"),
+        "boolean id": ([True, *prompts[1]], GREEDY, "prompt_ids"),
+        "empty prompt": ([], GREEDY, "prompt_ids"),
+        "longer than the context": ([1] * eng.max_context, GREEDY, "prompt_ids"),
+        "top_k 'x'": (prompts[1], _unchecked(top_k="x"), "sampling.top_k"),
+        "NaN temperature": (prompts[1], SamplingParams(temperature=float("nan")), "sampling.temperature"),
+        "string max_new_tokens": (prompts[1], _unchecked(max_new_tokens="5"), "sampling.max_new_tokens"),
+        "seed 'x'": (prompts[1], _unchecked(seed="x"), "sampling.seed"),
+        "stop_token_ids 5": (prompts[1], _unchecked(stop_token_ids=5), "sampling.stop_token_ids"),
+        "stop id out of vocabulary": (prompts[1], _unchecked(stop_token_ids=(vocab,)), "sampling.stop_token_ids"),
+    }
+    good = [eng.generate(p, GREEDY, request_id=f"good{i}") for i, p in enumerate(prompts)]
+    bad_calls = [eng.generate(ids, params, request_id=name) for name, (ids, params, _) in bad.items()]
+    results = await asyncio.gather(*good, *bad_calls, return_exceptions=True)
+    for prompt, out in zip(prompts, results[: len(prompts)], strict=True):
+        assert isinstance(out, GenerateOutput) and out.token_ids == greedy_reference(model, prompt, 16)
+    for (name, (_, _, param)), error in zip(bad.items(), results[len(prompts):], strict=True):
+        assert isinstance(error, InvalidRequest), (name, error)
+        assert error.param == param and repr(name) in str(error), (name, str(error))
+    assert eng.stats["requests"] == len(prompts)  # no bad request was ever prefilled
+
+
+async def test_a_failing_batched_prefill_retries_its_requests_alone(fresh_engine, model, prompts, monkeypatch):
+    eng = fresh_engine()
+    original = model.forward
+    poison = prompts[2][3]  # a token only prompt 2 holds: its prefill fails, alone or grouped
+
+    def forward(*args, **kwargs):
+        if kwargs["input_ids"].shape[1] > 1 and (kwargs["input_ids"] == poison).any():
+            raise RuntimeError("this prompt cannot be prefilled")
+        return original(*args, **kwargs)
+
+    assert all(poison not in p for i, p in enumerate(prompts) if i != 2)
+    monkeypatch.setattr(model, "forward", forward)
+    results = await asyncio.gather(*[eng.generate(p, GREEDY, request_id=f"p{i}") for i, p in enumerate(prompts)],
+                                   return_exceptions=True)
+    assert isinstance(results[2], EngineError) and "cannot be prefilled" in str(results[2])
+    for i, (prompt, out) in enumerate(zip(prompts, results, strict=True)):
+        if i != 2:
+            assert out.token_ids == greedy_reference(model, prompt, 16)
+
+
+async def test_on_token_streams_every_token_before_the_call_returns(engine, prompts):
+    streamed: list[int] = []
+    params = SamplingParams(max_new_tokens=12, seed=3)
+    out = await engine.generate(prompts[1], params, request_id="stream", on_token=streamed.append)
+    assert streamed == out.token_ids and len(streamed) == 12

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from turnrl.engines.base import Engine, EngineError, NamedTensors
+from turnrl.engines.base import Engine, EngineError, InvalidRequest, NamedTensors
 from turnrl.engines.router import Router
 from turnrl.types import FinishReason, GenerateOutput, SamplingParams
 
@@ -298,3 +298,20 @@ def test_close_closes_every_current_replica_even_when_one_raises(caplog) -> None
         router.close()
     assert (a.closed, b.closed, gone.closed) == (2, 2, 0)
     assert "replica 'a' raised RuntimeError('engine 1 cannot close')" in caplog.text
+
+
+async def test_an_invalid_request_is_not_retried_and_keeps_the_replica_healthy() -> None:
+    class Refusing(FakeEngine):
+        async def generate(self, prompt_ids, params, *, request_id, images=None):
+            if -1 in prompt_ids:
+                self.calls.append(request_id)
+                raise InvalidRequest("prompt_ids[0] = -1 is not a token id", "prompt_ids")
+            return await super().generate(prompt_ids, params, request_id=request_id, images=images)
+
+    a, b = Refusing(1), Refusing(2)
+    router = Router({"a": a, "b": b})
+    with pytest.raises(InvalidRequest, match="not a token id"):
+        await router.generate([-1], PARAMS, request_id="bad")
+    assert len(a.calls + b.calls) == 1  # tried once: another replica would refuse it too
+    assert all(r.healthy and r.failures == 0 for r in router.stats().replicas.values())
+    assert (await router.generate([5], PARAMS, request_id="good")).token_ids[1] == 1

@@ -390,6 +390,20 @@ async def test_vlm_engine_refuses_a_prompt_whose_image_count_differs(policies, t
     assert pads == 6 and IMAGE_PAD in policy.renderer.decode(prompt)
 
 
+
+async def test_vlm_request_whose_image_does_not_load_fails_alone(policies, three_images, tmp_path):
+    """The image is read in the engine step (it cannot be checked cheaply before): its failure must fail
+    that request only, not the others in the step."""
+    policy = policies("qwen3_vl")
+    prompt = policy.renderer.initial(image_prompt(three_images[0])).ids
+    params = SamplingParams(temperature=0.0, max_new_tokens=3)
+    calls = [policy.engine.generate(prompt, params, request_id="ok-1", images=three_images[:1]),
+             policy.engine.generate(prompt, params, request_id="missing", images=[str(tmp_path / "gone.png")]),
+             policy.engine.generate(prompt, params, request_id="ok-2", images=three_images[:1])]
+    first, error, second = await asyncio.gather(*calls, return_exceptions=True)
+    assert isinstance(error, EngineError) and "'missing' failed in prefill" in str(error)
+    assert first.token_ids == second.token_ids and len(first.token_ids) == 3
+
 # ---- the geo3k recipe (examples/geo3k_vlm) ---------------------------------------------------------
 RECIPE = Path(__file__).parent.parent / "examples" / "geo3k_vlm"
 

@@ -296,6 +296,8 @@ def serve(
     token_budget: Annotated[int | None, Opt(help="Rollout server: tokens after the prompt per trajectory.")] = None,
     custom_config: Annotated[Path | None, Opt(help="Rollout server: YAML passed to build_env as `config`.")] = None,
     concurrency: Annotated[int | None, Opt(help="Rollout server: trajectories in flight per request.")] = None,
+    max_body_mb: Annotated[float, Opt(help="Largest request body (MB); a larger one gets a 413 before it is read.")] = 8.0,
+    session_ttl_s: Annotated[float, Opt(help="Close a chat session idle this long as ABORTED (seconds; 0: never).")] = 3600.0,
     verbose: Annotated[bool, Opt("--verbose", "-v")] = False,
 ) -> None:
     """Serve a token-level engine (for HttpEngine) and per-session OpenAI endpoints that record exact tokens; with
@@ -310,6 +312,8 @@ def serve(
 
     try:
         check_bind(host, token)
+        if max_body_mb <= 0 or session_ttl_s < 0:
+            raise ValueError(f"--max-body-mb must be > 0 (got {max_body_mb}) and --session-ttl-s >= 0 (got {session_ttl_s})")
         kwargs = json.loads(chat_template_kwargs or "{}")
         flags = {"env": env, "agent": agent, "scheduler": scheduler, "max_turns": max_turns,
                  "max_new_tokens": max_new_tokens, "token_budget": token_budget, "concurrency": concurrency,
@@ -326,7 +330,8 @@ def serve(
     try:
         run_server(stack.engine, stack.renderer.tokenizer, stack.rollout, model_name=model, host=host, port=port,
                    token=token, tool_parser=tool_parser, sampling=SamplingParams(max_new_tokens=max_new_tokens or 1024),
-                   chat_template_kwargs=kwargs, log_level="info" if verbose else "warning")
+                   chat_template_kwargs=kwargs, log_level="info" if verbose else "warning",
+                   max_body_mb=max_body_mb, session_ttl_s=session_ttl_s or None)
     finally:
         stack.close()
 

@@ -1,8 +1,18 @@
-"""The OpenAI-compatible proxy: chat requests in, exact tokens recorded per session, trajectories out.
+"""The chat proxy: chat requests in, exact tokens recorded per session, trajectories out.
 
-An external agent (a plain `openai` client loop, LangGraph, anything) talks to `/sessions/{id}/v1` as if it were
-OpenAI. For every call the proxy records the exact prompt token ids it sent to the engine, the completion
-token ids and their sampling logprobs. Nothing recorded is ever re-tokenized text.
+An external agent (a plain `openai` or `anthropic` client loop, LangGraph, the OpenAI Agents SDK, anything) talks
+to `/v1` or `/sessions/{id}/v1` as if it were OpenAI or Anthropic (turnrl/serve.py; the Responses and Anthropic
+APIs are converted to chat messages by turnrl/chat_apis.py, so one `ChatCall` path serves all three). For every
+call the proxy records the exact prompt token ids it sent to the engine, the completion token ids and their
+sampling logprobs. Nothing recorded is ever re-tokenized text.
+
+Sessions (`ChatProxy.resolve`, the session rule): a call names its session by the URL, else by the X-Session-Id
+header, the body's `user` or `metadata.session_id`; a call naming none continues the open session whose
+conversation its messages extend (the continuation test below), else opens a new one. A session is open until a
+reward is posted (`set_reward`: FINISHED), or it idles past `session_ttl_s` (`reap`: ABORTED, with the reason;
+its trajectories end ABORTED/cancelled). A call carrying `metadata.reward` is the episode's last: it is
+recorded, then the session is finished with that reward. A per-turn reward (a list, one per call) gives each
+trajectory the `turn_rewards` of its own calls and the episode their sum.
 
 How a request becomes prompt tokens (masks are born with the tokens, as in `drive`):
 - If the request continues an earlier call of the session — its messages start with that call's messages,
@@ -27,7 +37,16 @@ Replies: tool calls are parsed from the completion text (`tool_parser`, hermes b
 `tool_calls` (finish_reason "tool_calls"); reasoning goes to `reasoning_content`; a malformed call is returned as
 the text the model wrote (the parse errors are kept in the trajectory's turn notes). `tool_choice: "none"`
 turns parsing off; "required" or a named tool is treated as "auto" (decoding is not constrained). Refused with a
-400 that names the field: `stream: true`, `n > 1`, non-text content parts, multi-token `stop` strings.
+400 that names the field: a request field of the wrong type or range, `n > 1`, non-text content parts (this is a
+text model), multi-token `stop` strings; a prompt longer than the engine's context is refused by the engine.
+
+Streaming (`complete(..., on_delta=)`, `ReplyStream`): the reply's text is sent as it is generated, decoded
+incrementally from the sampled token ids (an engine with `generate(on_token=)`, as EmbeddedEngine, streams
+while it decodes; others stream the whole output once it is back). The recorded reply is exactly what the
+streamed chunks add up to, so the client's echo of it continues the recorded tokens.
+
+Tokenisation (the chat template over a conversation that may be megabytes long) runs in a worker thread, off the
+event loop that serves every other request.
 
 Engine calls run on the caller's event loop: a session opened with `loop=` (the RolloutManager's loop) has its
 engine calls scheduled there even when the HTTP server runs in another thread, so the engine is used exactly
@@ -39,19 +58,23 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import inspect
 import json
 import logging
+import math
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from turnrl.engines.base import Engine
-from turnrl.reasoning import split_reasoning
+from turnrl.reasoning import REASONING_MARKERS, split_reasoning
 from turnrl.render import ChatRenderer, RenderError
 from turnrl.rollout import TrajectoryBuilder, derive_seed
-from turnrl.tools.parsers import get_parser
+from turnrl.tools.parsers import CALL_OPEN, get_parser
 from turnrl.types import (
     FinishReason,
     GenerateOutput,
@@ -70,20 +93,29 @@ ROLES = {"system", "user", "assistant", "tool"}
 
 
 class ChatRequestError(ValueError):
-    """A chat request this proxy cannot serve; the message is shown to the client (HTTP 400)."""
+    """A chat request this proxy cannot serve; the message is shown to the client (HTTP `status`, 400 by
+    default), `param` names the request field at fault."""
 
-    def __init__(self, message: str, code: str = "invalid_request"):
+    def __init__(self, message: str, code: str = "invalid_request", *, param: str | None = None, status: int = 400):
         super().__init__(message)
-        self.code = code
+        self.code, self.param, self.status = code, param, status
 
 
 class SessionNotFound(KeyError):
     """No session with this id (HTTP 404)."""
 
 
+class SessionStatus(StrEnum):
+    OPEN = "open"
+    FINISHED = "finished"
+    """A reward was posted (or came in a call's metadata): the episode is over, its trajectories final."""
+    ABORTED = "aborted"
+    """Idle past the proxy's `session_ttl_s`: abandoned; its trajectories end ABORTED with the reason."""
+
+
 @dataclass
 class RecordedCall:
-    """One chat completion: exactly what the engine was given and what it returned."""
+    """One model call: exactly what the engine was given and what it returned."""
 
     index: int
     """0-based position in the session, in completion order."""
@@ -93,10 +125,10 @@ class RecordedCall:
     finish_reason: FinishReason
     policy_version: int
     messages: list[Message]
-    """The request's messages as the client sent them."""
+    """The request's messages, in chat-completions form (Responses and Anthropic requests are converted)."""
     tools: list[dict] | None
     reply: Message
-    """The assistant message returned to the client."""
+    """The assistant message returned to the client (when streamed: what the chunks add up to)."""
     base_len: int | None = None
     """When the prompt continues an earlier call: the length of that call's prompt + completion."""
     delta_sources: list[tuple[SegmentSource, int]] = field(default_factory=list)
@@ -106,7 +138,7 @@ class RecordedCall:
     start_ns: int = 0
     """When the engine call started (ns since the epoch), for the turn's trace span."""
     notes: dict[str, Any] = field(default_factory=dict)
-    """Tool-call parse errors, request sampling fields that were ignored, ..."""
+    """Tool-call parse errors, request sampling fields that were ignored, the API and session rule, ..."""
 
 
 @dataclass
@@ -125,10 +157,39 @@ class Session:
     calls: list[RecordedCall] = field(default_factory=list)
     limit_reached: bool = False
     created: float = field(default_factory=time.time)
+    last_active: float = field(default_factory=time.time)
+    status: SessionStatus = SessionStatus.OPEN
+    reward: float | None = None
+    """The episode's reward, posted from outside (`POST /sessions/<id>/reward`, or a call's metadata)."""
+    turn_rewards: list[float] | None = None
+    """Per-turn rewards (one per model call, in call order), when posted as a list."""
+    end_reason: str | None = None
+    rule: str = "opened"
+    """How the session was named when it was opened (path, header, user, metadata, continued, new, opened)."""
+
+    def summary(self) -> dict[str, Any]:
+        return {"id": self.id, "status": str(self.status), "calls": len(self.calls), "reward": self.reward,
+                "turn_rewards": self.turn_rewards, "created": self.created, "last_active": self.last_active,
+                "end_reason": self.end_reason, "rule": self.rule}
+
+
+@dataclass
+class ChatCall:
+    """One model call in the proxy's own terms (chat-completions messages and tools), whichever API it came
+    through: `chat_call_from_openai`, `turnrl.chat_apis` for the Responses and Anthropic APIs."""
+
+    messages: list[Message]
+    tools: list[dict] | None = None
+    tool_choice: Any = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    """Validated request fields: temperature, top_p, top_k, seed, max_tokens, stop (a list of strings)."""
+    reward: Any = None
+    """`metadata.reward` of the request: this is the episode's last call; its reward (a number or per-turn list)."""
+    model: str | None = None
 
 
 class ChatProxy:
-    """Serves OpenAI chat completions per session on a token-level `Engine`, recording exact tokens.
+    """Serves chat requests per session on a token-level `Engine`, recording exact tokens.
 
     Args:
         engine: any Engine (embedded, router, HTTP, SGLang, a scripted fake).
@@ -138,16 +199,22 @@ class ChatProxy:
         sampling: defaults for sessions without fixed sampling.
         create_sessions: a request to an unknown session id opens it (`turnrl serve`); False answers 404, so
             only sessions opened with `open_session` exist (the training gateway).
+        session_ttl_s: an open session idle for longer is closed as ABORTED (None: never).
+        keep_finished: finished and aborted sessions kept for `GET /sessions` and their trajectories (oldest
+            dropped first).
     """
 
     def __init__(self, engine: Engine, renderer: ChatRenderer, *, model_name: str = "turnrl",
-                 tool_parser: str = "hermes", sampling: SamplingParams | None = None, create_sessions: bool = True):
+                 tool_parser: str = "hermes", sampling: SamplingParams | None = None, create_sessions: bool = True,
+                 session_ttl_s: float | None = None, keep_finished: int = 1000):
         self.engine, self.renderer, self.model_name = engine, renderer, model_name
         self.tool_parser, self.create_sessions = tool_parser, create_sessions
+        self.session_ttl_s, self.keep_finished = session_ttl_s, keep_finished
         get_parser(tool_parser)  # fail on an unknown name now, not on the first call
         self.sampling = sampling or SamplingParams()
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
+        self._streams = "on_token" in inspect.signature(engine.generate).parameters
 
     # ---- sessions --------------------------------------------------------------------------------
     def open_session(self, session_id: str | None = None, **settings: Any) -> Session:
@@ -159,12 +226,13 @@ class ChatProxy:
             self._sessions[session.id] = session
         return session
 
-    def session(self, session_id: str, *, create: bool = False) -> Session:
+    def session(self, session_id: str, *, create: bool = False, rule: str = "path") -> Session:
         with self._lock:
             if session_id not in self._sessions:
                 if not create:
                     raise SessionNotFound(session_id)
-                self._sessions[session_id] = Session(id=session_id)
+                self._sessions[session_id] = Session(id=session_id, rule=rule)
+                log.info("session %s opened (named by %s)", session_id, rule)
             return self._sessions[session_id]
 
     def close_session(self, session_id: str) -> Session | None:
@@ -175,35 +243,142 @@ class ChatProxy:
         with self._lock:
             return list(self._sessions)
 
-    def trajectories(self, session_id: str, **ids: Any) -> list[Trajectory]:
-        """The session's calls assembled into trajectories (see `assemble_trajectories` for `ids`)."""
-        return assemble_trajectories(self.session(session_id), **ids)
+    def sessions(self) -> list[Session]:
+        with self._lock:
+            return list(self._sessions.values())
 
-    # ---- the chat completion ---------------------------------------------------------------------
-    async def chat_completion(self, session_id: str, request: dict[str, Any]) -> dict[str, Any]:
-        """Serve one OpenAI `chat.completions.create` request body; returns the response body."""
-        messages, tools = _validate_request(request)
-        session = self.session(session_id, create=self.create_sessions)
+    def trajectories(self, session_id: str, **ids: Any) -> list[Trajectory]:
+        """The session's calls assembled into trajectories (see `assemble_trajectories` for `ids`), with the
+        reward posted from outside and, for an aborted session, its end."""
+        session = self.session(session_id)
+        end = (TerminationReason.CANCELLED, session.end_reason) if session.status == SessionStatus.ABORTED else None
+        trajectories = assemble_trajectories(session, end=end, **ids)
+        _apply_rewards(session, trajectories)
+        return trajectories
+
+    def resolve(self, named: str | None, rule: str, messages: list[Message]) -> Session:
+        """The session of a call to a root endpoint (the session rule, docs/serving.md): `named` by the path,
+        X-Session-Id, `user` or `metadata.session_id` (`rule` says which); else the open session whose
+        conversation these messages extend; else a new one."""
+        if named:
+            return self.session(named, create=self.create_sessions, rule=rule)
+        if not self.create_sessions:  # the training gateway: only the sessions it opened, by their URL
+            raise ChatRequestError("this server serves only the sessions it opened: use the base_url "
+                                   "/sessions/<id>/v1 it gave you", code="session_required", status=404)
+        with self._lock:
+            candidates = sorted((s for s in self._sessions.values() if s.status == SessionStatus.OPEN),
+                                key=lambda s: s.last_active, reverse=True)
+        for session in candidates:
+            if any(_continues(messages, call) for call in reversed(session.calls)):
+                log.info("session %s continued (its conversation is extended by the request)", session.id)
+                return session
+        return self.session(f"ep-{uuid.uuid4().hex[:16]}", create=True, rule="new")
+
+    def set_reward(self, session_id: str, reward: Any, *, done: bool = True) -> Session:
+        """Attach an episode reward (a number) or per-turn rewards (a list, one per call) to a session; `done`
+        finishes it. Raises ChatRequestError naming `reward` for anything else."""
+        session = self.session(session_id)
+        scalar, per_turn = _reward_value(reward, len(session.calls))
+        session.reward, session.turn_rewards = scalar, per_turn
+        if done:
+            session.status, session.end_reason = SessionStatus.FINISHED, "reward posted"
+        self._forget_old()
+        return session
+
+    def reap(self, now: float | None = None) -> list[Session]:
+        """Close open sessions idle past `session_ttl_s` as ABORTED (returns them: the caller releases their
+        engine caches). Called at every request, so no timer thread is needed: nothing can observe a session
+        between two requests."""
+        if not self.session_ttl_s:
+            return []
+        now = time.time() if now is None else now
+        reaped = [s for s in self.sessions() if s.status == SessionStatus.OPEN and s.loop is None
+                  and now - s.last_active > self.session_ttl_s]
+        for s in reaped:
+            s.status = SessionStatus.ABORTED
+            s.end_reason = f"idle for {now - s.last_active:.0f} s (session_ttl_s={self.session_ttl_s:g})"
+            log.warning("session %s aborted: %s", s.id, s.end_reason)
+        if reaped:
+            self._forget_old()
+        return reaped
+
+    def _forget_old(self) -> None:
+        with self._lock:
+            done = [s for s in self._sessions.values() if s.status != SessionStatus.OPEN]
+            for s in sorted(done, key=lambda s: s.last_active)[: max(0, len(done) - self.keep_finished)]:
+                del self._sessions[s.id]
+
+    # ---- a model call ----------------------------------------------------------------------------
+    async def chat_completion(self, session_id: str | Session, request: dict[str, Any]) -> dict[str, Any]:
+        """Serve one OpenAI `chat.completions.create` body (without streaming); returns the response body."""
+        chat = chat_call_from_openai(request)
+        if request.get("stream"):
+            raise ChatRequestError("stream=true: use ChatProxy.complete with on_delta (the HTTP server does)",
+                                   param="stream")
+        session = session_id if isinstance(session_id, Session) else self.session(
+            session_id, create=self.create_sessions)
+        call, finish = await self.complete(session, chat)
+        return chat_response(call, finish, request.get("model") or self.model_name, bool(request.get("logprobs")),
+                             self.renderer)
+
+    async def complete(self, session: Session, chat: ChatCall,
+                       on_delta: Callable[[str, Any], None] | None = None) -> tuple[RecordedCall, str]:
+        """Run one model call of `session` and record it; returns (the call, the OpenAI finish_reason).
+
+        With `on_delta(kind, value)` the reply is streamed as it is generated: ("start", prompt token count), then
+        ("reasoning" | "content", text) decoded incrementally from the sampled token ids (ReplyStream); tool calls
+        come whole in the recorded reply at the end."""
+        if session.status != SessionStatus.OPEN:
+            raise ChatRequestError(f"session {session.id!r} is {session.status} ({session.end_reason}); "
+                                   "use a new session id", code="session_closed", status=409)
         if session.max_calls is not None and len(session.calls) >= session.max_calls:
             session.limit_reached = True
             raise ChatRequestError(f"session {session.id!r} reached its limit of {session.max_calls} model calls "
                                    "(rollout.max_turns)", code="turn_limit")
-        prompt_ids, base_len, delta_sources = self._prompt(session, messages, tools)
-        params, notes = self._sampling(session, request)
+        session.last_active = time.time()
+        # tokenising a long conversation takes a while: off the event loop, which serves every other request
+        prompt_ids, base_len, delta_sources = await asyncio.to_thread(self._prompt, session, chat.messages, chat.tools)
+        params, notes = await asyncio.to_thread(self._sampling, session, chat.sampling)
+        stream = ReplyStream(self, chat.tools, chat.tool_choice, on_delta) if on_delta else None
+        if on_delta:
+            on_delta("start", len(prompt_ids))
         t0, start_ns = time.perf_counter(), time.time_ns()
-        out = await _on_loop(session.loop, self.engine.generate(prompt_ids, params, request_id=session.id))
-        reply, finish, parse_notes = self._reply(out, tools, request.get("tool_choice"), len(session.calls))
+        out = await self._generate(session, prompt_ids, params, stream)
+        reply, finish, parse_notes = self._reply(out, chat.tools, chat.tool_choice, len(session.calls))
+        if stream is not None:
+            reply = stream.finish(out.token_ids, reply)
         call = RecordedCall(
             index=len(session.calls), prompt_ids=list(prompt_ids), completion_ids=list(out.token_ids),
             logprobs=list(out.logprobs), finish_reason=out.finish_reason, policy_version=out.policy_version,
             # copies: an in-process caller goes on appending to its lists, and the record must not change
-            messages=copy.deepcopy(messages), tools=copy.deepcopy(tools), reply=reply, base_len=base_len,
+            messages=copy.deepcopy(chat.messages), tools=copy.deepcopy(chat.tools), reply=reply, base_len=base_len,
             delta_sources=delta_sources,
             cached_prompt_tokens=out.cached_prompt_tokens, gen_time_s=time.perf_counter() - t0, start_ns=start_ns,
             notes={**notes, **parse_notes},
         )
         session.calls.append(call)
-        return self._response(call, finish, request)
+        session.last_active = time.time()
+        if chat.reward is not None:
+            self.set_reward(session.id, chat.reward)
+        return call, finish
+
+    async def _generate(self, session: Session, prompt_ids: list[int], params: SamplingParams,
+                        stream: ReplyStream | None) -> GenerateOutput:
+        if stream is None or not self._streams:
+            out = await _on_loop(session.loop, self.engine.generate(prompt_ids, params, request_id=session.id))
+            if stream is not None:  # an engine without token streaming: the text follows the whole output
+                for token in out.token_ids:
+                    stream.push(token)
+            return out
+        loop = asyncio.get_running_loop()
+
+        def on_token(token: int) -> None:  # called on the session's loop, which may be another thread's
+            loop.call_soon_threadsafe(stream.push, token)
+
+        out = await _on_loop(session.loop, self.engine.generate(prompt_ids, params, request_id=session.id,
+                                                                on_token=on_token))
+        await asyncio.sleep(0)  # the pushes scheduled before the output arrived run first
+        return out
 
     def _prompt(self, session: Session, messages: list[Message], tools: list[dict] | None
                 ) -> tuple[list[int], int | None, list[tuple[SegmentSource, int]]]:
@@ -211,14 +386,9 @@ class ChatProxy:
         rendered = [_for_template(m) for m in messages]
         tools_key = _tools_key(tools)
         for call in reversed(list(session.calls)):
-            n = len(call.messages)
-            if len(messages) <= n + 1 or _tools_key(call.tools) != tools_key:
+            if _tools_key(call.tools) != tools_key or not _continues(messages, call):
                 continue
-            if _canonical(messages[n]) != _canonical(call.reply):
-                continue
-            if any(_canonical(a) != _canonical(b) for a, b in zip(messages[:n], call.messages, strict=True)):
-                continue
-            new = rendered[n + 1:]
+            new = rendered[len(call.messages) + 1:]
             try:
                 observation = self.renderer.observation_ids(new, tools)
             except RenderError as e:  # this template cannot render these messages as a delta: render afresh
@@ -232,40 +402,39 @@ class ChatProxy:
         try:
             return self.renderer.initial_ids(rendered, tools), None, []
         except Exception as e:  # a template error is the request's fault (bad roles, bad tools)
-            raise ChatRequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from e
+            raise ChatRequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
+                                   param="messages") from e
 
-    def _sampling(self, session: Session, request: dict[str, Any]) -> tuple[SamplingParams, dict[str, Any]]:
+    def _sampling(self, session: Session, asked: dict[str, Any]) -> tuple[SamplingParams, dict[str, Any]]:
         base = session.sampling or self.sampling
         fields: dict[str, Any] = {}
         notes: dict[str, Any] = {}
-        asked = {k: request[k] for k in ("temperature", "top_p", "seed") if request.get(k) is not None}
+        given = {k: asked[k] for k in ("temperature", "top_p", "top_k", "seed") if asked.get(k) is not None}
         if session.sampling is None:
-            fields.update(asked)
+            fields.update(given)
         else:  # training: the trainer's sampling is the policy; the agent may not change it
             fields["seed"] = derive_seed(base.seed, session.id, len(session.calls) + 1)
-            ignored = {k: v for k, v in asked.items() if k != "seed" and v != getattr(base, k)}
+            ignored = {k: v for k, v in given.items() if k != "seed" and v != getattr(base, k)}
             if ignored:
                 notes["ignored_request_sampling"] = ignored
         cap = session.max_new_tokens or base.max_new_tokens
-        wanted = request.get("max_completion_tokens") or request.get("max_tokens")
-        fields["max_new_tokens"] = min(cap, int(wanted)) if wanted else cap
-        stops = set(base.stop_token_ids) | self.renderer.end_of_turn_ids | self._stop_token_ids(request.get("stop"))
+        wanted = asked.get("max_tokens")
+        fields["max_new_tokens"] = min(cap, wanted) if wanted else cap
+        stops = set(base.stop_token_ids) | self.renderer.end_of_turn_ids | self._stop_token_ids(asked.get("stop"))
         fields["stop_token_ids"] = tuple(sorted(stops))
         try:
             return dataclasses.replace(base, **fields), notes
         except (TypeError, ValueError) as e:
             raise ChatRequestError(f"bad sampling fields: {e}") from None
 
-    def _stop_token_ids(self, stop: Any) -> set[int]:
-        """OpenAI `stop` strings, each of which must be one token (this proxy stops on token ids only)."""
-        if stop is None:
-            return set()
+    def _stop_token_ids(self, stop: list[str] | None) -> set[int]:
+        """Stop strings, each of which must be one token (this proxy stops on token ids only)."""
         ids = set()
-        for text in [stop] if isinstance(stop, str) else list(stop):
+        for text in stop or ():
             encoded = self.renderer.encode(text)
             if len(encoded) != 1:
                 raise ChatRequestError(f"stop string {text!r} is {len(encoded)} tokens; this server stops on token ids, "
-                                       "so each stop string must be exactly one token")
+                                       "so each stop string must be exactly one token", param="stop")
             ids.add(encoded[0])
         return ids
 
@@ -297,23 +466,28 @@ class ChatProxy:
             message["reasoning_content"] = reasoning
         return message, finish, notes
 
-    def _response(self, call: RecordedCall, finish: str, request: dict[str, Any]) -> dict[str, Any]:
-        logprobs: dict[str, Any] | None = None
-        if request.get("logprobs"):
-            logprobs = {"content": [
-                {"token": self.renderer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
-                for t, lp in zip(call.completion_ids, call.logprobs, strict=True)
-            ]}
-        prompt_tokens, completion_tokens = len(call.prompt_ids), len(call.completion_ids)
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": request.get("model") or self.model_name,
-            "choices": [{"index": 0, "message": copy.deepcopy(call.reply), "finish_reason": finish,
-                         "logprobs": logprobs}],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens,
-                      "prompt_tokens_details": {"cached_tokens": call.cached_prompt_tokens}},
-        }
+
+def chat_response(call: RecordedCall, finish: str, model: str, logprobs: bool, renderer: ChatRenderer
+                  ) -> dict[str, Any]:
+    """The OpenAI `chat.completion` body of a recorded call."""
+    content = None
+    if logprobs:
+        content = [{"token": renderer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
+                   for t, lp in zip(call.completion_ids, call.logprobs, strict=True)]
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": copy.deepcopy(call.reply), "finish_reason": finish,
+                     "logprobs": {"content": content} if logprobs else None}],
+        "usage": chat_usage(call),
+    }
+
+
+def chat_usage(call: RecordedCall) -> dict[str, Any]:
+    prompt_tokens, completion_tokens = len(call.prompt_ids), len(call.completion_ids)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": call.cached_prompt_tokens}}
 
 
 async def _on_loop(loop: asyncio.AbstractEventLoop | None, coro: Any) -> Any:
@@ -326,28 +500,140 @@ async def _on_loop(loop: asyncio.AbstractEventLoop | None, coro: Any) -> Any:
     return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
 
 
+def _continues(messages: list[Message], call: RecordedCall) -> bool:
+    """The messages are the call's messages, then the reply it returned, then at least one new message."""
+    n = len(call.messages)
+    if len(messages) <= n + 1 or _canonical(messages[n]) != _canonical(call.reply):
+        return False
+    return all(_canonical(a) == _canonical(b) for a, b in zip(messages[:n], call.messages, strict=True))
+
+
 # ---------------------------------------------------------------------------------------------------
-# Messages: validation, normalisation for the template, canonical form for matching
+# Rewards posted from outside
 # ---------------------------------------------------------------------------------------------------
-def _validate_request(request: dict[str, Any]) -> tuple[list[Message], list[dict] | None]:
-    if request.get("stream"):
-        raise ChatRequestError("stream=true is not supported: use stream=false (the proxy records whole replies)")
-    if (request.get("n") or 1) != 1:
-        raise ChatRequestError(f"n={request['n']} is not supported; send one request per sample")
+def _reward_value(reward: Any, calls: int, where: str = "reward") -> tuple[float | None, list[float] | None]:
+    """(episode reward, per-turn rewards) of a posted reward: a number, or a list with one number per call
+    (the episode's reward is then their sum). A string holding JSON is read (metadata values are strings)."""
+    if isinstance(reward, str):
+        try:
+            reward = json.loads(reward)
+        except json.JSONDecodeError:
+            raise ChatRequestError(f"{where} must be a number or a list of numbers, got the string {reward!r}",
+                                   param=where) from None
+    if _is_number(reward):
+        return float(reward), None
+    if isinstance(reward, list) and all(_is_number(r) for r in reward):
+        if len(reward) != calls:
+            raise ChatRequestError(f"{where}: {len(reward)} per-turn rewards for {calls} model calls; give one per "
+                                   "call (in call order) or a single number", param=where)
+        return float(sum(reward)), [float(r) for r in reward]
+    raise ChatRequestError(f"{where} must be a finite number or a list of finite numbers (one per model call), "
+                           f"got {reward!r}"[:300], param=where)
+
+
+def _apply_rewards(session: Session, trajectories: list[Trajectory]) -> None:
+    if session.reward is None:
+        return
+    turn_of_call = {}
+    if session.turn_rewards is not None:  # each trajectory gets the rewards of its own calls
+        turn_of_call = {c.index: r for c, r in zip(session.calls, session.turn_rewards, strict=True)}
+    for traj in trajectories:
+        traj.reward = session.reward
+        if turn_of_call:
+            traj.turn_rewards = [turn_of_call[t.extra["call"]] for t in traj.turns]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Requests: the OpenAI chat body, field by field
+# ---------------------------------------------------------------------------------------------------
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+SAMPLING_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "temperature": (lambda v: _is_number(v) and v >= 0, "a finite number >= 0"),
+    "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "top_k": (_is_int, "an integer (-1 disables it)"),
+    "seed": (lambda v: _is_int(v) and -(2**63) <= v < 2**64, "a 64-bit integer"),
+    "max_tokens": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+}
+
+
+def sampling_fields(body: dict[str, Any], names: dict[str, str], stop_field: str) -> dict[str, Any]:
+    """The sampling fields of a request body, each checked: `names` maps the body's field names to the proxy's
+    (temperature, top_p, top_k, seed, max_tokens); `stop_field` holds a string or a list of strings."""
+    out: dict[str, Any] = {}
+    for name, ours in names.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        check, expected = SAMPLING_FIELDS[ours]
+        if not check(value):
+            raise ChatRequestError(f"{name} must be {expected}, got {value!r}"[:300], param=name)
+        out[ours] = value
+    stop = body.get(stop_field)
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise ChatRequestError(f"{stop_field} must be a string or a list of non-empty strings, got {stop!r}"[:300],
+                                   param=stop_field)
+        out["stop"] = stops
+    return out
+
+
+def metadata_reward(body: dict[str, Any]) -> Any:
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise ChatRequestError(f"metadata must be an object, got {metadata!r}"[:200], param="metadata")
+    return (metadata or {}).get("reward")
+
+
+def chat_call_from_openai(request: dict[str, Any]) -> ChatCall:
+    """A ChatCall from an OpenAI chat-completions body; ChatRequestError names the first bad field."""
+    if request.get("stream") is not None and not isinstance(request["stream"], bool):
+        raise ChatRequestError(f"stream must be a boolean, got {request['stream']!r}", param="stream")
+    n = request.get("n")
+    if n is not None and n != 1:
+        raise ChatRequestError(f"n={n!r} is not supported; send one request per sample", param="n")
     messages = request.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise ChatRequestError("messages must be a non-empty list of {role, content} objects")
+        raise ChatRequestError("messages must be a non-empty list of {role, content} objects", param="messages")
     for i, m in enumerate(messages):
         role = m.get("role") if isinstance(m, dict) else None
         if role not in ROLES | {"developer"}:
-            raise ChatRequestError(f"messages[{i}].role must be one of {sorted(ROLES | {'developer'})}, got {role!r}")
+            raise ChatRequestError(f"messages[{i}].role must be one of {sorted(ROLES | {'developer'})}, got {role!r}",
+                                   param=f"messages[{i}].role")
         _text(m.get("content"), f"messages[{i}].content")
+        _check_tool_calls(m.get("tool_calls"), f"messages[{i}].tool_calls")
     tools = request.get("tools") or None
-    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) and "function" in t for t in tools)):
-        raise ChatRequestError('tools must be a list of {"type": "function", "function": {...}} objects')
-    return messages, tools
+    if tools is not None and not (isinstance(tools, list) and all(
+            isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
+            for t in tools)):
+        raise ChatRequestError('tools must be a list of {"type": "function", "function": {"name", ...}} objects',
+                               param="tools")
+    names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
+             "max_tokens": "max_tokens", "max_completion_tokens": "max_tokens"}
+    return ChatCall(messages=messages, tools=tools, tool_choice=request.get("tool_choice"),
+                    sampling=sampling_fields(request, names, "stop"), reward=metadata_reward(request),
+                    model=request.get("model"))
 
 
+def _check_tool_calls(calls: Any, where: str) -> None:
+    if calls is None:
+        return
+    if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                              for c in calls):
+        raise ChatRequestError(f'{where} must be a list of {{"id", "type": "function", "function": {{"name", '
+                               f'"arguments"}}}} objects', param=where)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Messages: normalisation for the template, canonical form for matching
+# ---------------------------------------------------------------------------------------------------
 def _text(content: Any, where: str = "content") -> str:
     """Message content as text: None is "", text parts are joined; other parts are refused."""
     if content is None:
@@ -359,10 +645,12 @@ def _text(content: Any, where: str = "content") -> str:
         for part in content:
             if not (isinstance(part, dict) and part.get("type") == "text"):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ChatRequestError(f"{where}: only text parts are supported by this proxy, got a {kind!r} part")
+                raise ChatRequestError(f"{where}: only text parts are supported by this text model, got a {kind!r} "
+                                       "part", param=where)
             parts.append(part.get("text") or "")
         return "".join(parts)
-    raise ChatRequestError(f"{where} must be a string or a list of text parts, got {type(content).__name__}")
+    raise ChatRequestError(f"{where} must be a string or a list of text parts, got {type(content).__name__}",
+                           param=where)
 
 
 def _arguments(arguments: Any) -> Any:
@@ -401,6 +689,116 @@ def _canonical(message: Message) -> tuple:
 
 def _tools_key(tools: list[dict] | None) -> str:
     return json.dumps(tools or [], sort_keys=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Streaming: the reply as it is generated, decoded from the sampled token ids
+# ---------------------------------------------------------------------------------------------------
+class IncrementalDecoder:
+    """Text of a growing token sequence, released only when it is final: a token that ends inside a multi-byte
+    character decodes to U+FFFD, so its text waits for the tokens that complete it (the window re-decoded is
+    a few tokens, as in vLLM and TGI)."""
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode, self.ids, self.prefix, self.read = decode, [], 0, 0
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        before = self.decode(self.ids[self.prefix: self.read])
+        text = self.decode(self.ids[self.prefix:])
+        if len(text) <= len(before) or text.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before):]
+
+
+class ReplyStream:
+    """One reply streamed as it is generated, as `on_delta(kind, text)` calls (kind "reasoning" or "content").
+
+    The text is decoded incrementally from the sampled token ids (IncrementalDecoder) and routed by the
+    reasoning markers (turnrl.reasoning); text that may be the start of a marker is held until it is not; at a
+    tool call (`<tool_call>`, when the request has tools) streaming stops, since calls are parsed from the whole
+    text as without streaming. Leading and trailing whitespace is held as the reply strips it. `finish`
+    sends what the reply adds to the streamed text and returns the reply as the client assembled it: that is
+    what is recorded, so the client's echo of it continues the recorded tokens."""
+
+    def __init__(self, proxy: ChatProxy, tools: list[dict] | None, tool_choice: Any,
+                 on_delta: Callable[[str, str], None]):
+        self.renderer, self.on_delta = proxy.renderer, on_delta
+        self.tool_mode = bool(tools) and tool_choice != "none"
+        self.decoder = IncrementalDecoder(self.renderer.decode)
+        self.pushed, self.text, self.pos, self.phase = 0, "", 0, "content"
+        self.raw = {"reasoning": "", "content": ""}
+        self.sent = {"reasoning": "", "content": ""}
+        self.done = False
+
+    def push(self, token: int) -> None:
+        if self.done:
+            return
+        self.pushed += 1
+        if token not in self.renderer.end_of_turn_ids:
+            self.text += self.decoder.push(token)
+            self._route(final=False)
+
+    def _markers(self) -> dict[str, str]:
+        """marker -> the phase it switches to."""
+        if self.phase == "reasoning":
+            return {close: "content" for _, close in REASONING_MARKERS}
+        markers = {open_: "reasoning" for open_, _ in REASONING_MARKERS}
+        markers.update({close: "held" for _, close in REASONING_MARKERS})  # it was reasoning: cannot be undone
+        if self.tool_mode:
+            markers[CALL_OPEN] = "held"
+        return markers
+
+    def _route(self, final: bool) -> None:
+        while self.phase != "held":
+            rest, markers = self.text[self.pos:], self._markers()
+            found = min(((rest.find(m), m) for m in markers if m in rest), default=None)
+            if found is None:
+                hold = 0 if final else max((k for m in markers for k in range(1, len(m)) if rest.endswith(m[:k])),
+                                           default=0)
+                self._emit(rest[: len(rest) - hold])
+                self.pos += len(rest) - hold
+                return
+            at, marker = found
+            self._emit(rest[:at])
+            self.pos += at + len(marker)
+            self.phase = markers[marker]
+
+    def _emit(self, text: str) -> None:
+        kind = self.phase
+        self.raw[kind] += text
+        strip = kind == "reasoning" or self.tool_mode or bool(self.raw["reasoning"])
+        target = (self.raw[kind].lstrip() if strip else self.raw[kind]).rstrip()
+        self._send(kind, target)
+
+    def _send(self, kind: str, target: str) -> None:
+        if target.startswith(self.sent[kind]) and len(target) > len(self.sent[kind]):
+            delta = target[len(self.sent[kind]):]
+            self.sent[kind] = target
+            self.on_delta(kind, delta)
+
+    def finish(self, token_ids: list[int], reply: Message) -> Message:
+        """Send the rest of `reply` (the parsed whole output) and return the reply as streamed."""
+        for token in token_ids[self.pushed:]:
+            self.push(token)
+        full = self.renderer.assistant_text(token_ids)
+        if full.startswith(self.text):
+            self.text = full
+        self._route(final=True)
+        self.done = True
+        out = dict(reply)
+        for kind, key in (("reasoning", "reasoning_content"), ("content", "content")):
+            final = reply.get(key) or ""
+            self._send(kind, final)  # only when the final text extends what was sent
+            if self.sent[kind] != final:
+                log.info("streamed %s differs from the parsed reply; recording what was streamed", kind)
+            out[key] = self.sent[kind]
+        if not out["reasoning_content"]:
+            out.pop("reasoning_content")
+        if not out["content"] and reply.get("tool_calls"):
+            out["content"] = None
+        return out
 
 
 # ---------------------------------------------------------------------------------------------------

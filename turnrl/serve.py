@@ -1,26 +1,30 @@
-"""`turnrl serve`: one HTTP server for a token-level engine and the per-session OpenAI-compatible proxy.
+"""`turnrl serve`: one HTTP server for a token-level engine, the chat APIs agents speak, and the rollout server.
 
     turnrl serve --model tiny-qwen3                        # 127.0.0.1:8000, no token needed
     turnrl serve --model M --host 0.0.0.0 --token SECRET   # any other bind address requires a token
 
-Endpoints (JSON; errors are `{"error": {"message", "type", "code"}}`):
-
-Token level, what `HttpEngine` speaks (wire format in turnrl/engines/http.py):
+Token level, what `HttpEngine` speaks (wire format in turnrl/engines/http.py; a field that fails validation is a
+422 naming it, `{"error": {"message", "type", "param", "code"}}`):
     POST /generate          {prompt_ids, sampling, request_id, images?} -> {token_ids, logprobs, finish_reason,
-                            policy_version, cached_prompt_tokens}
+                            policy_version, cached_prompt_tokens}; a max_new_tokens beyond the context after the
+                            prompt is capped, and the answer then holds `max_new_tokens` and `warnings`
     POST /update_weights    safetensors bytes (?version=N&final=false), or {"path": "...", "version": N?} -> {policy_version}
     POST /sleep | /wake_up  -> {"ok": true}
     POST /release           {request_id} -> {"ok": true}
     GET  /health            -> {status, model, policy_version, sessions}
 
-OpenAI-compatible, per session: an unmodified OpenAI client gets `base_url = http://HOST:PORT/sessions/<id>/v1`.
-A session is created by its first request; its id is also the engine request id, so every call of the session
-goes to the same replica and reuses its KV cache.
-    POST /sessions/{id}/v1/chat/completions   a chat.completion (tool calls parsed into `tool_calls`)
-    GET  /sessions/{id}/v1/models, GET /v1/models
-    GET  /sessions/{id}/trajectories          -> {session_id, trajectories: [Trajectory JSON]}
-    DELETE /sessions/{id}                     drop the session (and the engine's cache for it)
-    GET  /sessions                            -> {sessions: [{id, calls}]}
+The chat APIs (turnrl/proxy.py records exact tokens; turnrl/chat_apis.py converts the Responses and Anthropic
+APIs), at the root and per session, streaming with `stream: true` (docs/serving.md):
+    POST /v1/chat/completions, /v1/responses, /v1/messages       the session rule names the episode
+    POST /sessions/{id}/v1/chat/completions, .../responses, .../messages
+    GET  /v1/models, /sessions/{id}/v1/models
+    GET  /sessions                            -> {sessions: [{id, status, calls, reward, ...}]}, open and finished
+    GET  /sessions/{id}, DELETE /sessions/{id}, GET /sessions/{id}/trajectories
+    POST /sessions/{id}/reward                {"reward": number | [one per call], "done": true}
+A session id is also the engine request id, so every call of the session goes to the same replica and reuses its
+KV cache. The session routes are one dispatcher that matches the known forms at the end of the path, so an
+unknown form is a 404 listing the URL forms, never another route. Errors are OpenAI's shape, or Anthropic's
+`{"type": "error", "error": {"type", "message"}}` under /v1/messages; client errors are 400 there.
 
 Rollout server (only when started with a rollout configuration: `--scheduler`, `--env`, `--agent`, `--plugin`,
 `--tools` or `--rollout-config`; ms-swift's `swift rollout --multi_turn_scheduler`). The server builds a
@@ -34,9 +38,12 @@ and the scheduler resolved in this process; the client is `turnrl.remote.RemoteR
                             {"error": {message, type}} if the server failed mid-stream. No rewards here (the
                             client scores); a failing trajectory arrives as a FAILED trajectory.
 
-Authentication: with a token (`--token` or TURNRL_SERVE_TOKEN) every request needs
-`Authorization: Bearer <token>` (401 otherwise; OpenAI clients send their api_key this way). Binding to an
-address other than loopback without a token is refused: the server runs the model for anyone who can reach it.
+Bodies over `--max-body-mb` (8 by default; /update_weights exempt) get a 413 before they are read; bodies over
+1 MB are parsed, and conversations tokenised, off the event loop. Authentication: with a token (`--token` or
+TURNRL_SERVE_TOKEN) every request needs `Authorization: Bearer <token>` (401 otherwise; OpenAI and Anthropic clients
+send their api_key this way; `X-Api-Key: <token>`, as older Anthropic clients send it, is accepted too). Binding
+to an address other than loopback without a token is refused: the server runs the model for anyone who can reach
+it.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the endpoints' annotations, and `Request` is imported
@@ -51,10 +58,21 @@ import logging
 import socket
 import threading
 import time
+import uuid
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from turnrl.engines.base import Engine, EngineError
+from turnrl.chat_apis import (
+    AnthropicEvents,
+    ChatEvents,
+    ResponsesEvents,
+    anthropic_body,
+    call_from_anthropic,
+    call_from_responses,
+    responses_body,
+)
+from turnrl.engines.base import Engine, EngineError, InvalidRequest
 from turnrl.engines.http import (
     TOKEN_ENV,
     output_to_json,
@@ -62,7 +80,16 @@ from turnrl.engines.http import (
     sampling_to_json,
     tensors_from_safetensors_bytes,
 )
-from turnrl.proxy import ChatProxy, ChatRequestError, SessionNotFound
+from turnrl.proxy import (
+    ChatCall,
+    ChatProxy,
+    ChatRequestError,
+    RecordedCall,
+    SessionNotFound,
+    chat_call_from_openai,
+    chat_response,
+)
+from turnrl.types import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -93,19 +120,26 @@ def check_bind(host: str, token: str | None) -> None:
 # ---------------------------------------------------------------------------------------------------
 # The app
 # ---------------------------------------------------------------------------------------------------
+DEFAULT_MAX_BODY_MB = 8.0
+"""`--max-body-mb`: larger bodies get a 413 before they are read (a chat body rarely passes 1 MB)."""
+
+
 def create_app(engine: Engine, proxy: ChatProxy | None = None, *, token: str | None = None,
                model_name: str = "turnrl", token_level: bool = True, rollout: Any = None,
-               heartbeat_s: float = 15.0) -> Any:
-    """The FastAPI app serving `engine` (token level, unless `token_level=False`), `proxy` (OpenAI, per
-    session) and `rollout` (a RolloutManager over `engine`: `/rollout`, streaming a heartbeat line after each
-    `heartbeat_s` without a finished trajectory). Endpoints in the module docstring."""
+               heartbeat_s: float = 15.0, max_body_mb: float = DEFAULT_MAX_BODY_MB) -> Any:
+    """The FastAPI app serving `engine` (token level, unless `token_level=False`), `proxy` (the OpenAI chat,
+    Responses and Anthropic APIs, at the root and per session) and `rollout` (a RolloutManager over `engine`:
+    `/rollout`, streaming a heartbeat line after each `heartbeat_s` without a finished trajectory). Bodies over
+    `max_body_mb` are refused with a 413 before they are read. Endpoints in the module docstring."""
     try:
         from fastapi import FastAPI
     except ImportError:
         raise ImportError("turnrl's HTTP server needs fastapi and uvicorn: pip install 'turnrl[serve]'") from None
 
     app = FastAPI(title="turnrl", docs_url=None, redoc_url=None, openapi_url=None)
-    _add_auth_and_errors(app, token)
+    forms = _url_forms(token_level, proxy is not None, rollout is not None)
+    _add_auth_and_errors(app, token, forms)
+    app.add_middleware(BodyLimit, max_bytes=int(max_body_mb * 2**20))
 
     @app.get("/health")
     async def health():
@@ -119,53 +153,159 @@ def create_app(engine: Engine, proxy: ChatProxy | None = None, *, token: str | N
     if token_level:
         _add_token_routes(app, engine)
     if proxy is not None:
-        _add_session_routes(app, engine, proxy, model_name)
+        _add_api_routes(app, engine, proxy, model_name, forms)
     if rollout is not None:
         _add_rollout_routes(app, rollout, model_name, heartbeat_s)
     return app
 
 
-def _error(status: int, message: str, kind: str, code: Any = None) -> Any:
+def _url_forms(token_level: bool, sessions: bool, rollout: bool) -> list[str]:
+    """The URL forms this server answers, for 404s."""
+    forms = ["GET /health", "GET /v1/models"]
+    if sessions:
+        forms += ["POST /v1/chat/completions", "POST /v1/responses", "POST /v1/messages",
+                  "POST /sessions/<id>/v1/chat/completions", "POST /sessions/<id>/v1/responses",
+                  "POST /sessions/<id>/v1/messages", "GET /sessions/<id>/v1/models", "GET /sessions",
+                  "GET /sessions/<id>", "DELETE /sessions/<id>", "GET /sessions/<id>/trajectories",
+                  "POST /sessions/<id>/reward"]
+    if token_level:
+        forms += ["POST /generate", "POST /update_weights", "POST /sleep", "POST /wake_up", "POST /release"]
+    if rollout:
+        forms += ["GET /rollout", "POST /rollout"]
+    return forms
+
+
+# ---- errors, each API in its own shape -------------------------------------------------------------
+_TOKEN_PATHS = {"/generate", "/update_weights", "/release", "/sleep", "/wake_up"}
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 405: "invalid_request_error", 409: "invalid_request_error",
+                    413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_error"}
+
+
+def _is_anthropic(path: str) -> bool:
+    return path.rstrip("/").endswith("/v1/messages")
+
+
+def error_body(path: str, status: int, message: str, kind: str, param: str | None = None,
+               code: Any = None) -> dict[str, Any]:
+    """OpenAI's `{"error": {message, type, param, code}}`, or Anthropic's `{"type": "error", "error": {type,
+    message}}` under /v1/messages."""
+    if _is_anthropic(path):
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code or status}}
+
+
+def _error(path: str, status: int, message: str, kind: str, param: str | None = None, code: Any = None,
+           headers: dict[str, str] | None = None) -> Any:
     from fastapi.responses import JSONResponse
 
-    return JSONResponse({"error": {"message": message, "type": kind, "code": code or status}}, status_code=status)
+    return JSONResponse(error_body(path, status, message, kind, param, code), status_code=status, headers=headers)
 
 
-def _add_auth_and_errors(app: Any, token: str | None) -> None:
+def classify(exc: BaseException, path: str) -> tuple[int, str, str, str | None, Any]:
+    """(status, type, message, param, code) of an exception raised while serving `path`."""
+    if isinstance(exc, ChatRequestError):
+        return exc.status, "invalid_request_error", str(exc), exc.param, exc.code
+    if isinstance(exc, InvalidRequest):  # turnrl's own token-level routes: 422; the OpenAI/Anthropic APIs: 400
+        if path in _TOKEN_PATHS:
+            return 422, "invalid_request_error", str(exc), exc.param, None
+        param = "messages" if exc.param == "prompt_ids" else exc.param  # the chat client sent messages, not ids
+        return 400, "invalid_request_error", str(exc), param, "context_length_exceeded" if param == "messages" else None
+    if isinstance(exc, SessionNotFound):
+        return 404, "not_found_error", f"no session {exc.args[0]!r} (GET /sessions lists them)", None, None
+    if isinstance(exc, EngineError):
+        return 502, "engine_error", f"engine error: {exc}", None, None
+    if isinstance(exc, ValueError):
+        return 400, "invalid_request_error", str(exc), getattr(exc, "param", None), None
+    return 500, "server_error", f"{type(exc).__name__}: {exc}", None, None
+
+
+def _add_auth_and_errors(app: Any, token: str | None, forms: list[str]) -> None:
     from fastapi import Request
+    from starlette.exceptions import HTTPException
 
     if token:
-        expected = f"Bearer {token}".encode()
+        expected, expected_key = f"Bearer {token}".encode(), token.encode()
 
         @app.middleware("http")
         async def require_token(request: Request, call_next):
             given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                return _error(401, "missing or wrong bearer token (send 'Authorization: Bearer <token>')",
-                              "authentication_error")
+            key = request.headers.get("x-api-key", "").encode()  # Anthropic clients before 2.x send api_key so
+            if not (hmac.compare_digest(given, expected) or hmac.compare_digest(key, expected_key)):
+                return _error(request.url.path, 401, "missing or wrong bearer token (send 'Authorization: Bearer "
+                              "<token>')", "authentication_error")
             return await call_next(request)
 
-    handlers = [  # the most specific class wins (Starlette walks the exception's MRO)
-        (ChatRequestError, 400, "invalid_request_error", lambda e: str(e)),
-        (SessionNotFound, 404, "not_found_error", lambda e: f"no session {e.args[0]!r}"),
-        (EngineError, 502, "engine_error", lambda e: f"engine error: {e}"),
-        (ValueError, 400, "invalid_request_error", lambda e: str(e)),
-    ]
-    for cls, status, kind, message in handlers:
-        async def handle(request: Request, exc: Exception, status=status, kind=kind, message=message):
-            return _error(status, message(exc), kind, getattr(exc, "code", None))
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        path = request.url.path
+        if exc.status_code == 404:
+            message = f"no route {request.method} {path}; this server answers: {', '.join(forms)}"
+            return _error(path, 404, message, "not_found_error")
+        if exc.status_code == 405:
+            return _error(path, 405, f"{request.method} is not allowed on {path} (allowed: "
+                          f"{(exc.headers or {}).get('Allow', '?')})", "invalid_request_error", headers=exc.headers)
+        kind = "request_too_large" if exc.status_code == 413 else "invalid_request_error"
+        return _error(path, exc.status_code, str(exc.detail), kind)
 
-        app.add_exception_handler(cls, handle)
+    for cls in (ChatRequestError, InvalidRequest, SessionNotFound, EngineError, ValueError):
+        @app.exception_handler(cls)
+        async def handle(request: Request, exc: Exception):
+            status, kind, message, param, code = classify(exc, request.url.path)
+            return _error(request.url.path, status, message, kind, param, code)
 
     @app.exception_handler(Exception)
     async def crashed(request: Request, exc: Exception):
         log.exception("%s %s failed", request.method, request.url.path)
-        return _error(500, f"{type(exc).__name__}: {exc}", "server_error")
+        return _error(request.url.path, 500, f"{type(exc).__name__}: {exc}", "server_error")
+
+
+class BodyLimit:
+    """ASGI middleware: a body over `max_bytes` gets a 413 at once, by its Content-Length before anything is
+    read, or, without one (chunked), as soon as the bytes received pass the limit. `/update_weights` is exempt:
+    its body is a model's weights (the trainer's, behind the token)."""
+
+    EXEMPT = frozenset({"/update_weights"})
+
+    def __init__(self, app: Any, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in self.EXEMPT:
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length", b"").decode() or None
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            from fastapi.responses import JSONResponse
+
+            message = (f"request body of {length} bytes is over the server's limit of {self.max_bytes} bytes "
+                       "(turnrl serve --max-body-mb)")
+            response = JSONResponse(error_body(scope["path"], 413, message, "request_too_large"), status_code=413,
+                                    headers={"connection": "close"})
+            return await response(scope, receive, send)
+        received = 0
+
+        async def limited() -> dict:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                from starlette.exceptions import HTTPException
+
+                raise HTTPException(413, f"request body over the server's limit of {self.max_bytes} bytes "
+                                         "(turnrl serve --max-body-mb)")
+            return message
+
+        await self.app(scope, limited, send)
+
+
+_BIG_BODY = 1 << 20
 
 
 async def _json_body(request: Any) -> dict[str, Any]:
-    try:
-        body = await request.json()
+    raw = await request.body()
+    try:  # a large body is parsed off the event loop, which goes on serving /health and the other sessions
+        body = await asyncio.to_thread(json.loads, raw) if len(raw) > _BIG_BODY else json.loads(raw)
     except ValueError:
         raise ValueError("the request body must be a JSON object") from None
     if not isinstance(body, dict):
@@ -173,20 +313,50 @@ async def _json_body(request: Any) -> dict[str, Any]:
     return body
 
 
+# ---- token level -------------------------------------------------------------------------------------
+_GENERATE_FIELDS = {"prompt_ids", "sampling", "request_id", "images"}
+
+
+def _generate_request(body: dict[str, Any], engine: Engine) -> tuple[list[int], SamplingParams, str, list | None,
+                                                                     list[str]]:
+    """(prompt_ids, sampling, request_id, images, warnings) of a /generate body; InvalidRequest (422) names the
+    field. `max_new_tokens` beyond what fits the engine's context after the prompt is capped, with a warning."""
+    unknown = set(body) - _GENERATE_FIELDS
+    if unknown:
+        raise InvalidRequest(f"/generate: unknown field(s) {sorted(unknown)}; known: {sorted(_GENERATE_FIELDS)}",
+                             sorted(unknown)[0])
+    prompt_ids, request_id, images = body.get("prompt_ids"), body.get("request_id"), body.get("images")
+    if not isinstance(prompt_ids, list) or not prompt_ids:
+        raise InvalidRequest("prompt_ids must be a non-empty list of token ids", "prompt_ids")
+    for i, t in enumerate(prompt_ids):
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise InvalidRequest(f"prompt_ids[{i}] must be a token id (an integer >= 0), got {t!r}", "prompt_ids")
+    if not isinstance(request_id, str) or not request_id:
+        raise InvalidRequest("request_id must be a non-empty string (the trajectory id)", "request_id")
+    if images is not None and not (isinstance(images, list) and all(isinstance(im, str) for im in images)):
+        raise InvalidRequest("images must be a list of strings (paths, URLs or data URIs)", "images")
+    params = sampling_from_json(body.get("sampling") or {})
+    warnings = []
+    context = getattr(engine, "max_context", None)
+    if isinstance(context, int) and len(prompt_ids) + params.max_new_tokens > context > len(prompt_ids):
+        room = context - len(prompt_ids)
+        warnings.append(f"sampling.max_new_tokens={params.max_new_tokens} capped to {room}: the prompt's "
+                        f"{len(prompt_ids)} tokens leave {room} of the context's {context}")
+        params = dataclasses.replace(params, max_new_tokens=room)
+    return prompt_ids, params, request_id, images or None, warnings
+
+
 def _add_token_routes(app: Any, engine: Engine) -> None:
     from fastapi import Request
 
     @app.post("/generate")
     async def generate(request: Request):
-        body = await _json_body(request)
-        prompt_ids, request_id = body.get("prompt_ids"), body.get("request_id")
-        if not isinstance(prompt_ids, list) or not all(isinstance(t, int) for t in prompt_ids):
-            raise ValueError("prompt_ids must be a list of token ids (ints)")
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError("request_id must be a non-empty string (the trajectory id)")
-        params = sampling_from_json(body.get("sampling") or {})
-        out = await engine.generate(prompt_ids, params, request_id=request_id, images=body.get("images") or None)
-        return output_to_json(out)
+        prompt_ids, params, request_id, images, warnings = _generate_request(await _json_body(request), engine)
+        out = await engine.generate(prompt_ids, params, request_id=request_id, images=images)
+        body = output_to_json(out)
+        if warnings:
+            body["max_new_tokens"], body["warnings"] = params.max_new_tokens, warnings
+        return body
 
     @app.post("/update_weights")
     async def update_weights(request: Request):
@@ -218,32 +388,232 @@ def _add_token_routes(app: Any, engine: Engine) -> None:
         return {"ok": True}
 
 
-def _add_session_routes(app: Any, engine: Engine, proxy: ChatProxy, model_name: str) -> None:
+# ---- the chat APIs: at the root and per session ------------------------------------------------------
+SESSION_HEADER = "X-Session-Id"
+
+
+def _named_session(request: Any, body: dict[str, Any]) -> tuple[str | None, str]:
+    """(session id, the rule that named it) of a call to a root endpoint: X-Session-Id, then `user`, then
+    `metadata.session_id`; (None, "") when none names one (docs/serving.md: the session rule)."""
+    header = request.headers.get(SESSION_HEADER)
+    if header:
+        return header, "header"
+    if isinstance(body.get("user"), str) and body["user"]:
+        return body["user"], "user"
+    metadata = body.get("metadata")
+    if isinstance(metadata, dict) and isinstance(metadata.get("session_id"), str) and metadata["session_id"]:
+        return metadata["session_id"], "metadata"
+    return None, ""
+
+
+class _Api:
+    """What differs between the three APIs: parsing a body, answering it, streaming it."""
+
+    def __init__(self, proxy: ChatProxy, model_name: str):
+        self.proxy, self.model_name = proxy, model_name
+        self.responses: OrderedDict[str, tuple[str, list[dict]]] = OrderedDict()
+        """Responses API: response id -> (session id, its conversation), for `previous_response_id`."""
+
+    def parse(self, api: str, body: dict[str, Any]) -> tuple[ChatCall, str | None]:
+        """(the call, the session id that `previous_response_id` names)."""
+        if api == "chat":
+            return chat_call_from_openai(body), None
+        if api == "messages":
+            return call_from_anthropic(body), None
+        previous = body.get("previous_response_id")
+        if previous is None:
+            return call_from_responses(body), None
+        if previous not in self.responses:
+            raise ChatRequestError(f"previous_response_id {previous!r} is unknown here (responses are kept in "
+                                   "memory; send the whole input instead)", param="previous_response_id")
+        session_id, history = self.responses[previous]
+        return call_from_responses(body, history), session_id
+
+    def answer(self, api: str, body: dict[str, Any], call: RecordedCall, finish: str, session_id: str
+               ) -> dict[str, Any]:
+        model = body.get("model") or self.model_name
+        if api == "chat":
+            return chat_response(call, finish, model, bool(body.get("logprobs")), self.proxy.renderer)
+        if api == "messages":
+            return anthropic_body(call, finish, model, f"msg_{uuid.uuid4().hex[:24]}")
+        response_id = f"resp_{uuid.uuid4().hex}"
+        self._remember(response_id, call, session_id)
+        return responses_body(call, finish, body, response_id, model)
+
+    def events(self, api: str, body: dict[str, Any]) -> Any:
+        model = body.get("model") or self.model_name
+        if api == "chat":
+            options = body.get("stream_options") or {}
+            return ChatEvents(model, bool(isinstance(options, dict) and options.get("include_usage")))
+        if api == "messages":
+            return AnthropicEvents(model, f"msg_{uuid.uuid4().hex[:24]}")
+        return ResponsesEvents(body, model, f"resp_{uuid.uuid4().hex}")
+
+    def _remember(self, response_id: str, call: RecordedCall, session_id: str) -> None:
+        self.responses[response_id] = (session_id, [*call.messages, call.reply])
+        while len(self.responses) > 10_000:
+            self.responses.popitem(last=False)
+
+
+def _add_api_routes(app: Any, engine: Engine, proxy: ChatProxy, model_name: str, forms: list[str]) -> None:
     from fastapi import Request
+    from fastapi.responses import JSONResponse
 
-    @app.post("/sessions/{session_id:path}/v1/chat/completions")
-    async def chat_completions(session_id: str, request: Request):
-        return await proxy.chat_completion(session_id, await _json_body(request))
+    apis = _Api(proxy, model_name)
 
-    @app.get("/sessions/{session_id:path}/v1/models")
-    async def session_models(session_id: str):
-        return _models(model_name)
+    async def serve_call(api: str, request: Request, session_id: str | None):
+        await _reap(proxy, engine)
+        body = await _json_body(request)
+        if body.get("stream") is not None and not isinstance(body["stream"], bool):
+            raise ChatRequestError(f"stream must be a boolean, got {body['stream']!r}", param="stream")
+        chat, previous = apis.parse(api, body)
+        named, rule = (session_id, "path") if session_id else (previous, "previous_response_id") if previous else (
+            _named_session(request, body))
+        session = proxy.resolve(named, rule, chat.messages)
+        log.info("%s call on session %s (%s)", api, session.id, rule or "continued or new")
+        headers = {SESSION_HEADER: session.id}
+        if body.get("stream"):
+            return await _stream(proxy, apis, api, body, session, chat, request.url.path, headers)
+        call, finish = await proxy.complete(session, chat)
+        return JSONResponse(apis.answer(api, body, call, finish, session.id), headers=headers)
 
-    @app.get("/sessions/{session_id:path}/trajectories")
-    async def trajectories(session_id: str):
-        return {"session_id": session_id, "trajectories": [t.to_json() for t in proxy.trajectories(session_id)]}
+    for api, suffix in _API_SUFFIXES.items():
+        app.post(f"/v1{suffix}")(_bind(serve_call, api))
 
     @app.get("/sessions")
     async def sessions():
-        return {"sessions": [{"id": s, "calls": len(proxy.session(s).calls)} for s in proxy.session_ids()]}
+        await _reap(proxy, engine)
+        return {"sessions": [s.summary() for s in proxy.sessions()]}
 
-    @app.delete("/sessions/{session_id:path}")
-    async def close(session_id: str):
+    @app.api_route("/sessions/{rest:path}", methods=["GET", "POST", "DELETE", "PUT", "PATCH"])
+    async def session_route(rest: str, request: Request):
+        session_id, form = _split_session_path(rest)
+        allowed = _SESSION_FORMS.get(form) if session_id else None
+        if allowed is None:
+            message = f"no route {request.method} {request.url.path}; this server answers: {', '.join(forms)}"
+            return _error(request.url.path, 404, message, "not_found_error")
+        if request.method not in allowed.split(", "):
+            return _error(request.url.path, 405, f"{request.method} is not allowed on {request.url.path} (allowed: "
+                          f"{allowed})", "invalid_request_error", headers={"Allow": allowed})
+        if form in _API_FORMS:
+            return await serve_call(_API_FORMS[form], request, session_id)
+        return await _session_action(form, session_id, request, proxy, engine, model_name)
+
+
+_API_SUFFIXES = {"chat": "/chat/completions", "responses": "/responses", "messages": "/messages"}
+_API_FORMS = {"/v1" + suffix: api for api, suffix in _API_SUFFIXES.items()}
+_SESSION_FORMS = {**{form: "POST" for form in _API_FORMS}, "/v1/models": "GET", "/trajectories": "GET",
+                  "/reward": "POST", "": "GET, DELETE"}
+"""URL form after /sessions/<id> -> its method (GET and DELETE on the session itself)."""
+
+
+def _split_session_path(rest: str) -> tuple[str, str]:
+    """(session id, form) of the path after /sessions/: the longest known form it ends with; an id holding
+    `/v1/` with no known form after it is an unknown route, never a session of that name."""
+    for form in sorted((f for f in _SESSION_FORMS if f), key=len, reverse=True):
+        if rest.endswith(form) and len(rest) > len(form):
+            return rest[: -len(form)], form
+    if "/v1/" in rest or rest.endswith("/v1"):
+        return rest, "unknown"
+    return rest.rstrip("/"), ""
+
+
+def _bind(handler: Any, api: str) -> Any:
+    from fastapi import Request
+
+    async def endpoint(request: Request):
+        return await handler(api, request, None)
+
+    endpoint.__name__ = f"{api}_root"
+    return endpoint
+
+
+async def _session_action(form: str, session_id: str, request: Any, proxy: ChatProxy, engine: Engine,
+                          model_name: str) -> Any:
+    await _reap(proxy, engine)
+    if form == "/v1/models":
+        return _models(model_name)
+    if form == "/trajectories":
+        return {"session_id": session_id, "trajectories": [t.to_json() for t in proxy.trajectories(session_id)]}
+    if form == "/reward":
+        body = await _json_body(request)
+        unknown = set(body) - {"reward", "done"}
+        if unknown or "reward" not in body:
+            raise ChatRequestError('a reward body is {"reward": number or [one per model call], "done": true}; '
+                                   f"got fields {sorted(body)}", param="reward")
+        done = body.get("done", True)
+        if not isinstance(done, bool):
+            raise ChatRequestError(f"done must be a boolean, got {done!r}", param="done")
+        session = proxy.set_reward(session_id, body["reward"], done=done)
+        if done:
+            await _release(engine, session_id)
+        return {"ok": True, **session.summary()}
+    if request.method == "DELETE":
         session = proxy.close_session(session_id)
         if session is None:
             raise SessionNotFound(session_id)
         await engine.release(session_id)
         return {"ok": True, "calls": len(session.calls)}
+    return proxy.session(session_id).summary()
+
+
+async def _reap(proxy: ChatProxy, engine: Engine) -> None:
+    for session in proxy.reap():
+        await _release(engine, session.id)
+
+
+async def _release(engine: Engine, session_id: str) -> None:
+    try:
+        await engine.release(session_id)
+    except Exception as e:  # a cache entry that was not dropped must not fail the request
+        log.warning("session %s: engine.release raised %r", session_id, e)
+
+
+async def _stream(proxy: ChatProxy, apis: _Api, api: str, body: dict[str, Any], session: Any, chat: ChatCall,
+                  path: str, headers: dict[str, str]) -> Any:
+    """The call as server-sent events in the API's protocol. Until its first text (or its end) nothing is sent,
+    so a request the engine refuses still gets an HTTP error, not a broken stream. A client that goes away
+    cancels the engine call."""
+    from fastapi.responses import StreamingResponse
+
+    queue: asyncio.Queue = asyncio.Queue()
+    task = asyncio.create_task(proxy.complete(session, chat, lambda kind, value: queue.put_nowait((kind, value))))
+    task.add_done_callback(lambda _: queue.put_nowait(("done", None)))
+    first: list[tuple[str, Any]] = []
+    while not first or first[-1][0] == "start":
+        first.append(await queue.get())
+    if first[-1][0] == "done" and not task.cancelled() and task.exception() is not None:
+        raise task.exception()
+    events = apis.events(api, body)
+
+    async def lines():
+        pending = first
+        try:
+            while True:
+                for kind, value in pending:
+                    if kind == "done":
+                        yield _finish_stream(apis, api, events, task, session, path)
+                        return
+                    yield events.start(value) if kind == "start" else events.delta(kind, value)
+                pending = [await queue.get()]
+        finally:
+            if not task.done():
+                task.cancel()
+
+    return StreamingResponse(lines(), media_type="text/event-stream",
+                             headers={**headers, "Cache-Control": "no-cache"})
+
+
+def _finish_stream(apis: _Api, api: str, events: Any, task: asyncio.Task, session: Any, path: str) -> str:
+    try:
+        call, finish = task.result()
+    except Exception as e:  # after the stream started: the API's error event ends it
+        status, kind, message, param, _ = classify(e, path)
+        log.warning("streamed call on session %s failed: %s", session.id, message)
+        return events.error(status, message, kind, param)
+    if api == "responses":
+        apis._remember(events.id, call, session.id)
+    return events.finish(call, finish)
 
 
 def _add_rollout_routes(app: Any, manager: Any, model_name: str, heartbeat_s: float) -> None:
@@ -407,18 +777,20 @@ class ServerThread:
 
 def run_server(engine: Engine, tokenizer: Any, rollout: Any = None, *, model_name: str, host: str = "127.0.0.1",
                port: int = 8000, token: str | None = None, tool_parser: str = "hermes", sampling: Any = None,
-               chat_template_kwargs: dict[str, Any] | None = None, log_level: str = "info") -> None:
-    """Serve `engine`, per-session OpenAI endpoints over it (chat template of `tokenizer` with
-    `chat_template_kwargs`) and, with `rollout` (a RolloutManager over `engine`), `/rollout`, until interrupted.
-    `turnrl serve` builds the three with `turnrl.build.build_stack`; closing them is the caller's."""
+               chat_template_kwargs: dict[str, Any] | None = None, log_level: str = "info",
+               max_body_mb: float = DEFAULT_MAX_BODY_MB, session_ttl_s: float | None = None) -> None:
+    """Serve `engine`, the chat APIs over it (chat template of `tokenizer` with `chat_template_kwargs`; sessions
+    idle past `session_ttl_s` are aborted) and, with `rollout` (a RolloutManager over `engine`), `/rollout`,
+    until interrupted. `turnrl serve` builds the three with `turnrl.build.build_stack`; closing them is the
+    caller's."""
     import uvicorn
 
     from turnrl.render import ChatRenderer
 
     check_bind(host, token)
     proxy = ChatProxy(engine, ChatRenderer(tokenizer, chat_template_kwargs), model_name=model_name,
-                      tool_parser=tool_parser, sampling=sampling)
-    app = create_app(engine, proxy, token=token, model_name=model_name, rollout=rollout)
-    log.info("serving %s on http://%s:%d (sessions: /sessions/<id>/v1%s)", model_name, host, port,
-             f"; rollouts: /rollout, agent {rollout.default_agent}" if rollout is not None else "")
+                      tool_parser=tool_parser, sampling=sampling, session_ttl_s=session_ttl_s)
+    app = create_app(engine, proxy, token=token, model_name=model_name, rollout=rollout, max_body_mb=max_body_mb)
+    log.info("serving %s on http://%s:%d (/v1 and /sessions/<id>/v1: chat, responses, messages%s)", model_name,
+             host, port, f"; rollouts: /rollout, agent {rollout.default_agent}" if rollout is not None else "")
     uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -54,3 +54,16 @@ async def run(base_url: str, api_key: str, sample: dict) -> float:
     )
     numbers = re.findall(r"-?\d+(?:\.\d+)?", str(state["messages"][-1].content))
     return float(bool(numbers) and float(numbers[-1]) == float(sample["answer"]))
+
+
+async def run_streaming(base_url: str, api_key: str, sample: dict) -> float:
+    """The same graph with streamed model calls: `astream(stream_mode="messages")` yields the tokens as they come."""
+    llm = ChatOpenAI(model="policy", base_url=base_url, api_key=api_key, max_retries=0, streaming=True)
+    inputs = {"messages": [SystemMessage(SYSTEM), HumanMessage(sample["prompt"])]}
+    state: dict = {}
+    async for mode, chunk in build_graph(llm).astream(inputs, {"recursion_limit": 2 * MAX_STEPS + 1},
+                                                      stream_mode=["messages", "values"]):
+        if mode == "values":  # the graph's state after each step; the last one is the final state
+            state = chunk
+    numbers = re.findall(r"-?\d+(?:\.\d+)?", str(state["messages"][-1].content))
+    return float(bool(numbers) and float(numbers[-1]) == float(sample["answer"]))

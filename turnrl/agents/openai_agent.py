@@ -1,7 +1,7 @@
 """`openai_agent`: train an agent written against the OpenAI API, without changing its code.
 
-The user writes an ordinary agent loop with the `openai` client (or LangGraph, or anything that takes a
-base_url) as
+The user writes an ordinary agent loop with the `openai` client (or LangGraph, the OpenAI Agents SDK, the
+`anthropic` client with the base_url less its `/v1`, anything that takes a base_url) as
 
     async def run(base_url: str, api_key: str, sample: dict) -> float | None:
         client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key)
@@ -84,8 +84,10 @@ def gateway(engine: Engine, renderer: ChatRenderer, tool_parser: str = "hermes")
             proxy = ChatProxy(engine, renderer, model_name="turnrl-policy", tool_parser=tool_parser,
                               create_sessions=False)  # a late call of a finished episode gets a 404
             token = secrets.token_urlsafe(16)
-            # OpenAI routes only: the agent's code must not reach the token level (weights, sleep)
-            http = ServerThread(create_app(engine, proxy, token=token, model_name="turnrl-policy", token_level=False))
+            # the chat APIs only: the agent's code must not reach the token level (weights, sleep); the body
+            # limit is generous, the agent being this process's own code on loopback
+            http = ServerThread(create_app(engine, proxy, token=token, model_name="turnrl-policy", token_level=False,
+                                           max_body_mb=256))
             http.start()
             gw = _GATEWAYS[key] = Gateway(proxy, http, token)
         return gw

@@ -20,6 +20,17 @@ class EngineError(RuntimeError):
     """An engine failed to serve a request (the driver ends that trajectory as FAILED/engine_error)."""
 
 
+class InvalidRequest(EngineError, ValueError):
+    """The request itself is wrong (a token id outside the vocabulary, a sampling field of the wrong type, images
+    for a text model, a prompt longer than the context): no engine could serve it. It is refused before it joins
+    a batch, so it fails alone; a router does not retry it elsewhere; a server answers it with a 4xx naming
+    `param`, the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
 @runtime_checkable
 class Engine(Protocol):
     """What the turn loop and the trainer need from an inference backend.

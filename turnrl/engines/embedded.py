@@ -28,17 +28,18 @@ import contextlib
 import inspect
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from turnrl.engines.base import EngineError, NamedTensors
+from turnrl.engines.base import EngineError, InvalidRequest, NamedTensors
 from turnrl.types import FinishReason, GenerateOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -160,6 +161,8 @@ class _Request:
     aborted: bool = False
     images: list = field(default_factory=list)  # VLM: every image of the prompt, in order
     next_pos: int = 0  # rotary position of the next token fed (differs from `length` after images)
+    on_token: Callable[[int], None] | None = None  # streaming: called on `loop` with each sampled token
+    error: BaseException | None = None  # set when this request alone failed in a step: retired with it
 
 
 def sample_tokens(
@@ -220,6 +223,35 @@ def draw(logp_N_V: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return torch.searchsorted(cdf_N_V, u_N_1)[:, 0]
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_sampling(params: Any, where: str, vocab_size: int) -> None:
+    """Raise InvalidRequest naming the first SamplingParams field an engine step could not use."""
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequest(f"{where}: sampling params must be SamplingParams, got {type(params).__name__}", "sampling")
+    checks = [
+        ("temperature", _is_real(params.temperature) and params.temperature >= 0, "a finite number >= 0"),
+        ("top_p", _is_real(params.top_p) and 0 < params.top_p <= 1, "a number in (0, 1]"),
+        ("top_k", _is_int(params.top_k), "an int (-1 or 0 disables it)"),
+        ("max_new_tokens", _is_int(params.max_new_tokens) and params.max_new_tokens >= 1, "an int >= 1"),
+        ("stop_token_ids", isinstance(params.stop_token_ids, list | tuple | frozenset | set)
+         and all(_is_int(t) and 0 <= t < vocab_size for t in params.stop_token_ids),
+         f"a list of token ids (ints in [0, {vocab_size}))"),
+        ("seed", params.seed is None or (_is_int(params.seed) and -(2**63) <= params.seed < 2**64),
+         "null or a 64-bit int"),
+    ]
+    for name, ok, expected in checks:
+        if not ok:
+            raise InvalidRequest(f"{where}: sampling.{name} must be {expected}, got {getattr(params, name)!r}",
+                                 f"sampling.{name}")
+
+
 def _prefill_groups(admitted: list[tuple[_Request, int]], max_group: int) -> list[list[tuple[_Request, int]]]:
     """Split consecutive admitted requests into prefill groups whose left padding wastes little: a group grows
     while padded tokens (max length × rows) stay within 1.5× the real ones plus a small slack."""
@@ -260,6 +292,8 @@ class EmbeddedEngine:
         cfg = getattr(model.config, "text_config", model.config)
         self.max_batch_size = max_batch_size
         self.max_context = max_context or getattr(cfg, "max_position_embeddings", 32_768)
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        """Token ids must lie in [0, vocab_size): the rows of the embedding (may exceed the tokenizer's)."""
         # the model config's and the generation config's end tokens both stop (Qwen3: <|im_end|>, <|endoftext|>)
         gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         default_eos = {t for ids in (getattr(cfg, "eos_token_id", None), gen_eos) if ids is not None
@@ -287,29 +321,19 @@ class EmbeddedEngine:
 
     # ---- public API (async, called from any event loop) -----------------------------------------
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, *, request_id: str, images: list | None = None
+        self, prompt_ids: list[int], params: SamplingParams, *, request_id: str, images: list | None = None,
+        on_token: Callable[[int], None] | None = None,
     ) -> GenerateOutput:
-        if images and not self.is_vlm:
-            raise EngineError("EmbeddedEngine over a text-only model got images; load a VLM policy for images")
-        if not prompt_ids:
-            raise EngineError(f"request {request_id!r}: empty prompt")
-        if self.is_vlm:  # refused here, not in the engine thread, where it would fail every request in the step
-            n_prompt = prompt_ids.count(self.model.config.vision_start_token_id)
-            if n_prompt != len(images or []):
-                raise EngineError(f"request {request_id!r}: the prompt has {n_prompt} images but "
-                                  f"{len(images or [])} were sent")
-        if len(prompt_ids) >= self.max_context:
-            raise EngineError(
-                f"request {request_id!r}: prompt of {len(prompt_ids)} tokens does not fit the context of "
-                f"{self.max_context} tokens"
-            )
+        """Sample a continuation. `on_token(token_id)` (optional) is called on the caller's event loop with each
+        token as it is sampled, in order, before the call returns them all (streaming servers use it)."""
+        self._check_request(prompt_ids, params, request_id, images)
         loop = asyncio.get_running_loop()
         req = _Request(
             prompt_ids=list(prompt_ids), params=params, request_id=request_id, loop=loop,
             future=loop.create_future(), stop_ids=self.eos_token_ids | frozenset(params.stop_token_ids),
             max_new=min(params.max_new_tokens, self.max_context - len(prompt_ids)),
             generator=None if params.seed is None else torch.Generator().manual_seed(params.seed),
-            images=list(images or []),
+            images=list(images or []), on_token=on_token,
         )
         self._submit(("generate", req))
         try:
@@ -318,6 +342,30 @@ class EmbeddedEngine:
             req.aborted = True  # the engine thread drops it at the next step
             self._wake.set()
             raise
+
+    def _check_request(self, prompt_ids: Any, params: Any, request_id: str, images: list | None) -> None:
+        """Refuse, here on the caller's side, whatever would fail inside a step: there it would fail every
+        request batched with it (an out-of-vocabulary id breaks the embedding lookup of the whole prefill)."""
+        where = f"request {request_id!r}"
+        if images and not self.is_vlm:
+            raise InvalidRequest(f"{where}: EmbeddedEngine over a text-only model got images; load a VLM policy "
+                                 "for images", "images")
+        if not isinstance(prompt_ids, list | tuple) or not prompt_ids:
+            raise InvalidRequest(f"{where}: empty prompt (prompt_ids must be a non-empty list of token ids)",
+                                 "prompt_ids")
+        for i, t in enumerate(prompt_ids):
+            if not _is_int(t) or not 0 <= t < self.vocab_size:
+                raise InvalidRequest(f"{where}: prompt_ids[{i}] = {t!r} is not a token id (an int in "
+                                     f"[0, {self.vocab_size}))", "prompt_ids")
+        check_sampling(params, where, self.vocab_size)
+        if self.is_vlm:
+            n_prompt = prompt_ids.count(self.model.config.vision_start_token_id)
+            if n_prompt != len(images or []):
+                raise InvalidRequest(f"{where}: the prompt has {n_prompt} images but {len(images or [])} were sent",
+                                     "images")
+        if len(prompt_ids) >= self.max_context:
+            raise InvalidRequest(f"{where}: prompt_ids holds {len(prompt_ids)} tokens, which do not fit the "
+                                 f"context of {self.max_context} tokens (the prompt must be shorter)", "prompt_ids")
 
     async def update_weights(self, named_tensors: NamedTensors, version: int | None = None, *,
                              final: bool = True) -> int:
@@ -377,11 +425,11 @@ class EmbeddedEngine:
                     self._admit()
                     if self._active:
                         self._decode_step()
-                except Exception as e:  # a broken step fails the requests in it, never the thread
+                except Exception as e:  # a broken step fails the requests in it (never those still waiting)
                     log.exception("engine step failed")
-                    for r in self._active + self._waiting:
+                    for r in self._active:
                         self._resolve(r.loop, r.future, error=EngineError(f"engine step failed: {e!r}"))
-                    self._active, self._waiting = [], []
+                    self._active = []
                 self.stats["busy_s"] += time.perf_counter() - t0
         for r in self._active + self._waiting:
             self._resolve(r.loop, r.future, error=EngineError("engine closed"))
@@ -474,8 +522,22 @@ class EmbeddedEngine:
             self._active.append(req)
             admitted.append((req, self._reuse_prefix(req, slot)))
         for group in _prefill_groups(admitted, 1 if self.is_vlm else self.max_batch_size):
+            self._prefill_isolated(group)
+        self._retire([req for req, _ in admitted if req.error is not None or self._finished(req)])
+
+    def _prefill_isolated(self, group: list[tuple[_Request, int]]) -> None:
+        """Prefill a group; when it fails, prefill its requests one by one, so a request that cannot be
+        prefilled (an image that does not load) fails alone and its neighbours go on."""
+        try:
             self._prefill(group)
-        self._retire([req for req, _ in admitted if self._finished(req)])
+            return
+        except Exception as e:
+            if len(group) == 1:
+                log.warning("engine: request %r failed in its prefill: %r", group[0][0].request_id, e)
+                group[0][0].error = EngineError(f"request {group[0][0].request_id!r} failed in prefill: {e!r}")
+                return
+        for item in group:
+            self._prefill_isolated([item])
 
     def _reuse_prefix(self, req: _Request, slot: int) -> int:
         """Copy this trajectory's parked KV into the slot when the prompt extends it; returns the tokens reused."""
@@ -571,6 +633,9 @@ class EmbeddedEngine:
         req.out_ids.append(token)
         req.out_logprobs.append(logprob)
         self.stats["generated_tokens"] += 1
+        if req.on_token is not None:
+            with contextlib.suppress(RuntimeError):  # the caller's loop is closed
+                req.loop.call_soon_threadsafe(req.on_token, token)
 
     @staticmethod
     def _finished(req: _Request) -> bool:
@@ -580,7 +645,9 @@ class EmbeddedEngine:
         """Resolve finished requests and keep the active rows packed in slots [0, n)."""
         for req in done:
             slot = self._active.index(req)
-            if not req.aborted:
+            if req.error is not None:
+                self._resolve(req.loop, req.future, error=req.error)
+            elif not req.aborted:
                 self._park(req, slot)
                 reason = FinishReason.STOP if req.out_ids[-1] in req.stop_ids else FinishReason.LENGTH
                 out = GenerateOutput(

@@ -29,6 +29,7 @@ import asyncio
 import base64
 import dataclasses
 import io
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -39,7 +40,7 @@ import torch
 from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save as save_safetensors_bytes
 
-from turnrl.engines.base import EngineError, NamedTensors
+from turnrl.engines.base import EngineError, InvalidRequest, NamedTensors
 from turnrl.types import FinishReason, GenerateOutput, SamplingParams
 
 TOKEN_ENV = "TURNRL_SERVE_TOKEN"
@@ -54,16 +55,53 @@ def sampling_to_json(params: SamplingParams) -> dict[str, Any]:
     return body
 
 
-def sampling_from_json(body: dict[str, Any]) -> SamplingParams:
-    """Raises ValueError naming unknown fields or bad values."""
+def sampling_from_json(body: Any, where: str = "sampling") -> SamplingParams:
+    """SamplingParams from JSON, every field's type checked: raises InvalidRequest (a ValueError) naming the
+    field (`sampling.top_k`) and what was expected."""
+    if not isinstance(body, dict):
+        raise InvalidRequest(f"{where} must be a JSON object of SamplingParams fields, got {_json_type(body)}", where)
     known = {f.name for f in dataclasses.fields(SamplingParams)}
     unknown = set(body) - known
     if unknown:
-        raise ValueError(f"sampling: unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
+        raise InvalidRequest(f"{where}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}",
+                             f"{where}.{sorted(unknown)[0]}")
     fields = dict(body)
+    for name, value in fields.items():
+        check, expected = _SAMPLING_JSON[name]
+        if not check(value):
+            raise InvalidRequest(f"{where}.{name} must be {expected}, got {_json_type(value)} {value!r}"[:300],
+                                 f"{where}.{name}")
     if "stop_token_ids" in fields:
-        fields["stop_token_ids"] = tuple(int(t) for t in fields["stop_token_ids"] or ())
-    return SamplingParams(**fields)
+        fields["stop_token_ids"] = tuple(fields["stop_token_ids"] or ())
+    try:
+        return SamplingParams(**fields)
+    except ValueError as e:  # SamplingParams' own range checks name the field
+        field = next((n for n in fields if f".{n} " in str(e)), None)
+        raise InvalidRequest(f"{where}: {e}", f"{where}.{field}" if field else where) from None
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+_SAMPLING_JSON: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "temperature": (lambda v: _is_number(v) and v >= 0, "a finite number >= 0"),
+    "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "top_k": (_is_int, "an integer (-1 disables it)"),
+    "max_new_tokens": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "stop_token_ids": (lambda v: v is None or (isinstance(v, list) and all(_is_int(t) and t >= 0 for t in v)),
+                       "a list of token ids (integers >= 0)"),
+    "seed": (lambda v: v is None or (_is_int(v) and -(2**63) <= v < 2**64), "null or a 64-bit integer"),
+}
+
+
+def _json_type(value: Any) -> str:
+    names = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
 def output_to_json(out: GenerateOutput) -> dict[str, Any]:
@@ -182,7 +220,10 @@ class JsonHttp:
             raise EngineError(f"{where} failed: {type(e).__name__}: {e or 'no details'}") from e
         if response.status_code >= 400:
             hint = self.hint(response.status_code, path) if self.hint else ""
-            raise EngineError(f"{where} returned HTTP {response.status_code}{hint}: {_excerpt(response.text)}")
+            message = f"{where} returned HTTP {response.status_code}{hint}: {_excerpt(response.text)}"
+            if response.status_code == 422:  # the request is invalid: no replica could serve it (Router: no retry)
+                raise InvalidRequest(message, _error_param(response))
+            raise EngineError(message)
         if not expect_json or not response.content:
             return None
         try:
@@ -199,6 +240,14 @@ class JsonHttp:
         """Forget the client. Its event loop has usually finished by now (asyncio.run closes it), so its
         connections cannot be closed politely; they go with the loop."""
         self._client = self._client_loop = None
+
+
+def _error_param(response: httpx.Response) -> str | None:
+    try:
+        error = response.json().get("error")
+    except (ValueError, AttributeError):
+        return None
+    return error.get("param") if isinstance(error, dict) else None
 
 
 def _token_hint(status: int, path: str) -> str:

@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from turnrl.engines.base import Engine, EngineError, NamedTensors
+from turnrl.engines.base import Engine, EngineError, InvalidRequest, NamedTensors
 from turnrl.types import GenerateOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -137,6 +137,8 @@ class Router:
             tried.append(replica.stats.name)
             try:
                 return await self._call(replica, prompt_ids, params, request_id, images)
+            except InvalidRequest:  # the request is at fault, not the replica: no other replica could serve it
+                raise
             except Exception as exc:  # any failure takes the replica out; the request moves on
                 last_error = self._mark_failed(replica, exc)
         if not tried:

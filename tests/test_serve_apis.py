@@ -1,0 +1,491 @@
+"""`turnrl serve` as external agents expect it: the OpenAI chat and Responses APIs and the Anthropic Messages API at
+the root URL and per session, streaming, the session rule, rewards from outside, the idle TTL. Each client is the
+real library (openai, LangGraph, the OpenAI Agents SDK, anthropic) against a real server on 127.0.0.1, and each
+episode's trajectory is checked token by token against what the engine returned."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+import anthropic
+import httpx
+import openai
+import pytest
+from test_serve import QUESTION, RecordingEngine, calculator_script
+
+from turnrl.engines.embedded import EmbeddedEngine
+from turnrl.proxy import ChatProxy
+from turnrl.render import ChatRenderer
+from turnrl.serve import ServerThread, create_app
+from turnrl.types import RolloutStatus, SegmentSource, TerminationReason, Trajectory
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples" / "openai_agent"
+MODEL, TEMPLATE, TOOL = SegmentSource.MODEL, SegmentSource.TEMPLATE, SegmentSource.TOOL
+TOOL_LOOP = [MODEL, TEMPLATE, TOOL, MODEL]  # a call, the template's closing + the tool result (mask 0), the answer
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Served:
+    """A scripted engine (real Qwen3 tokenizer and template) behind the real app on 127.0.0.1."""
+
+    def __init__(self, tokenizer, script=calculator_script, **proxy_kwargs):
+        self.engine = RecordingEngine(tokenizer, script)
+        self.proxy = ChatProxy(self.engine, ChatRenderer(tokenizer), **proxy_kwargs)
+        self.server = ServerThread(create_app(self.engine, self.proxy))
+        self.url = self.server.start()
+
+    def sessions(self) -> list[dict]:
+        return httpx.get(f"{self.url}/sessions").json()["sessions"]
+
+    def only_session(self) -> str:
+        [session] = self.sessions()
+        return session["id"]
+
+    def trajectories(self, session_id: str) -> list[Trajectory]:
+        body = httpx.get(f"{self.url}/sessions/{quote(session_id, safe='')}/trajectories").json()
+        return [Trajectory.from_json(row) for row in body["trajectories"]]
+
+    def check_episode(self, session_id: str, sources: list[SegmentSource] = TOOL_LOOP) -> Trajectory:
+        """One trajectory whose mask-1 tokens are exactly the engine's outputs and whose mask-0 tokens are the
+        template and the tool results."""
+        [traj] = self.trajectories(session_id)
+        traj.validate()
+        calls = [(c, o) for c, o in zip(self.engine.calls, self.engine.outputs, strict=True)
+                 if c.request_id == session_id]
+        assert traj.prompt_ids == calls[0][0].prompt_ids
+        assert [s.source for s in traj.segments] == sources
+        model = [s for s in traj.segments if s.source == MODEL]
+        assert [s.token_ids for s in model] == [o.token_ids for _, o in calls]
+        assert [s.logprobs for s in model] == [o.logprobs for _, o in calls]
+        for seg in traj.segments:
+            assert seg.loss_mask == [int(seg.source == MODEL)] * len(seg)
+        # every later call's prompt is the recorded stream, never a re-render of the text
+        for k, (call, _) in enumerate(calls[1:], start=1):
+            stream = traj.prompt_ids + traj.response_ids
+            assert stream[: len(call.prompt_ids)] == call.prompt_ids, f"call {k} re-rendered the history"
+        tool = [s for s in traj.segments if s.source == TOOL]
+        if tool:
+            assert "<tool_response>\n42\n</tool_response>" in self.engine.tokenizer.decode(tool[0].token_ids)
+        return traj
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+@pytest.fixture()
+def served(qwen3_tokenizer):
+    s = Served(qwen3_tokenizer)
+    yield s
+    s.stop()
+
+
+def _sse(text: str) -> list[tuple[str | None, dict | str]]:
+    """(event name, data) of each server-sent event."""
+    events = []
+    for block in text.strip().split("\n\n"):
+        name, data = None, None
+        for line in block.splitlines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                data = line[6:]
+        events.append((name, data if data == "[DONE]" else json.loads(data)))
+    return events
+
+
+# ---- OpenAI chat completions ---------------------------------------------------------------------------
+async def test_openai_client_at_the_root_url_is_one_episode(served):
+    """The unmodified example agent with base_url=http://HOST:PORT/v1, naming no session: its first call opens
+    an episode, its second extends that conversation and continues it (the session rule)."""
+    agent = _load("agent")
+    assert await agent.run(f"{served.url}/v1", "any-key", QUESTION) == 1.0
+    [session] = served.sessions()
+    assert (session["rule"], session["calls"], session["status"]) == ("new", 2, "open")
+    traj = served.check_episode(session["id"])
+    assert traj.num_turns == 2 and traj.termination_reason == TerminationReason.NO_TOOL_CALL
+
+
+def test_the_session_rule_header_then_user_then_metadata(served):
+    hello = [{"role": "user", "content": "hi"}]
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="k", max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(model="m", messages=hello,
+                                                          extra_headers={"X-Session-Id": "by-header"}, user="loser")
+    assert raw.headers["x-session-id"] == "by-header"
+    client.chat.completions.create(model="m", messages=hello, user="by-user", metadata={"session_id": "loser"})
+    client.chat.completions.create(model="m", messages=hello, metadata={"session_id": "by-metadata"})
+    client.chat.completions.create(model="m", messages=hello)  # names nothing, extends nothing: a new episode
+    rules = {s["id"]: s["rule"] for s in served.sessions()}
+    assert {k: v for k, v in rules.items() if not k.startswith("ep-")} == {
+        "by-header": "header", "by-user": "user", "by-metadata": "metadata"}
+    assert sorted(rules.values()) == ["header", "metadata", "new", "user"]
+    assert [c.request_id for c in served.engine.calls][:3] == ["by-header", "by-user", "by-metadata"]
+
+
+def test_openai_streaming_with_tools_assembles_to_the_recorded_reply(served):
+    client = openai.OpenAI(base_url=f"{served.url}/sessions/s1/v1", api_key="k", max_retries=0)
+    agent = _load("agent")
+    messages = [{"role": "user", "content": QUESTION["prompt"]}]
+    with client.chat.completions.stream(model="m", messages=messages, tools=agent.TOOLS) as stream:
+        for _ in stream:
+            pass
+        first = stream.get_final_completion()
+    [call] = first.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("calculator", {"expression": "6*7"})
+    assert first.choices[0].finish_reason == "tool_calls" and first.usage.completion_tokens == len(
+        served.engine.outputs[0].token_ids)
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "42"}]
+    chunks = list(client.chat.completions.create(model="m", messages=messages, tools=agent.TOOLS, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "The answer is 42." == served.proxy.session("s1").calls[1].reply["content"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == len(served.engine.calls[1].prompt_ids)
+    served.check_episode("s1")
+
+
+@pytest.mark.parametrize("reply", ["Grüße, 世界! 🎉🎉 ½ — naïve café ✓", "数学：六乘七等于四十二。🧮"])
+def test_streamed_text_is_decoded_from_the_token_ids_without_splitting_characters(qwen3_tokenizer, reply):
+    served = Served(qwen3_tokenizer, script=lambda rid, turn, text: reply)
+    try:
+        ids = qwen3_tokenizer(reply, add_special_tokens=False)["input_ids"]
+        split = [i for i in range(1, len(ids)) if "\ufffd" in qwen3_tokenizer.decode(ids[:i])]
+        assert split, "the reply must hold characters whose bytes span several tokens"
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        response = httpx.post(f"{served.url}/v1/chat/completions", json=body)
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = _sse(response.text)
+        assert events[-1] == (None, "[DONE]")
+        deltas = [d["choices"][0]["delta"].get("content") for _, d in events[:-1] if d["choices"]]
+        deltas = [d for d in deltas if d]
+        assert len(deltas) > 3 and all("\ufffd" not in d for d in deltas)
+        assert "".join(deltas) == reply == served.proxy.session(served.only_session()).calls[0].reply["content"]
+        assert events[-2][1]["usage"]["completion_tokens"] == len(ids) + 1  # and the end-of-turn token
+    finally:
+        served.stop()
+
+
+async def test_tokens_stream_while_the_embedded_engine_generates(tiny_qwen3, qwen3_tokenizer):
+    """True token streaming: the first text reaches the client while the engine is still generating."""
+    renderer = ChatRenderer(qwen3_tokenizer)
+    engine = EmbeddedEngine(tiny_qwen3, eos_token_ids=sorted(renderer.end_of_turn_ids))
+    proxy = ChatProxy(engine, renderer)
+    server = ServerThread(create_app(engine, proxy))
+    url = server.start()
+    try:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+        stream = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Tell me a story."}], stream=True, max_tokens=48,
+            seed=5, extra_headers={"X-Session-Id": "live"})
+        seen_at_first_text, text = None, ""
+        async for chunk in stream:
+            delta = chunk.choices[0].delta.content if chunk.choices else None
+            if delta and seen_at_first_text is None:
+                seen_at_first_text = engine.stats["generated_tokens"]
+            text += delta or ""
+        [call] = proxy.session("live").calls
+        assert seen_at_first_text is not None and seen_at_first_text < len(call.completion_ids)
+        assert text == call.reply["content"]
+        [traj] = proxy.trajectories("live")
+        assert traj.response_ids == call.completion_ids and traj.segments[0].loss_mask == [1] * len(text and
+                                                                                                     call.completion_ids)
+    finally:
+        server.stop()
+        engine.close()
+
+
+# ---- OpenAI Responses ----------------------------------------------------------------------------------
+RESPONSES_TOOL = {"type": "function", "name": "calculator", "description": "Evaluate arithmetic.",
+                  "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}
+
+
+def test_openai_responses_api_with_tools_and_streaming(served):
+    client = openai.OpenAI(base_url=f"{served.url}/sessions/r1/v1", api_key="k", max_retries=0)
+    first = client.responses.create(model="m", input=QUESTION["prompt"], tools=[RESPONSES_TOOL])
+    [call] = first.output
+    assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "calculator", {"expression": "6*7"})
+    assert first.usage.input_tokens == len(served.engine.calls[0].prompt_ids)
+    follow_up = [{"role": "user", "content": QUESTION["prompt"]}, call.model_dump(exclude_none=True),
+                 {"type": "function_call_output", "call_id": call.call_id, "output": "42"}]
+    events = list(client.responses.create(model="m", input=follow_up, tools=[RESPONSES_TOOL], stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "The answer is 42."
+    assert events[-1].response.output_text == "The answer is 42."
+    assert events[-1].response.usage.output_tokens == len(served.engine.outputs[1].token_ids)
+    served.check_episode("r1")
+    # previous_response_id: the server keeps the conversation of each response
+    again = client.responses.create(model="m", input=[{"role": "user", "content": "And 7*6?"}],
+                                    tools=[RESPONSES_TOOL], previous_response_id=events[-1].response.id)
+    third = served.proxy.session("r1").calls[2]
+    assert third.messages[-1] == {"role": "user", "content": "And 7*6?"} and third.base_len is not None
+    assert again.output_text == "The answer is 42."
+
+
+def test_responses_stream_sends_function_call_events(served):
+    body = {"model": "m", "input": QUESTION["prompt"], "tools": [RESPONSES_TOOL], "stream": True}
+    events = _sse(httpx.post(f"{served.url}/v1/responses", json=body).text)
+    names = [name for name, _ in events]
+    added = [d for n, d in events if n == "response.output_item.added"]
+    assert [d["item"]["type"] for d in added] == ["function_call"]
+    [delta] = [d["delta"] for n, d in events if n == "response.function_call_arguments.delta"]
+    assert json.loads(delta) == {"expression": "6*7"}
+    assert names.index("response.function_call_arguments.done") < names.index("response.output_item.done")
+    assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
+
+
+# ---- LangGraph -----------------------------------------------------------------------------------------
+async def test_langgraph_react_agent_and_its_streaming_version(served):
+    pytest.importorskip("langgraph")
+    agent = _load("langgraph_agent")
+    assert await agent.run(f"{served.url}/sessions/lg/v1", "k", QUESTION) == 1.0
+    assert await agent.run_streaming(f"{served.url}/sessions/lg-stream/v1", "k", QUESTION) == 1.0
+    for session in ("lg", "lg-stream"):
+        assert served.check_episode(session).num_turns == 2
+
+
+# ---- the OpenAI Agents SDK -----------------------------------------------------------------------------
+@pytest.mark.parametrize("entry", ["run", "run_chat_completions", "run_streamed"])
+async def test_openai_agents_sdk(served, entry):
+    """Its default model (Responses API), its chat-completions model, and Runner.run_streamed, at the root URL."""
+    pytest.importorskip("agents")
+    agent = _load("agents_sdk_agent")
+    assert await getattr(agent, entry)(f"{served.url}/v1", "k", QUESTION) == 1.0
+    traj = served.check_episode(served.only_session())
+    assert traj.num_turns == 2 and "Use the calculator tool" in served.engine.tokenizer.decode(traj.prompt_ids)
+
+
+# ---- Anthropic Messages --------------------------------------------------------------------------------
+@pytest.mark.parametrize("entry", ["run", "run_streaming"])
+async def test_anthropic_client_messages_and_tool_use(served, entry):
+    agent = _load("anthropic_agent")
+    assert await getattr(agent, entry)(f"{served.url}/sessions/a1/v1", "k", QUESTION) == 1.0
+    traj = served.check_episode("a1")
+    assert traj.num_turns == 2
+
+
+def test_anthropic_stream_events(served):
+    client = anthropic.Anthropic(base_url=served.url, api_key="k", max_retries=0)
+    agent = _load("anthropic_agent")
+    with client.messages.stream(model="m", max_tokens=64, messages=[{"role": "user", "content": "6*7?"}],
+                                tools=agent.TOOLS) as stream:
+        events = list(stream)
+        message = stream.get_final_message()
+    kinds = [e.type for e in events]
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    starts = [e.content_block.type for e in events if e.type == "content_block_start"]
+    assert starts == ["tool_use"]
+    assert any(e.type == "content_block_delta" and e.delta.type == "input_json_delta" for e in events)
+    [block] = message.content
+    assert (block.name, block.input, message.stop_reason) == ("calculator", {"expression": "6*7"}, "tool_use")
+    assert message.usage.output_tokens == len(served.engine.outputs[0].token_ids)
+
+
+def test_errors_come_in_each_apis_own_shape(served):
+    anthropic_error = httpx.post(f"{served.url}/v1/messages", json={"model": "m", "messages": []})
+    assert anthropic_error.status_code == 400
+    assert anthropic_error.json() == {"type": "error", "error": {
+        "type": "invalid_request_error", "message": "max_tokens: field required"}}
+    client = anthropic.Anthropic(base_url=served.url, api_key="k", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError, match="image"):
+        client.messages.create(model="m", max_tokens=8, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}])
+    openai_error = httpx.post(f"{served.url}/v1/chat/completions", json={"messages": [], "model": "m"}).json()
+    assert set(openai_error["error"]) == {"message", "type", "param", "code"}
+    assert openai_error["error"]["param"] == "messages"
+
+
+# ---- routes: every URL form answers itself, unknown ones say what exists ---------------------------------
+def test_no_route_falls_into_another(served):
+    url = served.url
+    # this was a 405: the session DELETE route caught every path under /sessions/
+    assert httpx.post(f"{url}/sessions/x/v1/responses", json={"model": "m", "input": "hi"}).status_code == 200
+    wrong = httpx.delete(f"{url}/sessions/x/v1/responses")
+    assert (wrong.status_code, wrong.headers["allow"]) == (405, "POST")
+    assert httpx.get(f"{url}/sessions/x").json()["calls"] == 1
+    for method, path in [("POST", "/v1/completions"), ("GET", "/v2/models"), ("POST", "/sessions/x/v1/embeddings"),
+                         ("GET", "/sessions/x/v1")]:
+        response = httpx.request(method, f"{url}{path}")
+        assert response.status_code == 404, path
+        message = response.json()["error"]["message"]
+        assert f"no route {method} {path}" in message and "POST /v1/chat/completions" in message
+        assert "POST /sessions/<id>/v1/responses" in message
+    gone = httpx.post(f"{url}/sessions/x/v1/messagesx", json={})
+    assert gone.status_code == 404
+    assert httpx.get(f"{url}/v1/chat/completions").status_code == 405
+    assert httpx.get(f"{url}/sessions/nope").status_code == 404
+    assert httpx.delete(f"{url}/sessions/x").json() == {"ok": True, "calls": 1}
+
+
+# ---- rewards from outside and the idle TTL ---------------------------------------------------------------
+def test_posted_rewards_scalar_and_per_turn(served):
+    agent = _load("agent")
+    for session in ("scalar", "per-turn"):
+        asyncio.run(agent.run(f"{served.url}/sessions/{session}/v1", "k", QUESTION))
+    assert httpx.post(f"{served.url}/sessions/scalar/reward", json={"reward": 0.5}).json()["status"] == "finished"
+    [traj] = served.trajectories("scalar")
+    assert (traj.reward, traj.turn_rewards) == (0.5, [])
+    wrong = httpx.post(f"{served.url}/sessions/per-turn/reward", json={"reward": [1.0]})
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "reward"
+    assert "1 per-turn rewards for 2 model calls" in wrong.json()["error"]["message"]
+    for bad in ({"reward": "high"}, {"reward": None}, {"reward": [1, "x"]}, {"score": 1}, {"reward": 1, "done": "y"}):
+        response = httpx.post(f"{served.url}/sessions/per-turn/reward", json=bad)
+        assert response.status_code == 400, bad
+    httpx.post(f"{served.url}/sessions/per-turn/reward", json={"reward": [0.25, 1.0]})
+    [traj] = served.trajectories("per-turn")
+    assert (traj.reward, traj.turn_rewards) == (1.25, [0.25, 1.0])
+    listed = {s["id"]: (s["status"], s["reward"]) for s in served.sessions()}
+    assert listed == {"scalar": ("finished", 0.5), "per-turn": ("finished", 1.25)}
+    assert sorted(served.engine.released) == ["per-turn", "scalar"]
+    late = httpx.post(f"{served.url}/sessions/scalar/v1/chat/completions",
+                      json={"model": "m", "messages": [{"role": "user", "content": "more?"}]})
+    assert late.status_code == 409 and "finished" in late.json()["error"]["message"]
+    assert httpx.post(f"{served.url}/sessions/none/reward", json={"reward": 1}).status_code == 404
+
+
+def test_a_reward_in_the_final_calls_metadata_finishes_the_episode(served):
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="k", max_retries=0)
+    agent = _load("agent")
+    messages = [{"role": "user", "content": QUESTION["prompt"]}]
+    first = client.chat.completions.create(model="m", messages=messages, tools=agent.TOOLS, user="meta")
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": first.choices[0].message.tool_calls[0].id, "content": "42"}]
+    client.chat.completions.create(model="m", messages=messages, tools=agent.TOOLS, user="meta",
+                                   metadata={"reward": "1.0"})  # OpenAI's metadata values are strings
+    [session] = served.sessions()
+    assert (session["status"], session["reward"], session["calls"]) == ("finished", 1.0, 2)
+    assert served.check_episode("meta").reward == 1.0
+
+
+def test_idle_sessions_are_aborted_with_a_reason(qwen3_tokenizer):
+    served = Served(qwen3_tokenizer, session_ttl_s=0.3)
+    try:
+        client = openai.OpenAI(base_url=f"{served.url}/sessions/idle/v1", api_key="k", max_retries=0)
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        assert served.sessions()[0]["status"] == "open"
+        time.sleep(0.5)
+        [session] = served.sessions()
+        assert session["status"] == "aborted" and "idle for" in session["end_reason"]
+        assert "session_ttl_s=0.3" in session["end_reason"] and served.engine.released == ["idle"]
+        [traj] = served.trajectories("idle")
+        assert (traj.status, traj.termination_reason) == (RolloutStatus.ABORTED, TerminationReason.CANCELLED)
+        assert "idle for" in traj.error
+    finally:
+        served.stop()
+
+
+# ---- training them: `turnrl train` with the Agents SDK and Anthropic agents (slow) ------------------------
+WRAPPER = '''
+import sys
+sys.path.insert(0, {examples!r})
+from {module} import {entry} as agent_run
+
+
+async def run(base_url, api_key, sample):
+    await agent_run(base_url, api_key, sample)
+    return None  # scored by reward.function: the random tiny model never answers right, so rewards would not vary
+
+
+def by_length(response: str) -> float:
+    return float(len(response))
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("module", "entry"), [("agents_sdk_agent", "run_streamed"),
+                                               ("anthropic_agent", "run_streaming")])
+def test_turnrl_train_trains_the_agents_sdk_and_anthropic_agents(tmp_path, module, entry):
+    import subprocess
+    import sys
+
+    agent = tmp_path / "agent.py"
+    agent.write_text(WRAPPER.format(examples=str(EXAMPLES), module=module, entry=entry))
+    out = tmp_path / "run"
+    turnrl = str(Path(sys.executable).with_name("turnrl"))
+    result = subprocess.run(
+        [turnrl, "train", str(EXAMPLES / "config.yaml"), f"rollout.env_config.openai_agent={agent}:run",
+         f"reward.function={agent}:by_length", f"output_dir={out}", "steps=1", "prompts_per_step=2", "rollout.n=2",
+         "rollout.max_new_tokens=24"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    [step] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert step["rollout/trajectories"] == 4.0 and step["train/samples"] > 0 and "train/loss" in step
+    rows = [json.loads(line) for line in (out / "trajectories" / "last_step.jsonl").read_text().splitlines()]
+    for row in rows:
+        traj = Trajectory.from_json(row)
+        traj.validate()
+        assert traj.agent == "openai_agent" and traj.status != RolloutStatus.FAILED, traj.error
+        model = [s for s in traj.segments if s.source == MODEL]
+        assert model and all(s.loss_mask == [1] * len(s) and len(s.logprobs) == len(s) for s in model)
+        assert traj.reward == float(len(traj.messages[-1]["content"] or ""))
+
+
+
+THINKING = "<think>\nI multiply six by seven.\n</think>\n\nThe answer is 42."
+
+
+def test_reasoning_streams_apart_from_the_answer_in_each_api(qwen3_tokenizer):
+    served = Served(qwen3_tokenizer, script=lambda rid, turn, text: THINKING)
+    try:
+        chat = {"model": "m", "messages": [{"role": "user", "content": "6*7?"}], "stream": True}
+        events = _sse(httpx.post(f"{served.url}/sessions/c/v1/chat/completions", json=chat).text)[:-1]
+        deltas = [d["choices"][0]["delta"] for _, d in events if d["choices"]]
+        reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
+        content = "".join(d.get("content") or "" for d in deltas)
+        assert (reasoning, content) == ("I multiply six by seven.", "The answer is 42.")
+        reply = served.proxy.session("c").calls[0].reply
+        assert (reply["reasoning_content"], reply["content"]) == (reasoning, content)
+        client = anthropic.Anthropic(base_url=f"{served.url}/sessions/a", api_key="k",
+                                     max_retries=0)
+        with client.messages.stream(model="m", max_tokens=64, messages=[{"role": "user", "content": "6*7?"}]) as s:
+            message = s.get_final_message()
+        assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in message.content] == [
+            ("thinking", "I multiply six by seven."), ("text", "The answer is 42.")]
+        response = openai.OpenAI(base_url=f"{served.url}/v1", api_key="k", max_retries=0).responses.create(
+            model="m", input="6*7?")
+        assert [item.type for item in response.output] == ["reasoning", "message"]
+        assert response.output_text == "The answer is 42."
+    finally:
+        served.stop()
+
+
+def test_a_history_rewrite_starts_a_new_trajectory_of_the_episode(served):
+    """An Anthropic client that rewrites its first message: the second call is rendered afresh, a new trajectory
+    of the same episode whose only mask-1 tokens are the engine's, never the old reply re-tokenised."""
+    client = anthropic.Anthropic(base_url=f"{served.url}/sessions/rw", api_key="k", max_retries=0)
+    tools = _load("anthropic_agent").TOOLS
+    first = client.messages.create(model="m", max_tokens=64, tools=tools,
+                                   messages=[{"role": "user", "content": QUESTION["prompt"]}])
+    rewritten = [{"role": "user", "content": "What is 6 times 7?"},
+                 {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": first.content[0].id,
+                                               "content": "42"}]}]
+    client.messages.create(model="m", max_tokens=64, tools=tools, messages=rewritten)
+    main, split = served.trajectories("rw")
+    assert (main.id, split.id, split.episode_id) == ("rw", "rw.1", "rw")
+    assert split.prompt_ids == served.engine.calls[1].prompt_ids
+    assert [(s.source, s.token_ids) for s in split.segments] == [(MODEL, served.engine.outputs[1].token_ids)]
+    assert served.proxy.session("rw").calls[1].base_len is None
+
+
+def test_the_training_gateway_serves_only_the_sessions_it_opened(qwen3_tokenizer):
+    served = Served(qwen3_tokenizer, create_sessions=False)
+    try:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        root = httpx.post(f"{served.url}/v1/chat/completions", json=body)
+        assert root.status_code == 404 and "/sessions/<id>/v1" in root.json()["error"]["message"]
+        assert httpx.post(f"{served.url}/sessions/x/v1/chat/completions", json=body).status_code == 404
+        assert served.sessions() == [] and not served.engine.calls
+    finally:
+        served.stop()
