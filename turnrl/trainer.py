@@ -383,10 +383,11 @@ class Trainer:
                 self.tracer.export(traj, self.step, "eval")
                 writer.write(traj)
         s = stats.summary()
+        tools = {f"{prefix}{k.removeprefix('rollout/')}": v for k, v in s.items() if k.startswith("rollout/tool_")}
         return {f"{prefix}reward_mean": s.get("rollout/reward_mean", float("nan")),
                 f"{prefix}success": sum(r > 0 for r in stats.rewards) / max(len(stats.rewards), 1),
                 f"{prefix}turns_mean": s["rollout/turns_mean"], f"{prefix}trajectories": float(stats.count),
-                f"{prefix}model_tokens_mean": s["rollout/model_tokens_mean"]}
+                f"{prefix}model_tokens_mean": s["rollout/model_tokens_mean"], **tools}
 
     def _log(self, metrics: dict[str, Any]) -> None:
         self.history.append(metrics)
@@ -395,7 +396,11 @@ class Trainer:
         self.tracer.log_metrics(metrics, self.step)
         with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(metrics) + "\n")
-        self.console.print(format_step_line(metrics, self.cfg.steps))
+        self.console.print(self.format_line(metrics))
+
+    def format_line(self, metrics: dict[str, Any]) -> str:
+        """The console line of a step's or an evaluation's metrics (turnrl.sft prints its own step lines)."""
+        return format_step_line(metrics, self.cfg.steps)
 
     def save_checkpoint(self) -> Path:
         """Sharded state that resumes exactly (every rank writes its part) and a Hugging Face model dir
@@ -416,15 +421,7 @@ class Trainer:
         return path
 
     def _save_tokenizer(self, where: Path) -> None:
-        """Tokenizer (and a VLM's image processor and chat template) beside the weights: a self-contained dir.
-        The processor is saved piecewise: without a video processor its own save_pretrained fails."""
-        renderer = getattr(self.rollout, "renderer", None)
-        if getattr(renderer, "tokenizer", None) is not None:
-            renderer.tokenizer.save_pretrained(where)
-        processor = getattr(renderer, "processor", None)
-        if processor is not None:
-            processor.image_processor.save_pretrained(where)
-            (where / "chat_template.jinja").write_text(processor.chat_template)
+        save_tokenizer(getattr(self.rollout, "renderer", None), where)
 
     def load_checkpoint(self) -> bool:
         """Restore weights, optimizer, scheduler, data position, RNG and history from the latest checkpoint,
@@ -449,6 +446,17 @@ class Trainer:
             self.console.print(f"resumed from {path} (step {self.step}, written by {state['world_size']} ranks, "
                                f"now {self.parallel.world_size})")
         return True
+
+
+def save_tokenizer(renderer: Any, where: Path) -> None:
+    """Tokenizer (and a VLM's image processor and chat template) beside the weights: a self-contained dir.
+    The processor is saved piecewise: without a video processor its own save_pretrained fails."""
+    if getattr(renderer, "tokenizer", None) is not None:
+        renderer.tokenizer.save_pretrained(where)
+    processor = getattr(renderer, "processor", None)
+    if processor is not None:
+        processor.image_processor.save_pretrained(where)
+        (where / "chat_template.jinja").write_text(processor.chat_template)
 
 
 class _Tally:
