@@ -238,3 +238,20 @@ def test_bad_options_are_rejected():
         ToolAgentSettings.build(ToolSet([add]), "hermes", {"max_paralel_calls": 2})
     with pytest.raises(ValueError, match="hermes"):
         ToolAgentSettings.build(ToolSet([add]), "nope", {})
+
+
+def test_rollout_stats_give_tool_call_and_invalid_call_rates(qwen3_tokenizer):
+    from turnrl.observe import RolloutStats
+
+    replies = {"s-0": [call("add", a=1, b=2), "3"], "s-1": ['<tool_call>\n{"name": "add", "arguments": {"a": 1,}}'
+                                                           '\n</tool_call>', call("nope"), "?"], "s-2": ["4"]}
+    rows = [{"id": k, "prompt": "What is 1+2?"} for k in ("s-0", "s-1", "s-2")]
+    trajs, _ = run(qwen3_tokenizer, lambda rid, turn, prompt: replies[rid.rsplit("-", 1)[0]][turn - 1], rows=rows)
+    stats = RolloutStats()
+    for t in trajs:
+        stats.add(t)
+    s = stats.summary()
+    # s-0: one good call; s-1: a malformed call and an unknown tool; s-2: no call
+    assert s["rollout/tool_call_rate"] == pytest.approx(2 / 3)
+    assert s["rollout/tool_calls_mean"] == pytest.approx(1.0)
+    assert s["rollout/tool_invalid_call_rate"] == pytest.approx(2 / 3)

@@ -8,6 +8,9 @@ Metric names are flat strings, `group/name`, so they can go to MLflow or a log l
 - `rollout/env_retries`, `rollout/render_mismatch`, `rollout/reward_errors`, `rollout/logprob_issues`: counts
 - `rollout/reward_mean`, `rollout/reward_std`: over trajectories with a reward
 - `rollout/tokens_per_s`: model tokens per wall-clock second
+- tool agents: `rollout/tool_call_rate` (trajectories with at least one tool call, well-formed or not),
+  `rollout/tool_calls_mean` (call attempts per trajectory), `rollout/tool_invalid_call_rate` (attempts that
+  failed: malformed, unknown tool, bad arguments, the tool raised or timed out, skipped)
 """
 
 from __future__ import annotations
@@ -51,8 +54,15 @@ class RolloutStats:
                     "logprob_issues"):
             self.totals[key] += float(traj.metrics.get(key, 0.0))
         self.totals["reward_errors"] += traj.reward_error is not None
-        for name, n in traj.info.get("tool_stats", {}).get("calls", {}).items():
-            self.tool_calls[name] += n
+        tool_stats = traj.info.get("tool_stats")
+        if tool_stats is not None:
+            for name, n in tool_stats.get("calls", {}).items():
+                self.tool_calls[name] += n
+            attempts = tool_stats.get("attempts", sum(tool_stats.get("calls", {}).values()))
+            self.totals["tool_trajectories"] += 1
+            self.totals["tool_attempts"] += attempts
+            self.totals["tool_errors"] += tool_stats.get("errors", 0)
+            self.totals["tool_calling"] += attempts > 0
 
     def summary(self) -> dict[str, float]:
         n = max(self.count, 1)
@@ -68,6 +78,11 @@ class RolloutStats:
         for key in ("gen_time_s", "env_time_s", "env_retries", "render_mismatch", "reward_errors",
                     "cached_prompt_tokens", "logprob_issues"):
             out[f"rollout/{key}"] = float(self.totals[key])
+        if self.totals["tool_trajectories"]:
+            with_tools, attempts = self.totals["tool_trajectories"], self.totals["tool_attempts"]
+            out["rollout/tool_call_rate"] = self.totals["tool_calling"] / with_tools
+            out["rollout/tool_calls_mean"] = attempts / with_tools
+            out["rollout/tool_invalid_call_rate"] = self.totals["tool_errors"] / attempts if attempts else 0.0
         if self.rewards:
             mean = sum(self.rewards) / len(self.rewards)
             out["rollout/reward_mean"] = mean

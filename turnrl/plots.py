@@ -1,4 +1,4 @@
-"""Reward and length curves as a PNG (O3)."""
+"""Reward and length curves as a PNG (O3); tool agents get a third panel (tool-call and invalid-call rates)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from typing import Any
 
 
 def plot_curves(history: list[dict[str, Any]], out: str | Path) -> Path | None:
-    """Training reward (mean ± std), eval reward and mean model tokens per trajectory, per step."""
+    """Training reward (mean ± std), eval reward and mean model tokens per trajectory, per step; with tool
+    calls in the metrics, also the tool-call rate and the invalid-call rate (sampled rollouts and greedy eval)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -17,7 +18,9 @@ def plot_curves(history: list[dict[str, Any]], out: str | Path) -> Path | None:
     evals = [m for m in history if "eval/reward_mean" in m]
     if not train and not evals:
         return None
-    fig, (ax_r, ax_l) = plt.subplots(1, 2, figsize=(11, 4))
+    tools = any("rollout/tool_call_rate" in m for m in train) or any("eval/tool_call_rate" in m for m in evals)
+    fig, axes = plt.subplots(1, 3 if tools else 2, figsize=(16 if tools else 11, 4))
+    ax_r, ax_l = axes[0], axes[1]
     if train:
         steps = [m["step"] for m in train]
         mean = [m["rollout/reward_mean"] for m in train]
@@ -33,13 +36,71 @@ def plot_curves(history: list[dict[str, Any]], out: str | Path) -> Path | None:
         if sampled:
             ax_r.plot([m["step"] for m in sampled], [m["eval/sampled_reward_mean"] for m in sampled], "s--",
                       label="eval reward (sampled)")
-    ax_r.set_xlabel("step")
+    if tools:
+        plot_tool_rates(axes[2], train, evals)
     ax_r.set_ylabel("reward")
-    ax_r.legend()
-    ax_r.grid(alpha=0.3)
-    ax_l.set_xlabel("step")
-    ax_l.legend()
-    ax_l.grid(alpha=0.3)
+    for ax in (ax_r, ax_l):
+        ax.set_xlabel("step")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def plot_tool_rates(ax: Any, train: list[dict[str, Any]], evals: list[dict[str, Any]], offset: float = 0.0) -> None:
+    """Tool-call rate and invalid-call rate per step on `ax` (train: lines, eval: markers); `offset` shifts the
+    steps (a recipe that plots SFT and RL on one axis)."""
+    for key, label, colour in (("tool_call_rate", "tool-call rate", "tab:blue"),
+                               ("tool_invalid_call_rate", "invalid-call rate", "tab:red")):
+        rows = [m for m in train if f"rollout/{key}" in m]
+        if rows:
+            ax.plot([m["step"] + offset for m in rows], [m[f"rollout/{key}"] for m in rows], color=colour,
+                    label=f"{label} (train, sampled)")
+        rows = [m for m in evals if f"eval/{key}" in m]
+        if rows:
+            ax.plot([m["step"] + offset for m in rows], [m[f"eval/{key}"] for m in rows], "o--", color=colour,
+                    label=f"{label} (eval, greedy)")
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_xlabel("step")
+    ax.set_ylabel("fraction")
+    ax.legend()
+    ax.grid(alpha=0.3)
+
+
+def plot_sft_curves(history: list[dict[str, Any]], out: str | Path) -> Path | None:
+    """`turnrl sft`: the training loss per step, and the held-out evaluation (greedy reward and success)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [m for m in history if "train/loss" in m]
+    evals = [m for m in history if "eval/reward_mean" in m]
+    if not steps:
+        return None
+    fig, axes = plt.subplots(1, 2 if evals else 1, figsize=(11 if evals else 6, 4), squeeze=False)
+    ax = axes[0][0]
+    ax.plot([m["step"] for m in steps], [m["train/loss"] for m in steps], label="SFT loss (token-mean NLL)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    if evals:
+        ax = axes[0][1]
+        ax.plot([m["step"] for m in evals], [m["eval/reward_mean"] for m in evals], "o-", label="eval reward (greedy)")
+        ax.plot([m["step"] for m in evals], [m["eval/success"] for m in evals], "s--", label="eval success (greedy)")
+        if any("eval/tool_call_rate" in m for m in evals):
+            ax.plot([m["step"] for m in evals], [m.get("eval/tool_call_rate", float("nan")) for m in evals], "^:",
+                    label="eval tool-call rate")
+        ax.set_xlabel("step")
+        ax.set_ylim(-0.05, 1.05)
+        ax.legend()
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

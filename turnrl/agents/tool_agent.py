@@ -93,7 +93,7 @@ class ToolEnv:
         self.tools = (toolset or settings.toolset).schemas  # the driver renders these into the prompt
         self.invalid_streak = 0
         self.user_turns = 0
-        self.stats: dict[str, Any] = {"calls": {}, "errors": 0, "invalid_turns": 0}
+        self.stats: dict[str, Any] = {"calls": {}, "errors": 0, "invalid_turns": 0, "attempts": 0}
 
     def reset(self) -> None:
         return None
@@ -123,6 +123,7 @@ class ToolEnv:
                                                         f"{_call_example(s.parser, self.tools)}"})
             records.append({"ok": False, "error": error})
         self.stats["errors"] += sum(not r.get("ok") for r in records)
+        self.stats["attempts"] += len(records)  # executed, skipped and malformed calls
         self.user_turns += 1
         done = s.max_user_turns is not None and self.user_turns >= s.max_user_turns
         reward = sum(r.get("reward", 0.0) for r in records)
