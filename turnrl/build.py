@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import yaml
 
-from turnrl.config import ConfigError, EngineConfig, RewardConfig, RolloutConfig, TrainConfig
+from turnrl.config import ConfigError, EngineConfig, RewardConfig, RolloutConfig, SFTConfig, TrainConfig
 from turnrl.engines.base import Engine
 from turnrl.render import ChatRenderer
 from turnrl.rollout import RewardFn, Rollout, RolloutLimits, RolloutManager
@@ -31,6 +31,7 @@ from turnrl.types import SamplingParams
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from turnrl.sft import SFTTrainer
     from turnrl.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -301,3 +302,52 @@ def build_trainer(cfg: TrainConfig, *, checkpoint: Path | None = None,
         asyncio.run(stack.engine.update_weights(policy.state_dict()))
     trainer = Trainer(cfg, policy, stack.engine, stack.rollout, train_rows, eval_rows, console, stack.tracer)
     return trainer, stack
+
+
+def build_sft(cfg: SFTConfig, *, console: Console | None = None) -> tuple[SFTTrainer, Stack]:
+    """The SFTTrainer of `cfg` (turnrl.sft) and the stack to close: the policy's renderer turns the SFT rows into
+    samples before any weights load; the engine and rollout are the ones `turnrl train` builds, for evaluation
+    on `eval_data` (without it no engine is loaded)."""
+    from turnrl.data import load_rows
+    from turnrl.models import DTYPES, load_model
+    from turnrl.sft import SFTTrainer, load_sft_samples, sft_steps
+
+    _seed_everything(cfg)
+    eval_rows = load_rows(cfg.eval_data) if cfg.eval_data else []
+    if eval_rows:
+        stack = build_stack(cfg.model, cfg.rollout, cfg.engine, reward=cfg.reward, dtype=cfg.dtype)
+    else:
+        renderer, _ = build_policy_renderer(cfg.model, cfg.rollout)
+        stack = Stack(None, renderer, None, TrajectoryTracer.from_config(cfg.rollout, renderer.tokenizer))  # type: ignore[arg-type]
+    try:
+        toolset = _sft_toolset(cfg.rollout, stack.rollout)
+        samples, report = load_sft_samples(cfg.train_data, stack.renderer, filter_expr=cfg.sft.filter, toolset=toolset,
+                                           sanity=cfg.rollout.sanity_check, max_tokens=cfg.sft.max_tokens)
+        cfg.steps = sft_steps(cfg, len(samples))
+        policy = load_model(cfg.model, dtype=DTYPES[cfg.dtype]).eval()
+        trainer = SFTTrainer(cfg, policy, stack.engine, stack.rollout, samples, eval_rows, stack.renderer, console,
+                             stack.tracer, report=report)
+    except BaseException:
+        stack.close()
+        raise
+    return trainer, stack
+
+
+def _sft_toolset(cfg: RolloutConfig, rollout: Rollout | None) -> Any:
+    """The tool agent's tools (their schemas go into SFT prompts as into RL ones): the built rollout's, else
+    built from rollout.tools."""
+    settings = getattr(rollout, "tools", None)
+    if settings is not None:
+        return settings.toolset
+    if not cfg.tools:
+        return None
+    from turnrl.tools import ToolSet
+
+    return ToolSet.from_sources([t for t in cfg.tools if t.endswith(".py")],
+                                [t for t in cfg.tools if t.endswith((".yaml", ".yml"))])
+
+
+def _seed_everything(cfg: TrainConfig) -> None:
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)

@@ -1,4 +1,4 @@
-"""`turnrl rollout | train | eval | serve | view`."""
+"""`turnrl rollout | train | sft | eval | serve | view`."""
 
 from __future__ import annotations
 
@@ -180,6 +180,52 @@ def run_training(cfg: TrainConfig, console: Console | None = None) -> list[dict[
     plot_curves(history, trainer.out / "curves.png")
     trainer.console.print(f"wrote {trainer.out / 'curves.png'}, {trainer.out / 'metrics.jsonl'}, "
                           f"{trainer.out / 'trajectories'}")
+    return history
+
+
+@app.command()
+def sft(
+    config: Annotated[Path, typer.Argument(help="SFT config YAML (turnrl.config.SFTConfig).")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="Dotted key=value overrides.")] = None,
+    filter_: Annotated[str | None, Opt("--filter", help="Keep rows that pass, e.g. 'reward>=1' (rejection "
+                                                        "sampling from rollouts); overrides sft.filter.")] = None,
+    verbose: Annotated[bool, Opt("--verbose", "-v")] = False,
+) -> None:
+    """Multi-turn SFT on chat-message rows or trajectory JSONL, with the masks RL trains on (turnrl.sft); the
+    checkpoint's model directory (output_dir/model) is a `model` for `turnrl train`."""
+    _setup_logging(verbose)
+    from turnrl.config import ConfigError, SFTConfig, load_config
+
+    try:
+        cfg = load_config(SFTConfig, config, overrides or [])
+        if filter_ is not None:
+            cfg.sft.filter = filter_
+    except ConfigError as e:
+        _fail(str(e))
+    run_sft(cfg, console=console)
+
+
+def run_sft(cfg: Any, console: Console | None = None) -> list[dict[str, float]]:
+    """`turnrl sft`: build the SFT trainer (turnrl.build), train, close; returns the metrics history."""
+    from turnrl.build import build_sft
+    from turnrl.data import DataError
+    from turnrl.plots import plot_sft_curves
+
+    try:
+        trainer, stack = build_sft(cfg, console=console)
+    except (DataError, ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    r = trainer.report
+    trainer.console.print(f"sft: {r['samples']} samples from {r['rows']} rows of {cfg.train_data} "
+                          f"({r['filtered_out']} filtered out, skipped: {r['skipped'] or 'none'}), "
+                          f"{r['trained_tokens']} trained of {r['tokens']} tokens, {cfg.steps} steps")
+    try:
+        history = asyncio.run(trainer.train())
+    finally:
+        stack.close()
+    plot_sft_curves(history, trainer.out / "curves.png")
+    trainer.console.print(f"wrote {trainer.out / 'model'} (a model for `turnrl train`), "
+                          f"{trainer.out / 'curves.png'}, {trainer.out / 'metrics.jsonl'}")
     return history
 
 

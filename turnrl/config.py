@@ -248,6 +248,38 @@ class TrainConfig(Strict):
         return self
 
 
+class SFTSection(Strict):
+    epochs: float = Field(1.0, gt=0)
+    """Passes over the SFT samples (fractions allowed); `steps`, when set, wins."""
+    batch_size: int = Field(16, ge=1)
+    """Sequences per optimizer step (packed into micro-batches of optim.micro_batch_tokens)."""
+    filter: str | None = None
+    """Keep only rows that pass, e.g. `reward>=1` (rejection sampling from rollouts) or `reward>=1 and
+    num_turns<=2`: comparisons (== != >= <= > <) of a row's field (dotted for nested: `sample.level`) with a
+    number or a word, joined by `and` (turnrl.sft.parse_filter). A row without the field fails it."""
+    max_tokens: int | None = Field(None, ge=1)
+    """Drop samples longer than this (prompt + response tokens); None keeps every sample."""
+
+
+class SFTConfig(TrainConfig):
+    """`turnrl sft`: multi-turn SFT through the RL renderer (turnrl.sft). `train_data` holds chat-message rows
+    (`messages`) or trajectory JSONL (`turnrl rollout` / `turnrl train` output); `eval_data` holds RL prompt rows,
+    evaluated through `rollout` and `reward` as `turnrl train` does. The checkpoint's `model/` directory (linked
+    as `output_dir/model`) is what `turnrl train` takes as its `model`. `prompts_per_step` and `algo` (except
+    `loss_agg`) are not used."""
+
+    steps: int | None = Field(None, ge=1)  # type: ignore[assignment]
+    """Optimizer steps; None = sft.epochs passes over the samples."""
+    sft: SFTSection = SFTSection()
+
+    @model_validator(mode="after")
+    def _check_sft(self) -> SFTConfig:
+        if self.optim.epochs != 1 or self.optim.mini_batches != 1:
+            raise ValueError("optim.epochs and optim.mini_batches are PPO settings; for SFT set sft.epochs and "
+                             "sft.batch_size")
+        return self
+
+
 # ---------------------------------------------------------------------------------------------------
 C = TypeVar("C", bound=BaseModel)
 

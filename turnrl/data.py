@@ -33,6 +33,16 @@ class DataError(ValueError):
 def load_rows(path: str | Path) -> list[dict[str, Any]]:
     """Read rows from `.jsonl` (one JSON object per line) or `.parquet`, validating each row's prompt."""
     path = Path(path)
+    rows = read_rows(path)
+    for i, row in enumerate(rows):
+        resolve_image_paths(row, path.parent)
+        prompt_messages(row, where=f"{path} row {i + 1}")
+    return rows
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a `.jsonl` or `.parquet` file as they are (no prompt validation: SFT reads trajectory JSONL)."""
+    path = Path(path)
     if not path.exists():
         raise DataError(f"data file {path} does not exist")
     if path.suffix == ".parquet":
@@ -43,13 +53,10 @@ def load_rows(path: str | Path) -> list[dict[str, Any]]:
         raise DataError(f"data file {path}: expected a .jsonl or .parquet file")
     if not rows:
         raise DataError(f"data file {path} has no rows")
-    for i, row in enumerate(rows):
-        _resolve_image_paths(row, path.parent)
-        prompt_messages(row, where=f"{path} row {i + 1}")
     return rows
 
 
-def _resolve_image_paths(row: dict[str, Any], base: Path) -> None:
+def resolve_image_paths(row: dict[str, Any], base: Path) -> None:
     """Relative image paths in `images` are relative to the data file."""
     images = row.get("images")
     if isinstance(images, list):
@@ -131,6 +138,15 @@ def _messages_row(row: dict[str, Any], where: str) -> list[Message]:
         if missing > 0 and first is not None and isinstance(first["content"], str):
             first["content"] = IMAGE_PLACEHOLDER * missing + first["content"]
     return _with_images(messages, row, where)
+
+
+def conversation_messages(row: dict[str, Any], where: str = "row") -> list[Message]:
+    """A `messages` row's whole conversation, assistant replies included (what SFT trains on), with a `system`
+    column prepended and `<image>` placeholders turned into image parts as for prompts."""
+    if not isinstance(row, dict) or "messages" not in row:
+        raise DataError(f"{where}: expected a row with 'messages' (a list of chat messages)")
+    messages = _chat(row["messages"], "messages", where)
+    return _with_images(_with_system(messages, row, where), row, where)
 
 
 def row_tools_kwargs(row: dict[str, Any]) -> dict[str, Any]:
