@@ -135,6 +135,10 @@ class AlgoConfig(Strict):
 
 class OptimConfig(Strict):
     lr: float = Field(1e-6, gt=0)
+    lr_scale: dict[str, float] = {}
+    """Learning-rate multipliers by parameter name: a parameter whose name contains a key trains at lr × its value
+    (the first key that matches), e.g. {vision_tower: 50, multi_modal_projector: 50} for a VLM whose vision
+    side starts random (ms-swift's vit_lr / aligner_lr)."""
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float | None = 1.0
