@@ -161,3 +161,10 @@ def test_config_errors_are_precise(tmp_path):
         load_config(TrainConfig, None, ["model=m", "train_data=x", "steps=many"])
     cfg = load_config(TrainConfig, None, ["model=m", "train_data=x", "algo.clip_high=0.28", "rollout.n=8"])
     assert cfg.algo.clip_high == 0.28 and cfg.rollout.n == 8
+
+
+def test_a_misspelt_key_in_an_optional_section_gets_a_suggestion():
+    from turnrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"trainer.lora.alpah: unknown key \(did you mean 'alpha'\?\)"):
+        load_config(TrainConfig, None, ["model=m", "train_data=x", "trainer.lora.alpah=8"])

@@ -397,4 +397,6 @@ def _fields_at(cls: type[BaseModel], loc: tuple) -> list[str]:
         if field is None:
             return []
         model = field.annotation
+        # an optional section (`LoraConfig | None`): the model inside the union
+        model = next((a for a in getattr(model, "__args__", ()) if hasattr(a, "model_fields")), model)
     return sorted(getattr(model, "model_fields", {}))
