@@ -21,7 +21,15 @@ import numpy as np
 import torch
 import yaml
 
-from turnrl.config import ConfigError, EngineConfig, RewardConfig, RolloutConfig, SFTConfig, TrainConfig
+from turnrl.config import (
+    ConfigError,
+    EngineConfig,
+    JudgeConfig,
+    RewardConfig,
+    RolloutConfig,
+    SFTConfig,
+    TrainConfig,
+)
 from turnrl.engines.base import Engine
 from turnrl.render import ChatRenderer
 from turnrl.rollout import RewardFn, Rollout, RolloutLimits, RolloutManager
@@ -31,6 +39,7 @@ from turnrl.types import SamplingParams
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from turnrl.rewards.judge import Judge
     from turnrl.sft import SFTTrainer
     from turnrl.trainer import Trainer
 
@@ -174,8 +183,14 @@ def build_rollout_manager(
 
 
 def build_reward_fn(cfg: RewardConfig) -> RewardFn:
+    """The reward function of `cfg`; an LLM judge (function: judge) has a `close()` for its engine."""
     from turnrl.rewards import bind_reward, boxed_answer_reward, load_reward_fn
 
+    if cfg.judge is not None:
+        if cfg.format_weight:
+            raise ConfigError("reward.format_weight does not combine with reward.function: judge; put the format "
+                              "in the judge's template or write a reward function that calls the judge")
+        return build_judge(cfg.judge)
     if cfg.function == "math" and cfg.answer_key != "answer":
         key = cfg.answer_key
 
@@ -184,6 +199,26 @@ def build_reward_fn(cfg: RewardConfig) -> RewardFn:
 
         return bind_reward(math_reward, "math")
     return load_reward_fn(cfg.function, cfg.format_weight)
+
+
+def build_judge(cfg: JudgeConfig, name: str = "judge") -> Judge:
+    """An LLM judge (turnrl.rewards.judge) on its own engine: embedded (the judge's weights load here), vLLM in
+    process, or servers (engine.urls). Its template may be given inline or as a file path."""
+    from turnrl.models import load_tokenizer
+    from turnrl.rewards.judge import Judge
+
+    template = cfg.template
+    if "\n" not in template and len(template) < 4096 and Path(template).is_file():
+        template = Path(template).read_text(encoding="utf-8")
+    renderer = ChatRenderer(load_tokenizer(cfg.model), cfg.chat_template_kwargs)
+    sampling = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens)
+    judge_args = dict(system=cfg.system, score_pattern=cfg.score_pattern, labels=cfg.labels or None,
+                      score_range=cfg.score_range, normalize=cfg.normalize, sampling=sampling,
+                      max_concurrency=cfg.max_concurrency, timeout_s=cfg.timeout_s, cache=cfg.cache,
+                      cache_path=cfg.cache_path, name=name)
+    Judge(None, renderer, template, **judge_args)  # a bad template or pattern fails before any weights load
+    engine = load_engine(cfg.model, cfg.engine, eos_token_ids=sorted(renderer.end_of_turn_ids), dtype=cfg.dtype)
+    return Judge(engine, renderer, template, **judge_args)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -235,7 +270,13 @@ def build_stack(model: str, cfg: RolloutConfig | None, engine_cfg: EngineConfig,
                          image_processor=image_processor, dtype=dtype)
     if manager is not None:
         manager.engine = engine
-    return Stack(engine, renderer, manager, tracer, (engine.close,))
+    return Stack(engine, renderer, manager, tracer, (engine.close, *_closers(reward_fn)))
+
+
+def _closers(reward_fn: Any) -> tuple[Callable[[], None], ...]:
+    """What a reward function runs that the stack must stop (an LLM judge's engine)."""
+    close = getattr(reward_fn, "close", None)
+    return (close,) if callable(close) else ()
 
 
 def _remote_stack(server: str, model: str, cfg: RolloutConfig, renderer: ChatRenderer, reward_fn: RewardFn | None,
@@ -246,7 +287,7 @@ def _remote_stack(server: str, model: str, cfg: RolloutConfig, renderer: ChatRen
         log.warning("a rollout server is set: rollout.scheduler/plugins/env/tools/agents are not used here; "
                     "the server runs the turns with its own (turnrl serve --scheduler/--plugin/...)")
     remote = RemoteRollout(server, model=model, renderer=renderer, sampling=sampling_params(cfg), reward_fn=reward_fn)
-    return Stack(remote.engine, renderer, remote, tracer, (remote.close,))
+    return Stack(remote.engine, renderer, remote, tracer, (remote.close, *_closers(reward_fn)))
 
 
 def _ray_stack(model: str, cfg: RolloutConfig, engine_cfg: EngineConfig, renderer: ChatRenderer, image_processor: Any,

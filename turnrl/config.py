@@ -191,13 +191,59 @@ class WeightSyncConfig(Strict):
     trainer never holds more than one bucket of gathered weights beyond its shard."""
 
 
+class JudgeConfig(Strict):
+    """An LLM judge (turnrl.rewards.judge): `reward.function: judge`, or built by an env for per-turn scores."""
+
+    model: str
+    """The judge model: its tokenizer and chat template always, its weights with an embedded or in-process vLLM
+    engine (a local directory, hub id or built-in name)."""
+    engine: EngineConfig = EngineConfig()
+    """Where the judge runs: embedded (in this process), or http / vllm / sglang servers with engine.urls."""
+    template: str
+    """Jinja template of the judge's user message, or the path of a file holding one. Variables: messages,
+    conversation, response, responses, sample, every column of the row by name."""
+    system: str | None = None
+    """A system message for the judge."""
+    score_pattern: str = r"(?i)score\s*[:=]?\s*\**\s*(-?\d+(?:\.\d+)?)"
+    """Regex whose first group is the score; the reply's last match counts."""
+    labels: dict[str, float] = {}
+    """Instead of a number: label words and their scores, e.g. {yes: 1, no: 0} (the last label in the reply)."""
+    score_range: tuple[float, float] = (0.0, 10.0)
+    """Scores outside are errors; the reward is (score - low) / (high - low)."""
+    normalize: bool = True
+    """false: the reward is the raw score."""
+    max_new_tokens: int = Field(256, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    max_concurrency: int = Field(16, ge=1)
+    """Judge calls in flight at once (the engine batches them)."""
+    timeout_s: float | None = Field(60.0, gt=0)
+    """Limit of one judge call; past it the reward is an error."""
+    cache: bool = True
+    """Judge each distinct prompt once (content hash)."""
+    cache_path: str | None = None
+    """A JSONL file that keeps verdicts across runs."""
+    chat_template_kwargs: dict[str, Any] = {}
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The embedded judge's weights."""
+
+
 class RewardConfig(Strict):
     function: str = "env"
-    """env (sum of env step rewards), env_last, math (\\boxed answer vs `answer`), or path.py:fn / pkg.mod:fn."""
+    """env (sum of env step rewards), env_last, math (\\boxed answer vs `answer`), judge (an LLM judge: set
+    `judge`), or path.py:fn / pkg.mod:fn."""
+    judge: JudgeConfig | None = None
+    """The judge of `function: judge`."""
+
     answer_key: str = "answer"
     """Dataset column with the reference answer for `math`."""
     format_weight: float = 0.0
     """Weight of a format reward (reply ends with a \\boxed{} answer) added to the main reward."""
+
+    @model_validator(mode="after")
+    def _check(self) -> RewardConfig:
+        if (self.function == "judge") != (self.judge is not None):
+            raise ValueError("reward.function: judge and the reward.judge section go together (set both or neither)")
+        return self
 
 
 class TrainConfig(Strict):
