@@ -107,3 +107,43 @@ def plot_sft_curves(history: list[dict[str, Any]], out: str | Path) -> Path | No
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def plot_sft_then_rl(sft: list[dict[str, Any]], rl: list[dict[str, Any]], out: str | Path,
+                     title: str = "") -> Path:
+    """A recipe's curves: the SFT loss; the held-out greedy reward before SFT, after SFT and along RL with the RL
+    training reward (sampled), on one step axis (RL steps after the SFT steps); with tool calls, their rates."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sft_steps = max((m["step"] for m in sft if "train/loss" in m), default=0.0)
+    rl_train = [{**m, "step": m["step"] + sft_steps} for m in rl if "rollout/reward_mean" in m and "eval/tag" not in m]
+    evals = [m for m in sft if "eval/reward_mean" in m] + [{**m, "step": m["step"] + sft_steps}
+                                                          for m in rl if "eval/reward_mean" in m]
+    tools = any("rollout/tool_call_rate" in m for m in rl_train)
+    fig, axes = plt.subplots(1, 3 if tools else 2, figsize=(16 if tools else 11, 4))
+    ax = axes[0]
+    loss = [m for m in sft if "train/loss" in m]
+    ax.plot([m["step"] for m in loss], [m["train/loss"] for m in loss])
+    ax.set(xlabel="SFT step", ylabel="SFT loss (token-mean NLL)", yscale="log", title="SFT")
+    ax.grid(alpha=0.3)
+    ax = axes[1]
+    if rl_train:
+        ax.plot([m["step"] for m in rl_train], [m["rollout/reward_mean"] for m in rl_train],
+                label="RL training reward (sampled)")
+    ax.plot([m["step"] for m in evals], [m["eval/reward_mean"] for m in evals], "o--", label="held-out reward (greedy)")
+    ax.axvline(sft_steps, color="grey", linestyle=":", label="SFT → RL")
+    ax.set(xlabel="step (SFT, then RL)", ylabel="reward", ylim=(-0.05, 1.05), title=title or "reward")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    if tools:
+        plot_tool_rates(axes[2], rl_train, [m for m in evals if "eval/tool_call_rate" in m])
+        axes[2].axvline(sft_steps, color="grey", linestyle=":")
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
