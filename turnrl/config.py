@@ -179,12 +179,32 @@ class TrainerConfig(Strict):
     state. false: only config and tokenizer go there; the weights come from the sharded state by `turnrl export`."""
     lora: LoraConfig | None = None
     """Train LoRA adapters (peft) instead of every weight; None = full fine-tuning."""
+    mode: Literal["sync", "async"] = "sync"
+    """sync: a step trains groups sampled by the current policy, and rollouts wait while it updates. async:
+    rollouts go on during updates (the update runs beside the event loop), and groups are trained within
+    `max_staleness` policy versions of the one that sampled them (turnrl.buffer; docs/async-training.md)."""
+    max_staleness: int = Field(0, ge=0)
+    """async: the most policy versions between sampling a group and training on it, time in the buffer
+    included (0 = on-policy). Nothing is dropped for staleness: admission and earliest-deadline-first batches
+    keep every group within the bound."""
+
+    @model_validator(mode="after")
+    def _check_staleness(self) -> TrainerConfig:
+        if self.mode == "sync" and self.max_staleness:
+            raise ValueError(f"trainer.max_staleness={self.max_staleness} needs trainer.mode=async (sync mode is "
+                             "on-policy: max_staleness 0)")
+        return self
 
 
 class WeightSyncConfig(Strict):
     bucket_mb: float = Field(512.0, gt=0)
     """Weights go to the engines in buckets of about this many MB (a tensor larger than a bucket goes alone): the
     trainer never holds more than one bucket of gathered weights beyond its shard."""
+    pause: Literal["abort", "wait", "keep"] = "keep"
+    """What requests in flight do at a weight update. keep: pause in place, keep their KV, continue under the new
+    weights (their later tokens carry the new version). wait: finish them on the old weights first (no new
+    request starts meanwhile). abort: stop them; the driver resubmits prompt + tokens so far (a re-prefill
+    under the new weights). No tokens are lost in any mode (docs/async-training.md)."""
 
 
 class RewardConfig(Strict):

@@ -30,6 +30,7 @@ import itertools
 import logging
 import time
 import traceback
+import weakref
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -647,6 +648,8 @@ class RolloutManager:
         self.env_factory, self.env_config, self.tools = env_factory, dict(env_config or {}), tools
         self.concurrency, self.sanity_mode, self.reward_fn = concurrency, SanityMode(sanity_mode), reward_fn
         self.env_threads = EnvThreads(concurrency)
+        self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
+            weakref.WeakKeyDictionary())  # `concurrency` across every stream of this manager (one per event loop)
 
     def context(self, row: dict[str, Any], trajectory_id: str, group_id: str, sample_index: int,
                 sampling: SamplingParams | None = None) -> RolloutContext:
@@ -667,7 +670,7 @@ class RolloutManager:
         """Yield trajectories as they finish (rewards already computed). `row_group_ids` replaces the ids
         derived from the rows: a Ray rollout worker gets its shard's ids from the driver, so trajectory ids
         (and the sampling seeds derived from them) are those of a single-process run."""
-        semaphore = asyncio.Semaphore(self.concurrency)
+        semaphore = self._slots.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(self.concurrency))
         groups = group_ids(rows, id_prefix) if row_group_ids is None else list(row_group_ids)
         contexts = [
             self.context(row, f"{group}-{k}", group, k, sampling)

@@ -1,12 +1,17 @@
 """GRPO for multi-turn agents, in one loop you can read top to bottom.
 
+    producer: admit a prompt group whenever the buffer allows, roll it out (local, Ray or remote; rewards
+              streamed), hand it to the buffer                                 # turnrl.buffer, in the background
     for step in steps:
-        rows     = sampler.next_batch()                       # deterministic, resumable data order
-        groups   = run_groups(rollout, rows, n)               # local, Ray or remote: async, rewards streamed
+        groups   = buffer.take(step)                          # earliest deadline first; waits for what is due
         samples  = advantages(groups)                         # per group, over the trajectories we train on
         update(samples)                                       # packed sequences, loss only where mask = 1
         engine.update_weights(policy)                         # the engine samples from the new policy
-        log / evaluate (greedy, held-out) / checkpoint
+        log / evaluate (greedy, held-out) / checkpoint (with the buffer: nothing in flight is lost)
+
+Sync and async training are this one loop: `trainer.mode=sync` is the buffer with max_staleness 0 (a step's
+groups are sampled by the current policy and rollouts wait for the update); `trainer.mode=async` lets rollouts
+go on while the update runs, within `trainer.max_staleness` versions (docs/async-training.md).
 
 What is kept from GRPO/PPO and what is not (see turnrl.algos for the formulas):
 - Advantages are group-relative (GRPO mean/std, Dr. GRPO mean-only, or RLOO), computed over the
@@ -25,6 +30,7 @@ What is kept from GRPO/PPO and what is not (see turnrl.algos for the formulas):
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import dataclasses
 import json
@@ -41,6 +47,7 @@ import torch
 from rich.console import Console
 
 from turnrl import algos
+from turnrl.buffer import Group, TrajectoryBuffer, produce
 from turnrl.checkpoint import load_rng, load_training_state, save_rng, save_training_state, write_hf
 from turnrl.config import TrainConfig
 from turnrl.lora import apply_lora
@@ -54,7 +61,7 @@ from turnrl.packing import (
     use_varlen_attention,
 )
 from turnrl.parallel import Parallel
-from turnrl.rollout import Rollout, run_groups
+from turnrl.rollout import Rollout
 from turnrl.tracing import TrajectoryTracer
 from turnrl.types import SamplingParams, Trajectory
 from turnrl.weights import push_weights
@@ -68,6 +75,7 @@ class PromptSampler:
     def __init__(self, n_rows: int, batch_size: int, seed: int, shuffle: bool = True):
         self.n_rows, self.batch_size, self.seed, self.shuffle = n_rows, batch_size, seed, shuffle
         self.epoch, self.position = 0, 0
+        self._cached: tuple[int, list[int]] = (-1, [])
 
     def _order(self) -> list[int]:
         order = list(range(self.n_rows))
@@ -76,14 +84,15 @@ class PromptSampler:
         return order
 
     def next_batch(self) -> list[int]:
-        batch: list[int] = []
-        while len(batch) < self.batch_size:
-            if self.position >= self.n_rows:
-                self.epoch, self.position = self.epoch + 1, 0
-            take = min(self.batch_size - len(batch), self.n_rows - self.position)
-            batch += self._order()[self.position : self.position + take]
-            self.position += take
-        return batch
+        return [self.next_index() for _ in range(self.batch_size)]
+
+    def next_index(self) -> int:
+        if self.position >= self.n_rows:
+            self.epoch, self.position = self.epoch + 1, 0
+        if self._cached[0] != self.epoch:
+            self._cached = (self.epoch, self._order())
+        self.position += 1
+        return self._cached[1][self.position - 1]
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
@@ -170,6 +179,11 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda k: min(1.0, (k + 1) / o.warmup_steps) if o.warmup_steps else 1.0)
         self.sampler = PromptSampler(len(train_rows), cfg.prompts_per_step, cfg.seed, cfg.shuffle)
+        self.buffer = TrajectoryBuffer(cfg.prompts_per_step, cfg.trainer.max_staleness)
+        self.engine_version = 0
+        """The policy version the engines sample with (the step whose weights were last pushed)."""
+        self._reissue: list[Group] = []
+        self._started = self._last_step_end = time.perf_counter()
         self.step = 0
         self.history: list[dict[str, float]] = []
         self.tracer = tracer if tracer is not None else TrajectoryTracer(None)
@@ -200,50 +214,100 @@ class Trainer:
             await self.sync_weights()
         if self.step == 0 and self.eval_rows:
             self._log(await self.evaluate("before"))
+        producer = self._start_producer()
         from rich.progress import Progress
 
-        with Progress(console=self.console, transient=False) as progress:
-            task = progress.add_task("training", total=self.cfg.steps, completed=self.step)
-            while self.step < self.cfg.steps:
-                self.step += 1
-                self._log(await self.train_step())
-                if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.step < self.cfg.steps:
-                    self._log(await self.evaluate(f"step{self.step}"))
-                if self.cfg.save_every and self.step % self.cfg.save_every == 0:
-                    self.save_checkpoint()
-                progress.update(task, completed=self.step)
+        try:
+            with Progress(console=self.console, transient=False) as progress:
+                task = progress.add_task("training", total=self.cfg.steps, completed=self.step)
+                while self.step < self.cfg.steps:
+                    self.step += 1
+                    self._log(await self.train_step())
+                    if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.step < self.cfg.steps:
+                        self._log(await self.evaluate(f"step{self.step}"))
+                    if self.cfg.save_every and self.step % self.cfg.save_every == 0:
+                        self.save_checkpoint()
+                    progress.update(task, completed=self.step)
+        finally:
+            await _stop(producer)
         if self.eval_rows:
             self._log(await self.evaluate("after"))
         self.save_checkpoint()
         return self.history
 
+    def _start_producer(self) -> asyncio.Task | None:
+        """Rollouts in the background, admitted by the buffer's rule (the main rank runs them); groups in flight
+        at the checkpoint a run resumed from are re-issued first."""
+        if self.rollout is None:
+            return None
+        reissue, self._reissue = self._reissue, []
+        return asyncio.create_task(produce(self.rollout, self.buffer, self.train_rows, self.cfg.rollout.n,
+                                           self.sampler.next_index, lambda: self.engine_version, reissue))
+
     async def train_step(self) -> dict[str, float]:
         t0 = time.perf_counter()
-        rows = [self.train_rows[i] for i in self.sampler.next_batch()]
-        stats = RolloutStats()
-        groups = await run_groups(self.rollout, rows, self.cfg.rollout.n, id_prefix=f"s{self.step}-",
-                                  on_trajectory=stats.add)
-        t_rollout = time.perf_counter() - t0
+        groups = await self.buffer.take(self.step)
+        t_wait = time.perf_counter() - t0
+        self._record_groups(groups)
+        stats = RolloutStats(started=self._last_step_end)  # the trained trajectories over the step interval
         with TrajectoryWriter(self.out / "trajectories" / "last_step.jsonl") as writer:
             for group in groups:
-                for traj in group:
+                for traj in group.trajectories or []:
+                    stats.add(traj)
                     self.tracer.export(traj, self.step, "train")
                     writer.write(traj)
-        scored, adv_stats = group_advantages(groups, self.cfg)
+        scored, adv_stats = group_advantages([g.trajectories or [] for g in groups], self.cfg)
         samples = [to_sample(t, a) for t, a in scored if a != 0.0 or self.uses_kl]
         fallback = sum(s.rollout_logprobs is None for s in samples)
         if fallback:
             log.warning("step %d: %d trajectories have no usable rollout logprobs; trained without IS correction",
                         self.step, fallback)
         t1 = time.perf_counter()
-        update = self.update(samples) if samples else {}
+        update = (await self._update_beside_rollouts(samples)) if samples else {}
         t_update = time.perf_counter() - t1
         sync = await self.sync_weights()
-        metrics = {"step": float(self.step), **stats.summary(), **adv_stats, **update, **sync,
-                   "train/samples": float(len(samples)), "train/is_fallback": float(fallback),
-                   "time/rollout_s": t_rollout, "time/update_s": t_update,
-                   "time/step_s": time.perf_counter() - t0, "train/lr": self.scheduler.get_last_lr()[0]}
-        return metrics
+        self.buffer.version_changed()
+        self._last_step_end = time.perf_counter()
+        return {"step": float(self.step), **stats.summary(), **adv_stats, **update, **sync,
+                **self._buffer_metrics(t_wait), "train/samples": float(len(samples)),
+                "train/is_fallback": float(fallback), "time/rollout_s": t_wait, "time/update_s": t_update,
+                "time/step_s": self._last_step_end - t0, "train/lr": self.scheduler.get_last_lr()[0]}
+
+    def _record_groups(self, groups: list[Group]) -> None:
+        """groups.jsonl: one line per trained group (its admission index, row, versions, whether it was re-issued
+        after a resume): the ledger that shows no admitted prompt was lost."""
+        if not self.parallel.is_main:
+            return
+        with open(self.out / "groups.jsonl", "a", encoding="utf-8") as f:
+            for g in groups:
+                f.write(json.dumps({"step": self.step, "index": g.index, "row_index": g.row_index,
+                                    "admitted_version": g.admitted_version, "oldest_version": g.oldest_version,
+                                    "reissued": g.reissued, "trajectories": len(g.trajectories or [])}) + "\n")
+
+    async def _update_beside_rollouts(self, samples: list[TrainSample]) -> dict[str, float]:
+        """async mode: the update runs in a worker thread, so the event loop (rollouts, envs, tools) goes on;
+        sync mode: in place (no rollout could start meanwhile anyway)."""
+        if self.cfg.trainer.mode == "async":
+            return await asyncio.to_thread(self.update, samples)
+        return self.update(samples)
+
+    def _buffer_metrics(self, t_wait: float) -> dict[str, float]:
+        b = self.buffer
+        trained = max(sum(b.stats.staleness.values()), 1)
+        out = {"async/buffer_depth": float(b.depth), "async/in_flight": float(b.in_flight),
+               "async/staleness_mean": sum(k * v for k, v in b.stats.staleness.items()) / trained,
+               "async/staleness_max": float(max(b.stats.staleness, default=0)),
+               "async/reissued": float(b.stats.reissued), "async/dropped": float(b.stats.dropped),
+               "async/trainer_idle": b.stats.wait_s / max(time.perf_counter() - self._started, 1e-9),
+               "time/trainer_wait_s": t_wait}
+        out.update({f"async/staleness_hist/{k}": v / trained for k, v in sorted(b.stats.staleness.items())})
+        per_traj = max(sum(b.stats.versions_per_trajectory.values()), 1)
+        out.update({f"async/versions_per_trajectory/{k}": v / per_traj
+                    for k, v in sorted(b.stats.versions_per_trajectory.items())})
+        idle = _engine_idle(self.engine, time.perf_counter() - self._started)
+        if idle is not None:
+            out["async/engine_idle"] = idle
+        return out
 
     # ---- the update ----------------------------------------------------------------------------------
     def update(self, samples: list[TrainSample]) -> dict[str, float]:
@@ -359,10 +423,13 @@ class Trainer:
 
     async def sync_weights(self) -> dict[str, float]:
         """The engine samples from the new policy: its weights streamed in buckets of weight_sync.bucket_mb
-        (rank 0 pushes, every rank gathers; with LoRA the merged adapted layers only)."""
-        return await push_weights(self.engine, self.policy, self.parallel,
-                                  bucket_bytes=int(self.cfg.weight_sync.bucket_mb * 2**20),
-                                  dtype=DTYPES[self.cfg.dtype], version=self.step)
+        (rank 0 pushes, every rank gathers; with LoRA the merged adapted layers only); requests in flight pause
+        as weight_sync.pause says."""
+        metrics = await push_weights(self.engine, self.policy, self.parallel,
+                                     bucket_bytes=int(self.cfg.weight_sync.bucket_mb * 2**20),
+                                     dtype=DTYPES[self.cfg.dtype], version=self.step, pause=self.cfg.weight_sync.pause)
+        self.engine_version = self.step
+        return metrics
 
     # ---- evaluation, logging, checkpoints -----------------------------------------------------------
     async def evaluate(self, tag: str) -> dict[str, float]:
@@ -408,6 +475,7 @@ class Trainer:
             self._save_tokenizer(path / "model")
             torch.save({"step": self.step, "scheduler": self.scheduler.state_dict(),
                         "sampler": self.sampler.state_dict(), "history": self.history,
+                        "buffer": self.buffer.state_dict(),
                         "world_size": self.parallel.world_size, "config": self.cfg.model_dump()},
                        path / "trainer_state.pt")
         self.parallel.barrier()  # every rank's files are written before `latest` points here
@@ -443,12 +511,37 @@ class Trainer:
         load_training_state(path, self.policy, self.optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
+        self._reissue = self.buffer.load_state_dict(state["buffer"]) if "buffer" in state else []
         self.step, self.history = state["step"], state["history"]
         load_rng(path, self.parallel.rank)
+        if self.parallel.is_main:  # what was logged after the checkpoint is done again: never log a step twice
+            for name in ("metrics.jsonl", "groups.jsonl"):
+                _truncate_after(self.out / name, self.step)
         if self.parallel.is_main:
             self.console.print(f"resumed from {path} (step {self.step}, written by {state['world_size']} ranks, "
                                f"now {self.parallel.world_size})")
         return True
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """Keep the JSONL lines of `path` whose `step` is at most `step` (a resumed run writes the later ones again)."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step]
+    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
+
+async def _stop(task: asyncio.Task | None) -> None:
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def _engine_idle(engine: Any, wall_s: float) -> float | None:
+    """The engine's idle share of `wall_s`, where it counts its busy time (the embedded engine does)."""
+    busy = getattr(engine, "stats", {}).get("busy_s") if isinstance(getattr(engine, "stats", None), dict) else None
+    return None if busy is None or wall_s <= 0 else max(0.0, 1.0 - busy / wall_s)
 
 
 class _Tally:

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from turnrl.engines.base import EngineError, InvalidRequest, NamedTensors
+from turnrl.engines.base import PAUSE_MODES, EngineError, InvalidRequest, NamedTensors
 from turnrl.types import FinishReason, GenerateOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -163,6 +163,7 @@ class _Request:
     next_pos: int = 0  # rotary position of the next token fed (differs from `length` after images)
     on_token: Callable[[int], None] | None = None  # streaming: called on `loop` with each sampled token
     error: BaseException | None = None  # set when this request alone failed in a step: retired with it
+    versions: list[int] = field(default_factory=list)  # the policy version that sampled each out token
 
 
 def sample_tokens(
@@ -314,6 +315,7 @@ class EmbeddedEngine:
         self._wake = threading.Event()
         self._stopped = False
         self._updating = False  # between the first and the final bucket of a streamed weight update
+        self._deferred: list[tuple] = []  # commands held until the running requests finish (pause=wait)
         self.stats = {"decode_steps": 0, "prefill_forwards": 0, "prefill_tokens": 0, "cached_prompt_tokens": 0,
                       "generated_tokens": 0, "requests": 0, "busy_s": 0.0}
         self._thread = threading.Thread(target=self._run, name="turnrl-engine", daemon=True)
@@ -368,9 +370,17 @@ class EmbeddedEngine:
                                  f"context of {self.max_context} tokens (the prompt must be shorter)", "prompt_ids")
 
     async def update_weights(self, named_tensors: NamedTensors, version: int | None = None, *,
-                             final: bool = True) -> int:
+                             final: bool = True, pause: str = "keep") -> int:
+        """Load weights between decode steps. `pause` (with the first bucket of an update) says what requests in
+        flight do: `keep` them in place, KV and all, and continue under the new weights (their later tokens
+        carry the new version, `GenerateOutput.token_versions`); `wait` until they finish on the old weights
+        (no request starts meanwhile); `abort` them: each returns its tokens so far as `preempted`, for the
+        caller to resubmit (turnrl.rollout does, re-prefilling under the new weights)."""
+        if pause not in PAUSE_MODES:
+            raise InvalidRequest(f"update_weights: pause must be one of {', '.join(PAUSE_MODES)}, got {pause!r}",
+                                 "pause")
         items = dict(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
-        return await self._call(("update_weights", items, version, final))
+        return await self._call(("update_weights", items, version, final, pause))
 
     async def release(self, request_id: str) -> None:
         await self._call(("release", request_id))
@@ -416,6 +426,7 @@ class EmbeddedEngine:
         with torch.inference_mode():
             while not self._stopped:
                 self._drain_inbox()
+                self._run_deferred()
                 if self._updating or (not self._active and not self._waiting):
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
@@ -450,11 +461,27 @@ class EmbeddedEngine:
             if item[0] == "generate":
                 self._waiting.append(item[1])
                 continue
-            _, command, loop, fut = item
-            try:
-                self._resolve(loop, fut, result=self._command(command))
-            except Exception as e:
-                self._resolve(loop, fut, error=e)
+            if self._deferred or self._waits_for_running(item[1]):  # in order, behind a waiting update
+                self._deferred.append(item)
+                continue
+            self._run_command(item)
+
+    def _waits_for_running(self, command: tuple) -> bool:
+        """A weight update in pause mode `wait` that starts while requests are running."""
+        return (command[0] == "update_weights" and not self._updating and command[4] == "wait"
+                and bool(self._active))
+
+    def _run_deferred(self) -> None:
+        """The running requests finished: the update that waited for them (and what queued behind it) runs."""
+        while self._deferred and not self._active:
+            self._run_command(self._deferred.pop(0))
+
+    def _run_command(self, item: tuple) -> None:
+        _, command, loop, fut = item
+        try:
+            self._resolve(loop, fut, result=self._command(command))
+        except Exception as e:
+            self._resolve(loop, fut, error=e)
 
     def _command(self, command: tuple):
         name = command[0]
@@ -471,7 +498,8 @@ class EmbeddedEngine:
         return None
 
     # ---- weights ---------------------------------------------------------------------------------
-    def _load_weights(self, tensors: dict[str, torch.Tensor], version: int | None, final: bool = True) -> int:
+    def _load_weights(self, tensors: dict[str, torch.Tensor], version: int | None, final: bool = True,
+                      pause: str = "keep") -> int:
         # remove_duplicate=False: a state dict names tied weights twice (lm_head.weight and embed_tokens.weight)
         params = dict(self.model.named_parameters(remove_duplicate=False))
         params.update(dict(self.model.named_buffers(remove_duplicate=False)))
@@ -481,6 +509,8 @@ class EmbeddedEngine:
         for name, t in tensors.items():  # check everything before copying anything: no half-updated policy
             if params[name].shape != t.shape:
                 raise EngineError(f"update_weights: {name} has shape {tuple(t.shape)}, expected {tuple(params[name].shape)}")
+        if pause == "abort" and not self._updating:  # the first bucket: stop what runs, keep its tokens
+            self._preempt_running()
         for name, t in tensors.items():
             params[name].copy_(t)
         self._drop_parked()  # parked KV was computed with the old weights
@@ -488,6 +518,20 @@ class EmbeddedEngine:
         if final:
             self.policy_version = self.policy_version + 1 if version is None else version
         return self.policy_version
+
+    def _preempt_running(self) -> None:
+        """pause=abort: every running request returns its tokens so far, marked preempted (the caller resubmits
+        prompt + tokens); their slots are free at once. Requests still waiting are served by the new weights."""
+        for req in self._active:
+            if not req.aborted and req.error is None:
+                self._resolve(req.loop, req.future, result=self._output(req, FinishReason.ABORT, preempted=True))
+        self._active = []
+
+    def _output(self, req: _Request, reason: FinishReason, *, preempted: bool = False) -> GenerateOutput:
+        versions = req.versions if len(set(req.versions)) > 1 else None  # a request that went on across an update
+        return GenerateOutput(token_ids=req.out_ids, logprobs=req.out_logprobs, finish_reason=reason,
+                              policy_version=self.policy_version, cached_prompt_tokens=req.cached_prompt_tokens,
+                              token_versions=versions, preempted=preempted)
 
     # ---- prefix reuse ----------------------------------------------------------------------------
     def _park(self, req: _Request, slot: int) -> None:
@@ -516,7 +560,7 @@ class EmbeddedEngine:
         """Move waiting requests into free slots and prefill them, several per forward where lengths allow."""
         self._waiting = [r for r in self._waiting if not r.aborted]
         admitted: list[tuple[_Request, int]] = []
-        while self._waiting and len(self._active) < self.max_batch_size:
+        while self._waiting and len(self._active) < self.max_batch_size and not self._deferred:  # (pause=wait)
             req = self._waiting.pop(0)
             slot = len(self._active)
             self._active.append(req)
@@ -632,6 +676,7 @@ class EmbeddedEngine:
     def _append(self, req: _Request, token: int, logprob: float) -> None:
         req.out_ids.append(token)
         req.out_logprobs.append(logprob)
+        req.versions.append(self.policy_version)
         self.stats["generated_tokens"] += 1
         if req.on_token is not None:
             with contextlib.suppress(RuntimeError):  # the caller's loop is closed
@@ -650,11 +695,7 @@ class EmbeddedEngine:
             elif not req.aborted:
                 self._park(req, slot)
                 reason = FinishReason.STOP if req.out_ids[-1] in req.stop_ids else FinishReason.LENGTH
-                out = GenerateOutput(
-                    token_ids=req.out_ids, logprobs=req.out_logprobs, finish_reason=reason,
-                    policy_version=self.policy_version, cached_prompt_tokens=req.cached_prompt_tokens,
-                )
-                self._resolve(req.loop, req.future, result=out)
+                self._resolve(req.loop, req.future, result=self._output(req, reason))
             last = len(self._active) - 1
             if slot != last:
                 moved = self._active[last]
