@@ -1,8 +1,9 @@
-"""`turnrl rollout | train | eval | serve | view`."""
+"""`turnrl rollout | train | eval | export | serve | view | replay`."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from pathlib import Path
@@ -15,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 if TYPE_CHECKING:
     from turnrl.config import RolloutConfig, TrainConfig
+    from turnrl.parallel import Parallel
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Multi-turn agentic RL for LLMs and VLMs.")
 console = Console()
@@ -155,6 +157,7 @@ def train(
     """Train a policy with GRPO on multi-turn rollouts."""
     _setup_logging(verbose)
     from turnrl.config import ConfigError, TrainConfig, load_config
+    from turnrl.parallel import check_launch
 
     try:
         cfg = load_config(TrainConfig, config, overrides or [])
@@ -162,25 +165,63 @@ def train(
             cfg.rollout.scheduler = scheduler
         if plugin:
             cfg.rollout.plugins = [*cfg.rollout.plugins, *plugin]
+        check_launch(cfg.trainer)  # torchrun's ranks against trainer.world_size / parallel / launcher
     except ConfigError as e:
         _fail(str(e))
     run_training(cfg, console=console)
 
 
-def run_training(cfg: TrainConfig, console: Console | None = None) -> list[dict[str, float]]:
-    """`turnrl train`: build the trainer (turnrl.build), train, close; returns the metrics history."""
+def run_training(cfg: TrainConfig, console: Console | None = None, parallel: Parallel | None = None,
+                 ) -> list[dict[str, float]]:
+    """`turnrl train`: build the trainer (turnrl.build), train, close; returns the metrics history (rank 0's
+    is the one logged). This process is one trainer rank: `parallel`, else as torchrun's environment says (one
+    process without it). With `trainer.launcher: ray` and no `parallel` it starts the ranks as Ray actors
+    (each runs this function with its own `parallel`) and returns rank 0's history."""
     from turnrl.build import build_trainer
     from turnrl.plots import plot_curves
 
-    trainer, stack = build_trainer(cfg, console=console)
+    if cfg.trainer.launcher == "ray" and parallel is None:
+        from turnrl.dist.ray import train_on_ray
+
+        return train_on_ray(functools.partial(_train_rank, cfg), cfg.trainer.world_size,
+                            address=cfg.engine.ray_address, gpus_per_rank=1.0 if cfg.device.startswith("cuda") else 0.0)
+    trainer, stack = build_trainer(cfg, console=console, parallel=parallel)
     try:
         history = asyncio.run(trainer.train())
     finally:
         stack.close()
-    plot_curves(history, trainer.out / "curves.png")
-    trainer.console.print(f"wrote {trainer.out / 'curves.png'}, {trainer.out / 'metrics.jsonl'}, "
-                          f"{trainer.out / 'trajectories'}")
+    trainer.parallel.close()  # after a failure a rank just exits: torchrun / the Ray driver stops the others
+    if trainer.parallel.is_main:
+        plot_curves(history, trainer.out / "curves.png")
+        trainer.console.print(f"wrote {trainer.out / 'curves.png'}, {trainer.out / 'metrics.jsonl'}, "
+                              f"{trainer.out / 'trajectories'}")
     return history
+
+
+def _train_rank(cfg: TrainConfig, rank: int, world_size: int, init_method: str) -> list[dict[str, float]]:
+    """What each Ray trainer actor runs (turnrl.dist.ray.TrainerActor): join the process group, train."""
+    from turnrl.parallel import Parallel
+
+    parallel = Parallel.start(cfg.trainer, cfg.device, rank=rank, world_size=world_size, init_method=init_method)
+    return run_training(cfg, parallel=parallel)
+
+
+@app.command(name="export")
+def export_command(
+    checkpoint: Annotated[Path, typer.Argument(help="A training checkpoint: OUTPUT_DIR/checkpoints/step_NNNNNN.")],
+    out_dir: Annotated[Path, typer.Argument(help="Where to write the Hugging Face directory.")],
+) -> None:
+    """Write a checkpoint as a Hugging Face directory (safetensors, config, tokenizer or processor, chat template)
+    that transformers and vLLM load: from its sharded state, whatever world size wrote it; LoRA merged in."""
+    _setup_logging(False)
+    from turnrl.checkpoint import export_checkpoint
+
+    try:
+        out = export_checkpoint(checkpoint, out_dir)
+    except (FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    files = sorted(f.name for f in out.iterdir())
+    console.print(f"wrote {out}: {', '.join(files)}")
 
 
 @app.command(name="eval")
@@ -204,12 +245,18 @@ def evaluate(
 def run_evaluation(cfg: TrainConfig, checkpoint: Path | None = None, out: Path | None = None,
                    console: Console | None = None) -> dict[str, float]:
     """`turnrl eval`: the trainer's evaluation of `checkpoint` (else the base model) on `eval_data`."""
+    import torch
+
     from turnrl.build import build_trainer
+    from turnrl.parallel import Parallel
     from turnrl.trainer import format_step_line
 
     if not cfg.eval_data:
         raise SystemExit("eval_data is not set in the config")
-    trainer, stack = build_trainer(cfg, checkpoint=checkpoint / "model" if checkpoint else None, console=console)
+    # evaluation is rollouts only: one process, whatever trainer.parallel / world_size / launcher the config has
+    one = Parallel(device=torch.device(cfg.device))
+    trainer, stack = build_trainer(cfg, checkpoint=checkpoint / "model" if checkpoint else None, console=console,
+                                   parallel=one)
     if out is not None:
         trainer.out = out.parent
     try:
@@ -358,3 +405,7 @@ def _server_rollout_config(path: Path | None, flags: dict[str, Any], plugins: li
 
 def main() -> None:  # pragma: no cover
     app()
+
+
+if __name__ == "__main__":  # `python -m turnrl.cli ...`, e.g. under torchrun: torchrun ... -m turnrl.cli train CONFIG
+    main()

@@ -166,11 +166,16 @@ class LoraConfig(Strict):
 class TrainerConfig(Strict):
     parallel: Literal["none", "fsdp"] = "none"
     """none: one process on `device`. fsdp: FSDP2 (`fully_shard` per decoder layer and at the root) over
-    `world_size` ranks started by torchrun; the update is the same at any world size (docs/distributed.md).
-    With fsdp the sharded parameters, the gradient reduction and the optimizer state are fp32 and `dtype` is
-    the compute dtype (bfloat16: mixed precision)."""
+    `world_size` ranks (started by torchrun or Ray: `launcher`); the update is the same at any world size
+    (docs/distributed.md). With fsdp the sharded parameters, the gradient reduction and the optimizer state
+    are fp32 and `dtype` is the compute dtype (bfloat16: mixed precision)."""
     world_size: int = Field(1, ge=1)
     """Trainer ranks; under torchrun it must equal WORLD_SIZE."""
+    launcher: Literal["torchrun", "ray"] = "torchrun"
+    """Who starts the trainer ranks. torchrun: each process `turnrl train` runs in is one rank, as torchrun's
+    environment says (WORLD_SIZE, RANK, LOCAL_RANK); without torchrun, one process. ray: `turnrl train`, run
+    once, starts `world_size` Ray trainer actors on the cluster at engine.ray_address (one GPU each with a
+    cuda device) sharing one process group; rank 0 holds the engines and the rollout (docs/distributed.md)."""
     cpu_offload: bool = False
     """fsdp: keep the sharded parameters, gradients and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy);
     the optimizer step runs on the CPU. Trades step time for device memory."""

@@ -212,28 +212,32 @@ class Trainer:
         self.tracer.log_params(self.cfg.model_dump())
         if self.cfg.resume and self.load_checkpoint():
             await self.sync_weights()
-        if self.step == 0 and self.eval_rows:
-            self._log(await self.evaluate("before"))
+        if self.step == 0:
+            await self._evaluate_on_main("before")
         producer = self._start_producer()
         from rich.progress import Progress
 
         try:
-            with Progress(console=self.console, transient=False) as progress:
+            with Progress(console=self.console, transient=False, disable=not self.parallel.is_main) as progress:
                 task = progress.add_task("training", total=self.cfg.steps, completed=self.step)
                 while self.step < self.cfg.steps:
                     self.step += 1
                     self._log(await self.train_step())
                     if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.step < self.cfg.steps:
-                        self._log(await self.evaluate(f"step{self.step}"))
+                        await self._evaluate_on_main(f"step{self.step}")
                     if self.cfg.save_every and self.step % self.cfg.save_every == 0:
                         self.save_checkpoint()
                     progress.update(task, completed=self.step)
         finally:
             await _stop(producer)
-        if self.eval_rows:
-            self._log(await self.evaluate("after"))
+        await self._evaluate_on_main("after")
         self.save_checkpoint()
         return self.history
+
+    async def _evaluate_on_main(self, tag: str) -> None:
+        """Evaluation runs where the rollout is, on rank 0; the other ranks wait for it in their next collective."""
+        if self.eval_rows and self.parallel.is_main:
+            self._log(await self.evaluate(tag))
 
     def _start_producer(self) -> asyncio.Task | None:
         """Rollouts in the background, admitted by the buffer's rule (the main rank runs them); groups in flight
@@ -246,8 +250,29 @@ class Trainer:
 
     async def train_step(self) -> dict[str, float]:
         t0 = time.perf_counter()
-        groups = await self.buffer.take(self.step)
+        samples, metrics = await self._next_batch()
         t_wait = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        update = (await self._update_beside_rollouts(samples)) if samples else {}
+        t_update = time.perf_counter() - t1
+        sync = await self.sync_weights()
+        self.buffer.version_changed()
+        self._last_step_end = time.perf_counter()
+        if self.parallel.is_main:
+            metrics.update(self._buffer_metrics(t_wait))
+        return {"step": float(self.step), **metrics, **update, **sync, "train/samples": float(len(samples)),
+                "train/is_fallback": float(sum(s.rollout_logprobs is None for s in samples)),
+                "time/rollout_s": t_wait, "time/update_s": t_update,
+                "time/step_s": self._last_step_end - t0, "train/lr": self.scheduler.get_last_lr()[0]}
+
+    async def _next_batch(self) -> tuple[list[TrainSample], dict[str, float]]:
+        """This step's samples, and what their rollouts measured: rank 0 takes them from the buffer (the producer
+        and the prompt sampler live there); every other rank receives rank 0's samples (and waits for them)."""
+        samples, metrics = await self._samples_from_buffer() if self.parallel.is_main else ([], {})
+        return self.parallel.broadcast_object(samples), metrics
+
+    async def _samples_from_buffer(self) -> tuple[list[TrainSample], dict[str, float]]:
+        groups = await self.buffer.take(self.step)
         self._record_groups(groups)
         stats = RolloutStats(started=self._last_step_end)  # the trained trajectories over the step interval
         with TrajectoryWriter(self.out / "trajectories" / "last_step.jsonl") as writer:
@@ -262,16 +287,7 @@ class Trainer:
         if fallback:
             log.warning("step %d: %d trajectories have no usable rollout logprobs; trained without IS correction",
                         self.step, fallback)
-        t1 = time.perf_counter()
-        update = (await self._update_beside_rollouts(samples)) if samples else {}
-        t_update = time.perf_counter() - t1
-        sync = await self.sync_weights()
-        self.buffer.version_changed()
-        self._last_step_end = time.perf_counter()
-        return {"step": float(self.step), **stats.summary(), **adv_stats, **update, **sync,
-                **self._buffer_metrics(t_wait), "train/samples": float(len(samples)),
-                "train/is_fallback": float(fallback), "time/rollout_s": t_wait, "time/update_s": t_update,
-                "time/step_s": self._last_step_end - t0, "train/lr": self.scheduler.get_last_lr()[0]}
+        return samples, {**stats.summary(), **adv_stats}
 
     def _record_groups(self, groups: list[Group]) -> None:
         """groups.jsonl: one line per trained group (its admission index, row, versions, whether it was re-issued
