@@ -247,6 +247,9 @@ def test_trainer_launcher_ray_raises_the_error_of_a_failing_rank(cluster, tmp_pa
     with pytest.raises(ray.exceptions.RayTaskError, match="rank 1 of 2 failed"):
         train_on_ray(train, 2)
     assert time.perf_counter() - t0 < 30
+    # device: cuda asks one GPU per rank; a cluster without them is refused at once instead of waiting
+    with pytest.raises(ValueError, match="trainer.world_size=2 Ray trainer actors need 2 GPUs .* has 0"):
+        train_on_ray(train, 2, gpus_per_rank=1.0)
 
 
 def test_trainer_actors_join_one_process_group(cluster):

@@ -13,6 +13,11 @@ Sync and async training are this one loop: `trainer.mode=sync` is the buffer wit
 groups are sampled by the current policy and rollouts wait for the update); `trainer.mode=async` lets rollouts
 go on while the update runs, within `trainer.max_staleness` versions (docs/async-training.md).
 
+On N trainer ranks (`trainer.parallel: fsdp`, docs/distributed.md) it is still this loop: rank 0 holds the
+producer, the buffer and the engines, takes the groups and broadcasts the samples (`_next_batch`); every rank
+updates on its token-balanced share, takes part in the weight sync and writes its part of each checkpoint;
+logging and evaluation happen on rank 0.
+
 What is kept from GRPO/PPO and what is not (see turnrl.algos for the formulas):
 - Advantages are group-relative (GRPO mean/std, Dr. GRPO mean-only, or RLOO), computed over the
   trajectories whose status is in `algo.train_on` and whose reward exists. Failed trajectories and reward

@@ -287,6 +287,10 @@ def train_on_ray(train: Callable[[int, int, str], Any], world_size: int, *, addr
     `gpus_per_rank` GPUs, run `train` on all of them and return rank 0's result. The first rank to fail stops
     the others (they would wait for it in their next collective) and its error is raised here."""
     init_ray(address)
+    gpus = ray.cluster_resources().get("GPU", 0.0)
+    if gpus < world_size * gpus_per_rank:  # else the actors would wait for GPUs that never come
+        raise ValueError(f"trainer.world_size={world_size} Ray trainer actors need {world_size * gpus_per_rank:g} GPUs "
+                         f"(device cuda: one each) but the Ray cluster at {address or 'this machine'} has {gpus:g}")
     actors = [TrainerActor.options(num_gpus=gpus_per_rank).remote(train) for _ in range(world_size)]
     try:
         init_method = ray.get(actors[0].address.remote())
