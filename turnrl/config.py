@@ -125,6 +125,11 @@ class AlgoConfig(Strict):
     """How per-token losses become one number (see algos.aggregate_loss)."""
     norm_constant: float | None = None
     """Denominator of seq_mean_token_sum_norm (e.g. the max response length)."""
+    decoupled: bool = True
+    """Decoupled PPO (AReaL's, for off-policy data): the clipped ratio is against the proximal policy (the one
+    being updated, recomputed), and importance weights `is_mode` correct proximal vs behaviour per token, with the
+    behaviour logprobs of each segment's own version. false: PPO anchored at the behaviour policy (the rollout
+    logprobs are the "old" ones; no separate importance weights)."""
     is_mode: Literal["none", "truncate", "mask"] = "truncate"
     """Importance-sampling correction against the engine's logprobs: TIS, MIS, or none."""
     is_level: Literal["token", "sequence"] = "token"

@@ -111,6 +111,7 @@ class TrainSample:
     rollout_logprobs: list[float] | None  # aligned with response_ids (0.0 at mask 0), None = not usable
     advantage: float
     mm_inputs: dict[str, torch.Tensor] | None = None  # VLM processor tensors (pixel_values, image_grid_thw)
+    versions: list[int] | None = None  # the policy version that sampled each response token (-1 at mask 0)
 
 
 def group_advantages(groups: list[list[Trajectory]], cfg: TrainConfig) -> tuple[list[tuple[Trajectory, float]], dict]:
@@ -150,9 +151,11 @@ def group_advantages(groups: list[list[Trajectory]], cfg: TrainConfig) -> tuple[
 def to_sample(traj: Trajectory, advantage: float) -> TrainSample:
     logprobs = traj.rollout_logprobs
     usable = logprobs is not None and len(logprobs) == len(traj.response_ids)
+    versions = [-1 if s.policy_version is None or not m else s.policy_version
+                for s in traj.segments for m in s.loss_mask]
     return TrainSample(traj.prompt_ids, traj.response_ids, traj.loss_mask,
                        [0.0 if lp is None else lp for lp in logprobs] if usable else None, advantage,
-                       traj.mm_train_inputs or None)
+                       traj.mm_train_inputs or None, versions)
 
 
 class Trainer:
@@ -373,17 +376,19 @@ class Trainer:
         old_B_T = logp_B_T.detach() if old is None else unpack_to_padded(
             torch.cat([old[i] for i in members]), row, lengths)
         adv_B = torch.tensor([s.advantage for s in batch], dtype=logp_N.dtype, device=logp_N.device)
+        valid_B = torch.tensor([s.rollout_logprobs is not None for s in batch], device=logp_N.device)
+        rollout_B_T = torch.nn.utils.rnn.pad_sequence(
+            [torch.tensor(s.rollout_logprobs or [0.0] * len(s.response_ids)) for s in batch], batch_first=True,
+        ).to(logp_N.device, old_B_T.dtype)
+        metrics = self._mismatch_by_staleness(old_B_T, rollout_B_T, mask_B_T, valid_B, batch)
+        if not a.decoupled:  # PPO anchored at the behaviour policy: the ratio itself corrects, no IS weights
+            old_B_T = torch.where(valid_B[:, None], rollout_B_T, old_B_T)
         loss_B_T, pg = algos.policy_loss(logp_B_T, old_B_T, adv_B, mask_B_T, clip_low=a.clip_low,
                                          clip_high=a.clip_high, dual_clip=a.dual_clip, ratio_level=a.ratio_level)
-        metrics = {f"train/{k}": float(v) for k, v in pg.items()}
-        if a.is_mode != "none":
-            valid_B = torch.tensor([s.rollout_logprobs is not None for s in batch], device=logp_N.device)
-            rollout_B_T = torch.nn.utils.rnn.pad_sequence(
-                [torch.tensor(s.rollout_logprobs or [0.0] * len(s.response_ids)) for s in batch], batch_first=True,
-            ).to(logp_N.device)
-            weights_B_T, ism = algos.rollout_is_weights(old_B_T, rollout_B_T.to(old_B_T.dtype), mask_B_T,
-                                                        valid_B=valid_B, mode=a.is_mode, level=a.is_level,
-                                                        threshold=a.is_threshold)
+        metrics.update({f"train/{k}": float(v) for k, v in pg.items()})
+        if a.is_mode != "none" and a.decoupled:
+            weights_B_T, ism = algos.rollout_is_weights(old_B_T, rollout_B_T, mask_B_T, valid_B=valid_B,
+                                                        mode=a.is_mode, level=a.is_level, threshold=a.is_threshold)
             loss_B_T = loss_B_T * weights_B_T
             metrics.update({f"train/{k}": float(v) for k, v in ism.items()})
         if self.uses_kl:
@@ -395,6 +400,28 @@ class Trainer:
                                     denominator=denominator)
         metrics["train/loss"] = float(loss.detach())
         return loss, metrics
+
+    @torch.no_grad()
+    def _mismatch_by_staleness(self, old_B_T: torch.Tensor, rollout_B_T: torch.Tensor, mask_B_T: torch.Tensor,
+                               valid_B: torch.Tensor, batch: list[TrainSample]) -> dict[str, float]:
+        """k3 estimate of KL(behaviour ‖ proximal) per token staleness (versions between the policy being updated
+        and the one that sampled the token): how far each age of data is off-policy. Token counts ride along
+        under `_count/` keys so the tally weights each bucket by its own tokens."""
+        if not any(s.versions for s in batch):
+            return {}
+        versions_B_T = torch.nn.utils.rnn.pad_sequence(
+            [torch.tensor(s.versions or [-1] * len(s.response_ids)) for s in batch], batch_first=True,
+            padding_value=-1).to(old_B_T.device)
+        used_B_T = mask_B_T.bool() & valid_B[:, None] & (versions_B_T >= 0)
+        log_ratio_B_T = (old_B_T - rollout_B_T).clamp(-20, 20)
+        k3_B_T = log_ratio_B_T.exp() - 1 - log_ratio_B_T
+        staleness_B_T = (self.step - 1) - versions_B_T
+        out: dict[str, float] = {}
+        for d in staleness_B_T[used_B_T].unique().tolist():
+            bucket = used_B_T & (staleness_B_T == d)
+            key = f"train/mismatch_kl_k3/staleness_{int(d)}"
+            out[key], out[f"_count/{key}"] = float(k3_B_T[bucket].mean()), float(bucket.sum())
+        return out
 
     @torch.no_grad()
     def _reference_logprobs(self, row: PackedRow, temperature: float) -> torch.Tensor:
@@ -561,8 +588,9 @@ class _Tally:
         self.loss += metrics.pop("train/loss")
         trained = sum(sum(s.loss_mask) for s in batch)
         corrected = sum(sum(s.loss_mask) for s in batch if s.rollout_logprobs is not None)
+        counts = {k.removeprefix("_count/"): metrics.pop(k) for k in [k for k in metrics if k.startswith("_count/")]}
         for k, v in metrics.items():
-            weight = (len(batch) if k == "train/is_valid_frac" else
+            weight = (counts[k] if k in counts else len(batch) if k == "train/is_valid_frac" else
                       corrected if k.startswith(("train/is_", "train/mismatch_")) else trained)
             self.weighted[k] += v * weight
             self.weights[k] += weight
