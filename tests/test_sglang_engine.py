@@ -12,7 +12,7 @@ from fakes import ScriptedEngine
 
 from turnrl.config import EngineConfig
 from turnrl.engines import build_server_engine
-from turnrl.engines.base import EngineError
+from turnrl.engines.base import EngineError, InvalidRequest
 from turnrl.engines.embedded import EmbeddedEngine
 from turnrl.engines.http import HttpEngine
 from turnrl.engines.router import Router
@@ -176,3 +176,30 @@ def test_build_server_engine_from_config(tmp_path):
     assert isinstance(many, Router) and all(isinstance(r.engine, HttpEngine) for r in many._replicas.values())
     with pytest.raises(ValueError, match="engine.urls is required"):
         build_server_engine(EngineConfig(kind="sglang"))
+
+
+@pytest.mark.parametrize(("pause", "calls"), [
+    ("keep", ["pause_generation(in_place)", "update_weights_from_disk(abort_all_requests=False, flush_cache=False)",
+              "continue_generation"]),
+    ("wait", ["update_weights_from_disk(abort_all_requests=False, flush_cache=True)"]),
+    ("abort", ["update_weights_from_disk(abort_all_requests=True, flush_cache=True)"]),
+])
+async def test_pause_modes_map_onto_sglangs_pause_and_update_calls(embedded, fake_server, tiny_qwen3, tmp_path, pause,
+                                                                    calls):
+    engine, renderer = embedded
+    fake, url = fake_server
+    sglang = SGLangEngine(url, weights_dir=tmp_path / "weights")
+    params = SamplingParams(temperature=1.0, max_new_tokens=200, seed=2, stop_token_ids=())
+    running = asyncio.create_task(sglang.generate(_prompt(renderer), params, request_id=f"long-{pause}"))
+    while engine.stats["generated_tokens"] == 0 or not engine._active:  # the request is decoding on the server
+        await asyncio.sleep(0.01)
+    fake.calls.clear()
+    options = {} if pause == "keep" else {"pause": pause}  # how turnrl.weights passes it
+    await sglang.update_weights(tiny_qwen3.state_dict(), version=11 + len(pause), **options)
+    out = await running
+    assert fake.calls == calls
+    assert out.preempted is (pause == "abort") and (out.finish_reason == FinishReason.ABORT) is (pause == "abort")
+    if pause == "abort":
+        assert 0 < len(out.token_ids) < 200  # its tokens so far, for turnrl.rollout to resubmit
+    with pytest.raises(InvalidRequest, match="pause must be one of"):
+        await sglang.update_weights({}, pause="soon")

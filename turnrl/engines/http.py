@@ -105,10 +105,15 @@ def _json_type(value: Any) -> str:
 
 
 def output_to_json(out: GenerateOutput) -> dict[str, Any]:
-    return {
+    body = {
         "token_ids": list(out.token_ids), "logprobs": list(out.logprobs), "finish_reason": str(out.finish_reason),
         "policy_version": out.policy_version, "cached_prompt_tokens": out.cached_prompt_tokens,
     }
+    if out.token_versions is not None:  # a call that went on across a weight update (pause=keep)
+        body["token_versions"] = list(out.token_versions)
+    if out.preempted:  # stopped by a weight update (pause=abort): the caller resubmits
+        body["preempted"] = True
+    return body
 
 
 def output_from_json(body: Any, where: str) -> GenerateOutput:
@@ -119,6 +124,8 @@ def output_from_json(body: Any, where: str) -> GenerateOutput:
             finish_reason=FinishReason(body["finish_reason"]),
             policy_version=int(body.get("policy_version", 0)),
             cached_prompt_tokens=int(body.get("cached_prompt_tokens", 0)),
+            token_versions=None if body.get("token_versions") is None else [int(v) for v in body["token_versions"]],
+            preempted=bool(body.get("preempted", False)),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise EngineError(f"{where}: malformed generate response ({type(e).__name__}: {e}): {_excerpt(body)}") from None
@@ -286,9 +293,10 @@ class HttpEngine:
         return output_from_json(data, f"POST {self.base_url}/generate")
 
     async def update_weights(self, named_tensors: NamedTensors, version: int | None = None, *,
-                             final: bool = True) -> int:
+                             final: bool = True, pause: str = "keep") -> int:
         payload = safetensors_bytes(named_tensors)
-        params = {k: v for k, v in (("version", version), ("final", None if final else "false")) if v is not None}
+        params = {k: v for k, v in (("version", version), ("final", None if final else "false"),
+                                    ("pause", None if pause == "keep" else pause)) if v is not None}
         data = await self._request("POST", "/update_weights", content=payload,
                                    headers={"content-type": "application/octet-stream"}, params=params or None)
         return self._version(data)

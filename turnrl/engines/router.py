@@ -150,12 +150,14 @@ class Router:
         )
 
     async def update_weights(self, named_tensors: NamedTensors, version: int | None = None, *,
-                             final: bool = True) -> int:
+                             final: bool = True, pause: str = "keep") -> int:
         # `named_tensors` may be a one-shot iterator, and every replica needs all of it.
         weights = dict(named_tensors)
-        # `final` only when streaming, so engines written before buckets existed still take one-shot updates
-        streamed = {} if final else {"final": False}
-        versions = await self._broadcast("update_weights", lambda e: e.update_weights(weights, version, **streamed))
+        # `final` and `pause` only when not the default, so engines written before them still take default updates
+        options: dict[str, Any] = {} if final else {"final": False}
+        if pause != "keep":
+            options["pause"] = pause
+        versions = await self._broadcast("update_weights", lambda e: e.update_weights(weights, version, **options))
         if len(set(versions.values())) > 1:
             logger.warning(
                 "Router.update_weights: replicas disagree on the version %s; using the max", versions

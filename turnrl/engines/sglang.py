@@ -52,7 +52,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from turnrl.engines.base import EngineError, NamedTensors
+from turnrl.engines.base import EngineError, NamedTensors, check_pause
 from turnrl.engines.http import JsonHttp, WeightsFolder, _excerpt, encode_image
 from turnrl.types import FinishReason, GenerateOutput, SamplingParams
 
@@ -85,6 +85,9 @@ class SGLangEngine:
         self.policy_version = 0
         self._rid_counter = itertools.count()
         self._warned_filters = False
+        self._updates = 0  # weight updates finished, and of them with pause=abort: to tell what a call went through
+        self._aborting_updates = 0
+        self._pause = "keep"  # of the streamed update in progress (given with its first bucket)
 
     # ---- Engine protocol -------------------------------------------------------------------------
     async def generate(
@@ -99,30 +102,52 @@ class SGLangEngine:
         }
         if images:
             body["image_data"] = [encode_image(im) for im in images]
+        start_version, updates, aborting = self.policy_version, self._updates, self._aborting_updates
         try:
             data = await self._request("POST", "/generate", json=body)
         except asyncio.CancelledError:
             await self._abort(rid)
             raise
-        return self._parse_output(data, rid)
+        out = self._parse_output(data, rid)
+        if self._updates != updates:  # an update landed meanwhile: its tokens span versions; the oldest anchors
+            out.policy_version = start_version
+        out.preempted = out.finish_reason == FinishReason.ABORT and self._aborting_updates != aborting
+        return out
 
     async def update_weights(self, named_tensors: NamedTensors, version: int | None = None, *,
-                             final: bool = True) -> int:
-        if self.weights_dir is None:
+                             final: bool = True, pause: str | None = None) -> int:
+        """Stage the weights in `weights_dir`, and at the final bucket reload them, with the pause mode of the first
+        bucket mapped onto SGLang's: keep → `/pause_generation {mode: in_place}`, reload without flushing the KV
+        cache, `/continue_generation`; wait → a plain reload (the server holds it until the running requests are
+        done); abort → `abort_all_requests` (they return their tokens so far, which this client marks
+        preempted)."""
+        if self.weights_dir is None or self._weights is None:
             raise EngineError(
                 "SGLangEngine.update_weights needs weights_dir: a folder the SGLang server can read at the same "
                 "path (its /update_weights_from_disk loads safetensors from there)"
             )
+        if pause is not None:
+            self._pause = check_pause(pause)
         new_version = self.policy_version + 1 if version is None else int(version)
         await self._weights.write(named_tensors, final)
         if not final:  # one bucket of several: the server reloads the folder after the last
             return self.policy_version
-        data = await self._request("POST", "/update_weights_from_disk", json={
-            "model_path": str(self.weights_dir), "weight_version": str(new_version),
-        })
+        mode, self._pause = self._pause, "keep"
+        body: dict[str, Any] = {"model_path": str(self.weights_dir), "weight_version": str(new_version)}
+        if mode == "keep":
+            await self._request("POST", "/pause_generation", json={"mode": "in_place"})
+            body["flush_cache"] = False  # in place: the running requests keep their KV
+        elif mode == "abort":
+            self._aborting_updates += 1
+            body["abort_all_requests"] = True
+        try:
+            data = await self._request("POST", "/update_weights_from_disk", json=body)
+        finally:
+            if mode == "keep":
+                await self._request("POST", "/continue_generation", json={})
         if not (isinstance(data, dict) and data.get("success")):
             raise EngineError(f"POST {self.base_url}/update_weights_from_disk did not succeed: {_excerpt(data)}")
-        self.policy_version = new_version
+        self.policy_version, self._updates = new_version, self._updates + 1
         return new_version
 
     async def sleep(self) -> None:
