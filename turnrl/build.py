@@ -167,7 +167,7 @@ def build_rollout_manager(
     return RolloutManager(
         engine, renderer, agents=agents, default_agent=default_agent, sampling=sampling_params(cfg),
         limits=rollout_limits(cfg), env_factory=env_factory, env_config=env_config(cfg), tools=tools,
-        concurrency=cfg.concurrency, sanity_mode=cfg.sanity_check, reward_fn=reward_fn,
+        concurrency=cfg.concurrency, sanity_mode=cfg.sanity_check, reward_fn=reward_fn, watchdog_s=cfg.watchdog_s,
     )
 
 

@@ -62,6 +62,11 @@ def rollout(
     chat_template_kwargs: Annotated[str | None, Opt(help='JSON, e.g. \'{"enable_thinking": false}\'.')] = None,
     sanity_check: Annotated[str, Opt(help="strict | ignore_strippable | disable.")] = "strict",
     concurrency: Annotated[int, Opt(help="Trajectories in flight.")] = 64,
+    env_timeout: Annotated[float | None, Opt(help="Seconds one env step may take (FAILED/timeout past it; "
+                                                  "0 = no limit).")] = 60.0,
+    env_retries: Annotated[int, Opt(help="Extra attempts of a failing env step.")] = 0,
+    watchdog: Annotated[float, Opt(help="Seconds without progress of any trajectory, engine or env call before "
+                                        "the run fails naming what was stuck (0 = off).")] = 600.0,
     max_batch_size: Annotated[int, Opt(help="Rows decoded together by the embedded engine.")] = 16,
     ray_workers: Annotated[int, Opt(help="Rollout workers on Ray, the engine a Ray actor (0 = all in this process).")] = 0,
     limit: Annotated[int | None, Opt(help="Use only the first N rows.")] = None,
@@ -85,6 +90,7 @@ def rollout(
             env=env, custom_config=str(custom_config) if custom_config else None, agent=agent, agents=agents,
             tools=tools, tool_parser=tool_parser, scheduler=scheduler, plugins=plugin, n=n, max_turns=max_turns,
             max_new_tokens=max_new_tokens, token_budget=token_budget, concurrency=concurrency,
+            env_timeout_s=env_timeout or None, env_retries=env_retries, watchdog_s=watchdog or None,
             sanity_check=sanity_check, chat_template_kwargs=json.loads(chat_template_kwargs or "{}"),
             trace_uri=trace_uri, max_traces_per_step=max_traces,
             sampling=SamplingConfig(temperature=temperature, top_p=top_p, seed=seed),

@@ -89,6 +89,9 @@ class RolloutConfig(Strict):
     """Extra attempts of a failing env step."""
     trajectory_timeout_s: float | None = None
     """Wall-clock limit per trajectory."""
+    watchdog_s: float | None = Field(600.0, gt=0)
+    """The run fails (naming what was stuck, stacks in the log) when no trajectory, engine call or env call makes
+    progress for this long; a training run also watches its update and weight sync. None = off."""
     concurrency: int = Field(64, ge=1)
     """Trajectories in flight at once."""
     sanity_check: Literal["strict", "ignore_strippable", "disable"] = "strict"

@@ -47,6 +47,7 @@ from turnrl.packing import pack_sequences, packed_token_logprobs, unpack_to_padd
 from turnrl.rollout import Rollout, run_groups
 from turnrl.tracing import TrajectoryTracer
 from turnrl.types import SamplingParams, Trajectory
+from turnrl.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +168,8 @@ class Trainer:
         self.step = 0
         self.history: list[dict[str, float]] = []
         self.tracer = tracer if tracer is not None else TrajectoryTracer(None)
+        self.watchdog = getattr(rollout, "watchdog", None) or Watchdog(cfg.rollout.watchdog_s)
+        """Fails the run when no trajectory, engine call, env call or training phase progresses for watchdog_s."""
 
     # ---- the loop ---------------------------------------------------------------------------------
     async def train(self) -> list[dict[str, float]]:
@@ -196,8 +199,9 @@ class Trainer:
         t0 = time.perf_counter()
         rows = [self.train_rows[i] for i in self.sampler.next_batch()]
         stats = RolloutStats()
-        groups = await run_groups(self.rollout, rows, self.cfg.rollout.n, id_prefix=f"s{self.step}-",
-                                  on_trajectory=stats.add)
+        groups = await self.watchdog.wait(run_groups(self.rollout, rows, self.cfg.rollout.n, id_prefix=f"s{self.step}-",
+                                                     on_trajectory=self.watchdog.counting(stats.add)),
+                                          "trainer.rollout", f"step {self.step}")
         t_rollout = time.perf_counter() - t0
         with TrajectoryWriter(self.out / "trajectories" / "last_step.jsonl") as writer:
             for group in groups:
@@ -211,9 +215,11 @@ class Trainer:
             log.warning("step %d: %d trajectories have no usable rollout logprobs; trained without IS correction",
                         self.step, fallback)
         t1 = time.perf_counter()
-        update = self.update(samples) if samples else {}
+        with self.watchdog.phase("trainer.update", f"step {self.step}, {len(samples)} samples"):
+            update = self.update(samples) if samples else {}
         t_update = time.perf_counter() - t1
-        version = await self.engine.update_weights(self.policy.state_dict(), version=self.step)
+        version = await self.watchdog.wait(self.engine.update_weights(self.policy.state_dict(), version=self.step),
+                                           "engine.update_weights", f"step {self.step}")
         metrics = {"step": float(self.step), **stats.summary(), **adv_stats, **update,
                    "train/samples": float(len(samples)), "train/is_fallback": float(fallback),
                    "train/policy_version": float(version), "time/rollout_s": t_rollout, "time/update_s": t_update,
