@@ -293,6 +293,14 @@ def build_trainer(cfg: TrainConfig, *, checkpoint: Path | None = None,
     weights = str(checkpoint) if checkpoint else None
     stack = build_stack(cfg.model, cfg.rollout, cfg.engine, reward=cfg.reward, server=cfg.rollout_server,
                         weights=weights, dtype=cfg.dtype)
+    if cfg.engine.kind != "embedded" and not cfg.rollout_server:  # a dead server fails here, not per trajectory
+        from turnrl.engines import check_servers
+
+        try:
+            check_servers(stack.engine)
+        except Exception:
+            stack.close()
+            raise
     # the engines hold their own copy of the weights; this one trains, where cfg.device says
     policy = load_model(weights or cfg.model, dtype=DTYPES[cfg.dtype]).eval()
     if checkpoint and cfg.rollout_server:  # the server's engine loaded its own weights: give it the checkpoint's

@@ -30,7 +30,6 @@ import dataclasses
 import functools
 import logging
 import time
-import traceback
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -47,6 +46,7 @@ from turnrl.types import (
     GenerateOutput,
     GenerateSpan,
     Message,
+    RolloutStatus,
     SamplingParams,
     Segment,
     SegmentSource,
@@ -276,7 +276,7 @@ async def drive(ctx: RolloutContext, env: Env | TurnEnv | EpisodeEnv, messages: 
         episode.end(TerminationReason.CANCELLED)
         raise
     except Exception as e:  # env.reset, env factory output, rendering: this trajectory fails, never the batch
-        log.warning("trajectory %s failed: %s", ctx.trajectory_id, e)
+        log.info("trajectory %s: %s raised", ctx.trajectory_id, type(e).__name__, exc_info=True)  # -v
         episode.end(TerminationReason.ENV_ERROR, f"{type(e).__name__}: {e}")
     finally:
         await episode.close()
@@ -651,10 +651,13 @@ class RolloutManager:
             except TimeoutError:
                 trajs = [_timed_out(ctx)]
             except Exception as e:  # a broken agent fails its trajectory, never the batch
-                log.warning("agent %s raised on %s:\n%s", ctx.agent_name, ctx.trajectory_id, traceback.format_exc())
+                log.info("agent %s raised on %s", ctx.agent_name, ctx.trajectory_id, exc_info=True)  # -v
                 trajs = [ctx.failed(TerminationReason.ENV_ERROR, e)]
             for traj in trajs:
                 await score(traj, self.reward_fn)
+                if traj.status == RolloutStatus.FAILED:  # one line each; tracebacks at -v (INFO)
+                    log.warning("trajectory %s failed (%s): %.300s", traj.id, traj.termination_reason,
+                                " ".join(str(traj.error).split()))
             return trajs
 
 

@@ -128,6 +128,10 @@ class Router:
         url = getattr(replica.engine, "base_url", None)
         return f"replica {name} ({url})" if url else f"replica {name}"
 
+    def engines(self) -> dict[str, Engine]:
+        """The registered replicas by name, in registration order."""
+        return {name: r.engine for name, r in self._replicas.items()}
+
     def stats(self) -> RouterStats:
         """A snapshot: per-replica health and counters, and the sticky map's size."""
         return RouterStats({n: replace(r.stats) for n, r in self._replicas.items()}, len(self._sticky))
