@@ -135,6 +135,15 @@ def _deny_exec():
     return True
 
 
+def _optional(layer, *args):
+    """A kernel layer the host may refuse (a container's own seccomp policy, an old kernel): reported as
+    absent (False) in `layers`, never a failed setup."""
+    try:
+        return layer(*args)
+    except OSError:
+        return False
+
+
 # ---- the audit hook ----------------------------------------------------------------------------------
 def _install_audit_hook(root, block_network, allow_subprocess):
     # Everything the hook calls is bound here, never looked up when it runs: code that replaces
@@ -225,8 +234,8 @@ def _worker(cfg, layers):
         os.chdir(cfg["cwd"])
         root = os.path.realpath(cfg["cwd"])
         kernel = sys.platform.startswith("linux") and ctypes is not None
-        layers["landlock"] = _restrict_writes(root) if kernel else False
-        layers["no_exec"] = _deny_exec() if kernel and not cfg["allow_subprocess"] else False
+        layers["landlock"] = _optional(_restrict_writes, root) if kernel else False
+        layers["no_exec"] = _optional(_deny_exec) if kernel and not cfg["allow_subprocess"] else False
         block_network = not layers["netns"]
         _install_audit_hook(root, block_network, cfg["allow_subprocess"])
         layers.update(audit_hook=True, network_hook=block_network)
