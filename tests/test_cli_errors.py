@@ -238,3 +238,24 @@ async def test_a_failed_trajectory_logs_one_line_and_its_traceback_only_at_info(
     assert all(r.exc_info is None for r in warnings)
     infos = [r for r in caplog.records if r.levelno == logging.INFO]
     assert len(infos) == 2 and all(r.exc_info is not None for r in infos)  # shown with -v
+
+
+def test_the_start_up_check_names_only_the_dead_replica(qwen3_tokenizer):
+    from turnrl.engines import check_servers
+    from turnrl.engines.base import EngineError
+    from turnrl.engines.http import HttpEngine
+    from turnrl.engines.router import Router
+    from turnrl.proxy import ChatProxy
+    from turnrl.serve import ServerThread, create_app
+
+    engine = ScriptedEngine(qwen3_tokenizer, lambda *a: "ok")
+    server = ServerThread(create_app(engine, ChatProxy(engine, ChatRenderer(qwen3_tokenizer))))
+    live = server.start()
+    try:
+        check_servers(HttpEngine(live))  # alive: no error
+        with pytest.raises(EngineError) as dead:
+            check_servers(Router({"a": HttpEngine(live), "b": HttpEngine("http://127.0.0.1:9")}))
+        assert str(dead.value).startswith("engine.urls: no answer from http://127.0.0.1:9 (ConnectError")
+        assert live not in str(dead.value)
+    finally:
+        server.stop()

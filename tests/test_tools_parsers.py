@@ -258,6 +258,8 @@ def test_qwen3_coder_keeps_values_it_cannot_read_as_raw_strings(value):
         "<channel|>" * 100_000 + "<tool_call>",
         "<tool_call><function=" * 50_000 + "</tool_call>",  # quadratic in the function regex before
         "<tool_call><function=f><parameter=" * 50_000 + "</tool_call>",
+        '<tool_call>{"name": "f", "arguments": ' + json.dumps('{"a": [' * 100_000) + "}</tool_call>",
+        '<tool_call>{"name": "f", "arguments": {"x": "' + '\\"[' * 200_000 + "}}</tool_call>",
     ],
 )
 def test_parsing_is_linear_in_the_reply(text):
@@ -265,6 +267,20 @@ def test_parsing_is_linear_in_the_reply(text):
         start = time.perf_counter()
         parser.parse(text)
         assert time.perf_counter() - start < 2.0, parser.name
+
+
+@pytest.mark.parametrize(("inner", "depth"), [
+    ('{"a": [1, {"b": "]]]}}}"}]}', 4),  # brackets inside strings do not count
+    ('["\\"[[[", [[]]]', 4),  # nor after an escaped quote
+    ('"[[[[', 1),  # an unterminated string runs to the end
+    ('"x\\', 1),  # also with a trailing backslash
+    ("[" * 70 + "]" * 70, 65),  # counting stops past the limit
+])
+def test_nesting_depth_reads_strings_as_json_does(inner, depth):
+    from turnrl.tools.parsers import _nesting_depth
+
+    padded = '["' + "[" * 100 + '", ' + inner + "]"  # more than 64 brackets: the text is scanned
+    assert _nesting_depth(padded, 64) == depth
 
 
 def test_fuzz_of_adversarial_replies_raises_nothing():

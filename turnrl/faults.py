@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from turnrl.types import StepResult
+from turnrl.types import StepResult, TerminationReason
 
 # ---------------------------------------------------------------------------------------------------
 # Hostile model output
@@ -243,26 +243,32 @@ class Faults:
     hang_s: float = 3600.0
     """How long a hung step sleeps (a sync env sleeps in its thread: the call is abandoned, not killed)."""
     seed: int = 0
+    injected: Counter = field(default_factory=Counter)
+    """What was injected so far: raise, hang, nan (counted as the steps happen)."""
 
 
 class FaultyEnv:
-    """A sync env of `turns` steps with reward 1.0 at the end; each step may raise, hang or return NaN."""
+    """A sync, token-aware env (it sees every turn, cut or not) of `turns` steps, reward 1.0 at the end; each step
+    may raise, hang or return a NaN reward."""
 
     def __init__(self, key: str, faults: Faults, turns: int = 2):
         self.key, self.faults, self.turns, self.turn = key, faults, turns, 0
 
-    def step(self, text: str) -> StepResult:
+    def step_turn(self, turn: Any) -> StepResult:
         self.turn += 1
         draw = random.Random(f"{self.faults.seed}/{self.key}/{self.turn}").random()
         f = self.faults
         if draw < f.raise_p:
+            f.injected["raise"] += 1
             raise RuntimeError(f"injected env failure ({self.key} turn {self.turn})")
         if draw < f.raise_p + f.hang_p:
+            f.injected["hang"] += 1
             time.sleep(f.hang_s)
         if draw < f.raise_p + f.hang_p + f.nan_p:
-            return StepResult(reward=float("nan"), done=True)
+            f.injected["nan"] += 1
+            return StepResult(reward=float("nan"), done=True, termination_reason=TerminationReason.ENV_DONE)
         if self.turn >= self.turns:
-            return StepResult(reward=1.0, done=True)
+            return StepResult(reward=1.0, done=True, termination_reason=TerminationReason.ENV_DONE)
         return StepResult(f"step {self.turn} ok, go on")
 
 

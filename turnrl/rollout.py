@@ -392,7 +392,8 @@ class Episode:
         span = record.generate = GenerateSpan(time.time_ns(), prompt_tokens=len(ids))
         t0 = time.perf_counter()
         try:
-            with self.ctx.watch("engine.generate", functools.partial(engine_label, self.ctx.engine, self.ctx.trajectory_id)):
+            where = functools.partial(engine_label, self.ctx.engine, self.ctx.trajectory_id)  # read only on a stall
+            with self.ctx.watch("engine.generate", where):
                 out = await self.ctx.engine.generate(ids, params, request_id=self.ctx.trajectory_id, images=images)
         except Exception as e:
             span.error = f"{type(e).__name__}: {e}"

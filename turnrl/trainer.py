@@ -199,9 +199,9 @@ class Trainer:
         t0 = time.perf_counter()
         rows = [self.train_rows[i] for i in self.sampler.next_batch()]
         stats = RolloutStats()
-        groups = await self.watchdog.wait(run_groups(self.rollout, rows, self.cfg.rollout.n, id_prefix=f"s{self.step}-",
-                                                     on_trajectory=self.watchdog.counting(stats.add)),
-                                          "trainer.rollout", f"step {self.step}")
+        rollout = run_groups(self.rollout, rows, self.cfg.rollout.n, id_prefix=f"s{self.step}-",
+                             on_trajectory=self.watchdog.counting(stats.add))
+        groups = await self.watchdog.wait(rollout, "trainer.rollout", f"step {self.step}")
         t_rollout = time.perf_counter() - t0
         with TrajectoryWriter(self.out / "trajectories" / "last_step.jsonl") as writer:
             for group in groups:

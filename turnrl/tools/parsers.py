@@ -106,33 +106,26 @@ def loads_json(text: str) -> Any:
     return value
 
 
-_STRUCTURAL = re.compile(r'[\[\]{}"\\]')
+_JSON_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+(?:"|\\?\Z)', re.DOTALL)
+"""A JSON string, or an unterminated one running to the end: it always matches from a quote, so removing
+strings is linear whatever the text."""
+_NOT_BRACKETS = re.compile(r"[^\[\]{}]+")
 
 
 def _nesting_depth(text: str, limit: int) -> int:
-    """The deepest array/object nesting outside strings, counting stops past `limit` (linear in the text).
-    Cheap for the usual call: only texts with more than `limit` brackets are scanned."""
+    """The deepest array/object nesting outside strings; counting stops past `limit`. Linear in the text, and
+    cheap for the usual call: only texts with more than `limit` brackets are looked at."""
     if text.count("[") + text.count("{") <= limit:
         return 0
     depth = deepest = 0
-    in_string, skip_to = False, -1
-    for match in _STRUCTURAL.finditer(text):
-        at, char = match.start(), match.group()
-        if at < skip_to:  # the character after a backslash inside a string
-            continue
-        if in_string:
-            if char == "\\":
-                skip_to = at + 2
-            elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "[{":
+    for bracket in _NOT_BRACKETS.sub("", _JSON_STRING.sub("", text)):
+        if bracket in "[{":
             depth += 1
-            deepest = max(deepest, depth)
-            if deepest > limit:
-                break
-        elif char in "]}":
+            if depth > deepest:
+                deepest = depth
+                if deepest > limit:
+                    break
+        else:
             depth -= 1
     return deepest
 
