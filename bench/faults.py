@@ -196,6 +196,7 @@ def fuzz_table(n: int) -> Table:
         table.add_column(column)
     table.add_row(f"{report.calls:,}", str(sum(report.exceptions.values())), str(report.bad_outputs),
                   f"{report.tool_calls:,}", f"{report.parse_errors:,}", f"{report.slowest_s:.3f}", f"{report.wall_s:.0f}")
+    table.caption = f"slowest: {report.slowest}"
     for example in report.examples:
         table.add_row(example, "", "", "", "", "", "")
     return table

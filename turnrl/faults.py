@@ -130,6 +130,8 @@ class FuzzReport:
     tool_calls: int = 0
     parse_errors: int = 0
     slowest_s: float = 0.0
+    slowest: str = ""
+    """The parser and input (length, first characters) of the slowest call."""
     wall_s: float = 0.0
     examples: list[str] = field(default_factory=list)
     """The first few failures, each with the input's first characters."""
@@ -154,7 +156,8 @@ def fuzz_parsers(n: int, seed: int = 0) -> FuzzReport:
         for parser in parsers:
             t0 = time.perf_counter()
             _fuzz_one(parser, text, report)
-            report.slowest_s = max(report.slowest_s, time.perf_counter() - t0)
+            if (took := time.perf_counter() - t0) > report.slowest_s:
+                report.slowest_s, report.slowest = took, f"{parser.name} on {len(text):,} chars {text[:40]!r}"
     report.wall_s = time.perf_counter() - start
     return report
 
