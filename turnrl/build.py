@@ -168,7 +168,7 @@ def build_rollout_manager(
     return RolloutManager(
         engine, renderer, agents=agents, default_agent=default_agent, sampling=sampling_params(cfg),
         limits=rollout_limits(cfg), env_factory=env_factory, env_config=env_config(cfg), tools=tools,
-        concurrency=cfg.concurrency, sanity_mode=cfg.sanity_check, reward_fn=reward_fn,
+        concurrency=cfg.concurrency, sanity_mode=cfg.sanity_check, reward_fn=reward_fn, watchdog_s=cfg.watchdog_s,
     )
 
 
@@ -294,6 +294,14 @@ def build_trainer(cfg: TrainConfig, *, checkpoint: Path | None = None,
     weights = str(checkpoint) if checkpoint else None
     stack = build_stack(cfg.model, cfg.rollout, cfg.engine, reward=cfg.reward, server=cfg.rollout_server,
                         weights=weights, dtype=cfg.dtype)
+    if cfg.engine.kind != "embedded" and not cfg.rollout_server:  # a dead server fails here, not per trajectory
+        from turnrl.engines import check_servers
+
+        try:
+            check_servers(stack.engine)
+        except Exception:
+            stack.close()
+            raise
     # the engines hold their own copy of the weights; this one trains (the Trainer moves or shards it onto the
     # devices cfg.device and cfg.trainer say)
     policy = load_model(weights or cfg.model, dtype=DTYPES[cfg.dtype]).eval()

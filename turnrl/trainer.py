@@ -64,6 +64,7 @@ from turnrl.parallel import Parallel
 from turnrl.rollout import Rollout
 from turnrl.tracing import TrajectoryTracer
 from turnrl.types import SamplingParams, Trajectory
+from turnrl.watchdog import Watchdog
 from turnrl.weights import push_weights
 
 log = logging.getLogger(__name__)
@@ -190,6 +191,8 @@ class Trainer:
         self.step = 0
         self.history: list[dict[str, float]] = []
         self.tracer = tracer if tracer is not None else TrajectoryTracer(None)
+        self.watchdog = getattr(rollout, "watchdog", None) or Watchdog(cfg.rollout.watchdog_s)
+        """Fails the run when no trajectory, engine call, env call or training phase progresses for watchdog_s."""
 
     def _prepare(self, policy: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module | None]:
         """The policy as it trains (LoRA adapters, activation checkpointing, sharded over the ranks) and the
@@ -249,7 +252,7 @@ class Trainer:
 
     async def train_step(self) -> dict[str, float]:
         t0 = time.perf_counter()
-        groups = await self.buffer.take(self.step)
+        groups = await self.watchdog.wait(self.buffer.take(self.step), "trainer.rollout", f"step {self.step}")
         t_wait = time.perf_counter() - t0
         self._record_groups(groups)
         stats = RolloutStats(started=self._last_step_end)  # the trained trajectories over the step interval
@@ -268,7 +271,7 @@ class Trainer:
         t1 = time.perf_counter()
         update = (await self._update_beside_rollouts(samples)) if samples else {}
         t_update = time.perf_counter() - t1
-        sync = await self.sync_weights()
+        sync = await self.watchdog.wait(self.sync_weights(), "engine.update_weights", f"step {self.step}")
         self.buffer.version_changed()
         self._last_step_end = time.perf_counter()
         return {"step": float(self.step), **stats.summary(), **adv_stats, **update, **sync,
@@ -289,10 +292,14 @@ class Trainer:
 
     async def _update_beside_rollouts(self, samples: list[TrainSample]) -> dict[str, float]:
         """async mode: the update runs in a worker thread, so the event loop (rollouts, envs, tools) goes on;
-        sync mode: in place (no rollout could start meanwhile anyway)."""
+        sync mode: in place (no rollout could start meanwhile anyway). Watched either way, in its own thread."""
         if self.cfg.trainer.mode == "async":
-            return await asyncio.to_thread(self.update, samples)
-        return self.update(samples)
+            return await asyncio.to_thread(self._watched_update, samples)
+        return self._watched_update(samples)
+
+    def _watched_update(self, samples: list[TrainSample]) -> dict[str, float]:
+        with self.watchdog.phase("trainer.update", f"step {self.step}, {len(samples)} samples"):
+            return self.update(samples)
 
     def _buffer_metrics(self, t_wait: float) -> dict[str, float]:
         b = self.buffer

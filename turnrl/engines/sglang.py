@@ -72,10 +72,12 @@ class SGLangEngine:
             `update_weights` raises.
         sleep_tags: memory regions released by `sleep` ("weights", "kv_cache"); None releases all.
         timeout_s / connect_timeout_s: per request / to open a connection.
+        control_timeout_s: limit of abort and health requests (a working server answers them at once).
     """
 
     def __init__(self, base_url: str, *, api_key: str | None = None, weights_dir: str | os.PathLike | None = None,
-                 sleep_tags: list[str] | None = None, timeout_s: float | None = 600.0, connect_timeout_s: float = 10.0):
+                 sleep_tags: list[str] | None = None, timeout_s: float | None = 600.0, connect_timeout_s: float = 10.0,
+                 control_timeout_s: float = 10.0):
         self.http = JsonHttp(base_url, owner="SGLangEngine", token=api_key, timeout_s=timeout_s,
                              connect_timeout_s=connect_timeout_s)
         self.base_url, self.api_key = self.http.base_url, api_key
@@ -88,6 +90,8 @@ class SGLangEngine:
         self._updates = 0  # weight updates finished, and of them with pause=abort: to tell what a call went through
         self._aborting_updates = 0
         self._pause = "keep"  # of the streamed update in progress (given with its first bucket)
+        self.control_timeout_s = control_timeout_s
+        self._aborts: set[asyncio.Task] = set()
 
     # ---- Engine protocol -------------------------------------------------------------------------
     async def generate(
@@ -106,7 +110,7 @@ class SGLangEngine:
         try:
             data = await self._request("POST", "/generate", json=body)
         except asyncio.CancelledError:
-            await self._abort(rid)
+            self._abort(rid)
             raise
         out = self._parse_output(data, rid)
         if self._updates != updates:  # an update landed meanwhile: its tokens span versions; the oldest anchors
@@ -165,7 +169,7 @@ class SGLangEngine:
 
     async def health(self) -> bool:
         try:
-            await self._request("GET", "/health", expect_json=False)
+            await self._request("GET", "/health", expect_json=False, timeout_s=self.control_timeout_s)
         except EngineError:
             return False
         return True
@@ -227,8 +231,16 @@ class SGLangEngine:
     async def _request(self, method: str, path: str, *, expect_json: bool = True, **kwargs: Any) -> Any:
         return await self.http.request(method, path, expect_json=expect_json, **kwargs)
 
-    async def _abort(self, rid: str) -> None:
-        try:  # shielded: the caller is being cancelled, but the server should stop generating
-            await asyncio.shield(self._request("POST", "/abort_request", json={"rid": rid}, expect_json=False))
+    def _abort(self, rid: str) -> None:
+        """Ask the server to stop generating `rid`, in the background: the caller is being cancelled, maybe
+        because this very server hung, so its cancellation must not wait on it (the abort gets a short limit)."""
+        task = asyncio.get_running_loop().create_task(self._send_abort(rid))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    async def _send_abort(self, rid: str) -> None:
+        try:
+            await self._request("POST", "/abort_request", json={"rid": rid}, expect_json=False,
+                                timeout_s=self.control_timeout_s)
         except (EngineError, asyncio.CancelledError) as e:
             log.warning("SGLang abort of %s failed: %r", rid, e)
