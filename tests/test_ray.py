@@ -197,14 +197,17 @@ def test_build_trainer_builds_the_ray_rollout_when_configured(cluster, tmp_path)
     trainer, stack = build_trainer(cfg)
     try:
         assert isinstance(trainer.rollout, RayRollout) and trainer.engine is stack.engine is trainer.rollout.engine
-        trainer.step = 1
-        metrics = asyncio.run(trainer.train_step())
+        history = asyncio.run(trainer.train())  # one step (train_step alone would wait for a producer)
+        metrics = next(m for m in history if m.get("step") == 1.0 and "train/samples" in m)
         version = ray.get(stack.engine.actors[0].generate.remote([1, 2, 3], SamplingParams(max_new_tokens=1), "v"))
         workers = trainer.rollout.workers
     finally:
         stack.close()
+    deadline = time.time() + 30  # ray.kill is asynchronous: the worker may answer once more
     with pytest.raises(ray.exceptions.RayActorError):  # the stack stopped the workers with the engines
-        ray.get(workers[0].ready.remote())
+        while time.time() < deadline:
+            ray.get(workers[0].ready.remote(), timeout=10)
+            time.sleep(0.2)
     assert metrics["rollout/trajectories"] == 4.0 and metrics["rollout/reward_mean"] == 1.0
     assert metrics["train/policy_version"] == 1.0 and version.policy_version == 1
 

@@ -169,7 +169,7 @@ def build_rollout_manager(
     return RolloutManager(
         engine, renderer, agents=agents, default_agent=default_agent, sampling=sampling_params(cfg),
         limits=rollout_limits(cfg), env_factory=env_factory, env_config=env_config(cfg), tools=tools,
-        concurrency=cfg.concurrency, sanity_mode=cfg.sanity_check, reward_fn=reward_fn,
+        concurrency=cfg.concurrency, sanity_mode=cfg.sanity_check, reward_fn=reward_fn, watchdog_s=cfg.watchdog_s,
     )
 
 
@@ -301,6 +301,14 @@ def build_trainer(cfg: TrainConfig, *, checkpoint: Path | None = None, console: 
         eval_rows = load_rows(cfg.eval_data) if cfg.eval_data else []
         stack = build_stack(cfg.model, cfg.rollout, cfg.engine, reward=cfg.reward, server=cfg.rollout_server,
                             weights=weights, dtype=cfg.dtype)
+        if cfg.engine.kind != "embedded" and not cfg.rollout_server:  # a dead server fails here, not per trajectory
+            from turnrl.engines import check_servers
+
+            try:
+                check_servers(stack.engine)
+            except Exception:
+                stack.close()
+                raise
     else:
         train_rows, eval_rows, stack = [], [], Stack(None, None, None, TrajectoryTracer(None))
     # the engines hold their own copy of the weights; this one trains (the Trainer moves or shards it onto the

@@ -6,8 +6,9 @@ import asyncio
 import functools
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
@@ -33,9 +34,49 @@ def _setup_logging(verbose: bool) -> None:
     )
 
 
-def _fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {message}", soft_wrap=True)
-    raise typer.Exit(2)
+def _fail(message: str, code: int = 2) -> None:
+    from rich.markup import escape
+
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+T = TypeVar("T")
+
+
+def _guarded(verbose: bool, body: Callable[[], T]) -> T:
+    """A command's body with one error boundary: any error is one paragraph naming what was wrong (the
+    exception's own message, which names the field or file), the traceback only with -v. Bad input exits 2;
+    a run that failed (a stall, an engine that died, a bug) exits 1."""
+    try:
+        return body()
+    except (typer.Exit, typer.Abort, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        if verbose:
+            console.print_exception()
+        _fail(_one_paragraph(e), 2 if _is_bad_input(e) else 1)
+        raise  # unreachable: _fail raises
+
+
+def _one_paragraph(e: BaseException) -> str:
+    from turnrl.watchdog import Stalled
+
+    if isinstance(e, SyntaxError):
+        message = f"{e.filename} line {e.lineno}: {type(e).__name__}: {e.msg}"
+    elif isinstance(e, Stalled | KeyError) or not str(e):
+        message = f"{type(e).__name__}: {e}"
+    else:
+        message = str(e)
+    notes = [n for n in getattr(e, "__notes__", ()) if n not in message]
+    hint = "" if _is_bad_input(e) else " (run with -v for the traceback)"
+    return " ".join([message, *notes]).rstrip() + hint
+
+
+def _is_bad_input(e: BaseException) -> bool:
+    from turnrl.engines.base import EngineError
+
+    return isinstance(e, ValueError | OSError | ImportError | AttributeError | SyntaxError | EngineError)
 
 
 Opt = typer.Option
@@ -67,6 +108,11 @@ def rollout(
     chat_template_kwargs: Annotated[str | None, Opt(help='JSON, e.g. \'{"enable_thinking": false}\'.')] = None,
     sanity_check: Annotated[str, Opt(help="strict | ignore_strippable | disable.")] = "strict",
     concurrency: Annotated[int, Opt(help="Trajectories in flight.")] = 64,
+    env_timeout: Annotated[float | None, Opt(help="Seconds one env step may take (FAILED/timeout past it; "
+                                                  "0 = no limit).")] = 60.0,
+    env_retries: Annotated[int, Opt(help="Extra attempts of a failing env step.")] = 0,
+    watchdog: Annotated[float, Opt(help="Seconds without progress of any trajectory, engine or env call before "
+                                        "the run fails naming what was stuck (0 = off).")] = 600.0,
     max_batch_size: Annotated[int, Opt(help="Rows decoded together by the embedded engine.")] = 16,
     ray_workers: Annotated[int, Opt(help="Rollout workers on Ray, the engine a Ray actor (0 = all in this process).")] = 0,
     limit: Annotated[int | None, Opt(help="Use only the first N rows.")] = None,
@@ -82,6 +128,8 @@ def rollout(
     if server and (env or scheduler or plugin or tools or agents or ray_workers):
         _fail("--env, --scheduler, --plugin, --tools, --agent-path and --ray-workers configure where the turns run; "
               "with --server the rollout server runs them: pass these to `turnrl serve` instead")
+    from pydantic import ValidationError
+
     from turnrl.config import (
         ConfigError,
         EngineConfig,
@@ -98,30 +146,29 @@ def rollout(
             tools=tools, tool_parser=tool_parser, scheduler=scheduler, plugins=plugin, n=n, **given,
             env_config={"gym_env": gym_env} if gym_env else {},
             max_new_tokens=max_new_tokens, token_budget=token_budget, concurrency=concurrency,
-            sanity_check=sanity_check, chat_template_kwargs=json.loads(chat_template_kwargs or "{}"),
+            env_timeout_s=env_timeout or None, env_retries=env_retries, watchdog_s=watchdog or None,
+            sanity_check=sanity_check, chat_template_kwargs=_json_flag("--chat-template-kwargs", chat_template_kwargs),
             trace_uri=trace_uri, max_traces_per_step=max_traces,
             sampling=SamplingConfig(temperature=temperature, top_p=top_p, seed=seed),
         ))
         rows = load_rows(data)[:limit]
         engine_cfg = EngineConfig(max_batch_size=max_batch_size, distributed="ray" if ray_workers else "none",
                                   ray_workers=max(ray_workers, 1))
+    except ValidationError as e:
+        _fail(_flag_errors(e))
     except (ConfigError, DataError, ValueError, FileNotFoundError) as e:
         _fail(str(e))
-    asyncio.run(_rollout(model, cfg, engine_cfg, rows, out, reward, server=server))
+    _guarded(verbose, lambda: asyncio.run(_rollout(model, cfg, engine_cfg, rows, out, reward, server=server)))
 
 
 async def _rollout(model_name, cfg, engine_cfg, rows, out: Path, reward: str | None, server: str | None = None) -> None:
     from turnrl.build import build_stack
     from turnrl.config import RewardConfig
-    from turnrl.engines.base import EngineError
     from turnrl.observe import RolloutStats, TrajectoryWriter
 
-    try:
-        with console.status(f"loading {model_name}"):
-            stack = build_stack(model_name, cfg, engine_cfg, reward=RewardConfig(function=reward) if reward else None,
-                                server=server)
-    except (ValueError, FileNotFoundError, AttributeError, ImportError, EngineError) as e:
-        _fail(str(e))
+    with console.status(f"loading {model_name}"):  # errors: one paragraph from _guarded
+        stack = build_stack(model_name, cfg, engine_cfg, reward=RewardConfig(function=reward) if reward else None,
+                            server=server)
     stats, tracer = RolloutStats(), stack.tracer
     try:
         with TrajectoryWriter(out) as writer, _progress() as progress:
@@ -139,6 +186,31 @@ async def _rollout(model_name, cfg, engine_cfg, rows, out: Path, reward: str | N
     if tracer.enabled:
         console.print(f"traced {tracer.exported} trajectories to {cfg.trace_uri} (experiment {cfg.trace_experiment!r}, "
                       f"{tracer.failures} failures)")
+
+
+_FLAGS = {"env_timeout_s": "--env-timeout", "watchdog_s": "--watchdog", "plugins": "--plugin", "agents": "--agent-path",
+          "max_traces_per_step": "--max-traces"}
+"""Config fields whose `turnrl rollout` flag is not simply --field-name."""
+
+
+def _flag_errors(error: Any) -> str:
+    """A pydantic ValidationError of the flags' config, one clause per bad flag."""
+    clauses = []
+    for err in error.errors():
+        field = str(err["loc"][-1]) if err["loc"] else ""
+        flag = _FLAGS.get(field, "--" + field.replace("_", "-"))
+        clauses.append(f"{flag}: {err['msg']} (got {err.get('input')!r:.60})")
+    return "; ".join(clauses)
+
+
+def _json_flag(flag: str, value: str | None) -> dict[str, Any]:
+    try:
+        parsed = json.loads(value or "{}")
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag}: invalid JSON ({e.msg} at column {e.colno}): {value!r:.80}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{flag}: expected a JSON object, got {type(parsed).__name__}")
+    return parsed
 
 
 def _progress() -> Progress:
@@ -168,7 +240,7 @@ def train(
         check_launch(cfg.trainer)  # torchrun's ranks against trainer.world_size / parallel / launcher
     except ConfigError as e:
         _fail(str(e))
-    run_training(cfg, console=console)
+    _guarded(verbose, lambda: run_training(cfg, console=console))
 
 
 def run_training(cfg: TrainConfig, console: Console | None = None, parallel: Parallel | None = None,
@@ -210,16 +282,14 @@ def _train_rank(cfg: TrainConfig, rank: int, world_size: int, init_method: str) 
 def export_command(
     checkpoint: Annotated[Path, typer.Argument(help="A training checkpoint: OUTPUT_DIR/checkpoints/step_NNNNNN.")],
     out_dir: Annotated[Path, typer.Argument(help="Where to write the Hugging Face directory.")],
+    verbose: Annotated[bool, Opt("--verbose", "-v")] = False,
 ) -> None:
     """Write a checkpoint as a Hugging Face directory (safetensors, config, tokenizer or processor, chat template)
     that transformers and vLLM load: from its sharded state, whatever world size wrote it; LoRA merged in."""
-    _setup_logging(False)
+    _setup_logging(verbose)
     from turnrl.checkpoint import export_checkpoint
 
-    try:
-        out = export_checkpoint(checkpoint, out_dir)
-    except (FileNotFoundError, ValueError) as e:
-        _fail(str(e))
+    out = _guarded(verbose, lambda: export_checkpoint(checkpoint, out_dir))
     files = sorted(f.name for f in out.iterdir())
     console.print(f"wrote {out}: {', '.join(files)}")
 
@@ -230,16 +300,17 @@ def evaluate(
     overrides: Annotated[list[str] | None, typer.Argument(help="Dotted key=value overrides.")] = None,
     checkpoint: Annotated[Path | None, Opt(help="Checkpoint directory to evaluate instead of the base model.")] = None,
     out: Annotated[Path | None, Opt(help="Write the evaluation trajectories here.")] = None,
+    verbose: Annotated[bool, Opt("--verbose", "-v")] = False,
 ) -> None:
     """Greedy evaluation on the held-out set of a training config."""
-    _setup_logging(False)
+    _setup_logging(verbose)
     from turnrl.config import ConfigError, TrainConfig, load_config
 
     try:
         cfg = load_config(TrainConfig, config, overrides or [])
     except ConfigError as e:
         _fail(str(e))
-    run_evaluation(cfg, checkpoint=checkpoint, out=out, console=console)
+    _guarded(verbose, lambda: run_evaluation(cfg, checkpoint=checkpoint, out=out, console=console))
 
 
 def run_evaluation(cfg: TrainConfig, checkpoint: Path | None = None, out: Path | None = None,

@@ -81,10 +81,11 @@ class EngineActor:
         return await self.engine.generate(prompt_ids, params, request_id=request_id, images=images)
 
     async def update_weights(self, weights: dict[str, Any] | ray.ObjectRef, version: int | None = None,
-                             final: bool = True) -> int:
+                             final: bool = True, pause: str = "keep") -> int:
         if isinstance(weights, ray.ObjectRef):  # Ray resolves a top-level ref argument, not one in a container
             weights = await weights
-        return await self.engine.update_weights(weights, version, final=final)
+        options = {} if pause == "keep" else {"pause": pause}
+        return await self.engine.update_weights(weights, version, final=final, **options)
 
     async def sleep(self) -> None:
         await self.engine.sleep()
@@ -120,9 +121,9 @@ class RayEngine:
             raise
 
     async def update_weights(self, named_tensors: NamedTensors | ray.ObjectRef, version: int | None = None, *,
-                             final: bool = True) -> int:
+                             final: bool = True, pause: str = "keep") -> int:
         """Accepts tensors (put in the object store here) or a ref of a state dict already put there."""
-        return await self.actor.update_weights.remote(_put_weights(named_tensors), version, final)
+        return await self.actor.update_weights.remote(_put_weights(named_tensors), version, final, pause)
 
     async def sleep(self) -> None:
         await self.actor.sleep.remote()
@@ -153,11 +154,11 @@ class RayEngineGroup:
         return await self.router.generate(prompt_ids, params, request_id=request_id, images=images)
 
     async def update_weights(self, named_tensors: NamedTensors | ray.ObjectRef, version: int | None = None, *,
-                             final: bool = True) -> int:
+                             final: bool = True, pause: str = "keep") -> int:
         """Put the tensors (a whole state dict or one bucket of it) in the object store once, then load them
         on every actor; raises if any fails."""
         ref = _put_weights(named_tensors)
-        versions = await asyncio.gather(*(a.update_weights.remote(ref, version, final) for a in self.actors))
+        versions = await asyncio.gather(*(a.update_weights.remote(ref, version, final, pause) for a in self.actors))
         return max(versions)
 
     async def sleep(self) -> None:
