@@ -99,8 +99,9 @@ def test_torchrun_trains_on_two_ranks_and_a_killed_run_resumes_on_one(tmp_path):
     config = _write_config(tmp_path, "run", steps=3, trainer={"parallel": "fsdp", "world_size": 2, "save_hf": False})
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    script = Path(sys.executable).with_name("turnrl")  # the console script, as docs/distributed.md runs it
     launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                 "2", "-m", "turnrl.cli", "train", str(config)], env=env,
+                                 "2", str(script), "train", str(config)], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _kill_rank_1_after(launcher, out / "checkpoints" / "latest", "step_000002")  # rank 0 is rolling out step 3
@@ -139,6 +140,11 @@ def test_torchrun_trains_on_two_ranks_and_a_killed_run_resumes_on_one(tmp_path):
         for key in ("train/loss", "train/grad_norm", "train/tokens", "rollout/reward_mean"):
             assert m[key] == pytest.approx(expected[m["step"]][key], rel=1e-5, abs=1e-7), (m["step"], key)
     assert expected[3.0]["train/grad_norm"] > 0 and expected[3.0]["train/samples"] > 0
+
+
+def test_python_dash_m_turnrl_cli_runs_the_cli():  # what `torchrun ... -m turnrl.cli train CONFIG` needs
+    out = subprocess.run([sys.executable, "-m", "turnrl.cli", "export", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "Hugging Face directory" in out.stdout, out.stderr
 
 
 def test_export_writes_a_hugging_face_directory_with_tokenizer_and_template(tmp_path, qwen3_tokenizer):

@@ -226,7 +226,8 @@ def train(
     plugin: Annotated[list[str], Opt(help="Python file imported at start-up (repeatable; extends rollout.plugins).")] = [],
     verbose: Annotated[bool, Opt("--verbose", "-v")] = False,
 ) -> None:
-    """Train a policy with GRPO on multi-turn rollouts."""
+    """Train a policy with GRPO on multi-turn rollouts. Under torchrun each process is one trainer rank
+    (trainer.parallel: fsdp); with trainer.launcher: ray it starts the ranks itself (docs/distributed.md)."""
     _setup_logging(verbose)
     from turnrl.config import ConfigError, TrainConfig, load_config
     from turnrl.parallel import check_launch
