@@ -182,5 +182,9 @@ async def test_a_training_step_whose_update_hangs_fails_naming_the_phase(tiny_qw
 
     trainer.update = deadlocked_update
     trainer.step = 1
-    with pytest.raises(Stalled, match=r"no progress for 1 s: trainer.update \(step 1, 2 samples, oldest 1 s\)"):
-        await trainer.train_step()
+    producer = trainer._start_producer()  # what train() starts: the step takes its samples from the buffer
+    try:
+        with pytest.raises(Stalled, match=r"no progress for 1 s: trainer.update \(step 1, 2 samples, oldest 1 s\)"):
+            await trainer.train_step()
+    finally:
+        producer.cancel()

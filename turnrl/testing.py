@@ -286,7 +286,7 @@ class SimulatedRun:
     wall_s: float
 
 
-async def simulate_training(rollout: Any, engine: Engine, rows: Sequence[dict[str, Any]], *, steps: int,
+async def simulate_training(rollout: Any, engine: LatencyEngine, rows: Sequence[dict[str, Any]], *, steps: int,
                             update_s: float, n: int = 1, buffer: TrajectoryBuffer | None = None,
                             reissue: Sequence[Group] = ()) -> SimulatedRun:
     """What `turnrl.trainer.Trainer` does in either mode — `buffer.take`, update, push weights, repeat — with the

@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -205,7 +205,7 @@ class Watchdog:
         return blocked
 
     # ---- reports -------------------------------------------------------------------------------------
-    def report(self, idle: float, blocked: list[asyncio.AbstractEventLoop] = ()) -> str:
+    def report(self, idle: float, blocked: Sequence[asyncio.AbstractEventLoop] = ()) -> str:
         """`no progress for N s: <what each stuck owner was doing>`."""
         now = time.monotonic()
         innermost, trajectories = self._innermost()
@@ -220,7 +220,8 @@ class Watchdog:
 
     def stacks(self, limit: int = 25) -> str:
         """The stack of one stuck task per kind of activity, then of every thread (identical ones once)."""
-        out, seen = [], set()
+        out: list[str] = []
+        seen: set[tuple[str, str]] = set()
         for a in self._innermost()[0].values():
             key = (a.component, _text(a.detail))
             if isinstance(a.owner, asyncio.Task) and key not in seen and len(seen) < 8:
@@ -302,7 +303,8 @@ def _describe(component: str, detail: str, is_trajectory: bool, ages: list[float
 
 def _task_frames(task: asyncio.Task) -> list[Any]:
     """The frames of a suspended task from its outermost coroutine to the innermost awaited one."""
-    frames, coro = [], task.get_coro()
+    frames: list[Any] = []
+    coro: Any = task.get_coro()
     while coro is not None and len(frames) < 1000:
         frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
         if frame is not None:

@@ -58,11 +58,15 @@ def weight_sources(model: nn.Module, *, adapted_only: bool = False) -> list[Weig
     tensors = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n in persistent)]
     for name, t in tensors:
         if id(t) not in skip and ".lora_" not in name:
-            sources.append(WeightSource(lora.hf_name(name), t.numel(), lambda t=t: full_tensor(t.detach())))
+            sources.append(WeightSource(lora.hf_name(name), t.numel(), _gather(t)))
     return sources
 
 
-def _merged_source(name: str, layer: nn.Module) -> WeightSource:
+def _gather(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: full_tensor(t.detach())
+
+
+def _merged_source(name: str, layer: Any) -> WeightSource:  # a peft LoraLayer
     weight = layer.base_layer.weight
 
     def gather() -> torch.Tensor:

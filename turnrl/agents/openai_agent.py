@@ -135,6 +135,7 @@ async def openai_agent(ctx: RolloutContext, sample: dict[str, Any]) -> list[Traj
 
 def _episode(ctx: RolloutContext, sample: dict[str, Any], session: Session, reward: float | None,
              error: BaseException | None, seconds: float) -> list[Trajectory]:
+    end: tuple[TerminationReason, str | None] | None
     if session.limit_reached:
         end = (TerminationReason.MAX_TURNS, None)
     elif error is not None:

@@ -82,10 +82,10 @@ class EngineActor:
 
     async def update_weights(self, weights: dict[str, Any] | ray.ObjectRef, version: int | None = None,
                              final: bool = True, pause: str = "keep") -> int:
-        if isinstance(weights, ray.ObjectRef):  # Ray resolves a top-level ref argument, not one in a container
-            weights = await weights
+        # Ray resolves a top-level ref argument, not one in a container
+        tensors: NamedTensors = await weights if isinstance(weights, ray.ObjectRef) else weights
         options = {} if pause == "keep" else {"pause": pause}
-        return await self.engine.update_weights(weights, version, final=final, **options)
+        return await self.engine.update_weights(tensors, version, final=final, **options)
 
     async def sleep(self) -> None:
         await self.engine.sleep()
@@ -219,8 +219,8 @@ class RayRollout:
         """Start `replicas` engine actors and `workers` rollout workers (on the cluster at `address`, else a
         local one) and wait until all are built. `renderer` is the driver's."""
         init_ray(address)
-        actors = [EngineActor.remote(build_engine) for _ in range(replicas)]
-        handles = [RolloutWorker.remote(build_manager, actors) for _ in range(workers)]
+        actors = [EngineActor.remote(build_engine) for _ in range(replicas)]  # type: ignore[attr-defined]
+        handles = [RolloutWorker.remote(build_manager, actors) for _ in range(workers)]  # type: ignore[attr-defined]
         ray.get([a.ready.remote() for a in [*actors, *handles]])  # start-up errors surface here, not mid-step
         return cls(handles, RayEngineGroup(actors), renderer)
 
@@ -292,7 +292,8 @@ def train_on_ray(train: Callable[[int, int, str], Any], world_size: int, *, addr
     if gpus < world_size * gpus_per_rank:  # else the actors would wait for GPUs that never come
         raise ValueError(f"trainer.world_size={world_size} Ray trainer actors need {world_size * gpus_per_rank:g} GPUs "
                          f"(device cuda: one each) but the Ray cluster at {address or 'this machine'} has {gpus:g}")
-    actors = [TrainerActor.options(num_gpus=gpus_per_rank).remote(train) for _ in range(world_size)]
+    actors = [TrainerActor.options(num_gpus=gpus_per_rank).remote(train)  # type: ignore[attr-defined]
+              for _ in range(world_size)]
     try:
         init_method = ray.get(actors[0].address.remote())
         runs = [actor.run.remote(rank, world_size, init_method) for rank, actor in enumerate(actors)]

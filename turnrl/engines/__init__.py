@@ -13,6 +13,7 @@ def build_server_engine(cfg: Any) -> Any:
 
     if not cfg.urls:
         raise ValueError(f"engine.urls is required for engine.kind={cfg.kind!r} (one server URL per replica)")
+    replicas: list[Any]
     if cfg.kind == "http":
         from turnrl.engines.http import HttpEngine
 

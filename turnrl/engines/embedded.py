@@ -35,12 +35,15 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from turnrl.engines.base import EngineError, InvalidRequest, NamedTensors, check_pause
 from turnrl.types import FinishReason, GenerateOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -201,8 +204,9 @@ def sample_tokens(
     if shared:
         tokens_N[shared] = draw(logp_N_V[shared], default_generator)
     for i, p in enumerate(params):
-        if not p.greedy and generators[i] is not None:
-            tokens_N[i] = draw(logp_N_V[i : i + 1], generators[i])[0]
+        generator = generators[i]
+        if not p.greedy and generator is not None:
+            tokens_N[i] = draw(logp_N_V[i : i + 1], generator)[0]
     logprobs_N = logp_N_V.gather(1, tokens_N[:, None])[:, 0]
     if greedy:  # a greedy choice has no sampling distribution: report the model's own (unfiltered) logprob
         logprobs_N[greedy] = logits_N_V[greedy].log_softmax(-1).gather(1, tokens_N[greedy, None])[:, 0]
@@ -276,7 +280,7 @@ class EmbeddedEngine:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         *,
         eos_token_ids: Iterable[int] = (),
         max_batch_size: int = 16,
@@ -290,10 +294,11 @@ class EmbeddedEngine:
         self.image_processor = image_processor
         if self.is_vlm and image_processor is None:
             raise EngineError("EmbeddedEngine over a VLM needs its image_processor (turnrl.multimodal.build_processor)")
-        cfg = getattr(model.config, "text_config", model.config)
+        cfg: Any = getattr(model.config, "text_config", model.config)
+        self.config: Any = model.config  # a transformers PretrainedConfig (nn.Module types it as Tensor | Module)
         self.max_batch_size = max_batch_size
-        self.max_context = max_context or getattr(cfg, "max_position_embeddings", 32_768)
-        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.max_context: int = max_context or int(getattr(cfg, "max_position_embeddings", 32_768))
+        self.vocab_size: int = cast(torch.nn.Embedding, model.get_input_embeddings()).num_embeddings
         """Token ids must lie in [0, vocab_size): the rows of the embedding (may exceed the tokenizer's)."""
         # the model config's and the generation config's end tokens both stop (Qwen3: <|im_end|>, <|endoftext|>)
         gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -361,7 +366,7 @@ class EmbeddedEngine:
                                      f"[0, {self.vocab_size}))", "prompt_ids")
         check_sampling(params, where, self.vocab_size)
         if self.is_vlm:
-            n_prompt = prompt_ids.count(self.model.config.vision_start_token_id)
+            n_prompt = prompt_ids.count(self.config.vision_start_token_id)
             if n_prompt != len(images or []):
                 raise InvalidRequest(f"{where}: the prompt has {n_prompt} images but {len(images or [])} were sent",
                                      "images")
@@ -499,7 +504,7 @@ class EmbeddedEngine:
     def _load_weights(self, tensors: dict[str, torch.Tensor], version: int | None, final: bool = True,
                       pause: str = "keep") -> int:
         # remove_duplicate=False: a state dict names tied weights twice (lm_head.weight and embed_tokens.weight)
-        params = dict(self.model.named_parameters(remove_duplicate=False))
+        params: dict[str, torch.Tensor] = dict(self.model.named_parameters(remove_duplicate=False))
         params.update(dict(self.model.named_buffers(remove_duplicate=False)))
         unknown = [n for n in tensors if n not in params]
         if unknown:
@@ -629,7 +634,7 @@ class EmbeddedEngine:
         """Pixels of the images in the part of the prompt not served from the cache (stream order)."""
         from turnrl.multimodal import load_image
 
-        vision_start = self.model.config.vision_start_token_id
+        vision_start = self.config.vision_start_token_id
         cached = req.prompt_ids[:start].count(vision_start)
         new = req.images[cached:]
         expected = req.prompt_ids[start:].count(vision_start)

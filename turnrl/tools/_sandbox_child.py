@@ -25,7 +25,7 @@ import traceback
 try:
     import ctypes
 except ImportError:  # an interpreter built without ctypes: no namespaces, no privilege drop
-    ctypes = None
+    ctypes = None  # type: ignore[assignment]
 
 
 def _report(fd, **message):
