@@ -141,7 +141,7 @@ def group_advantages(groups: list[list[Trajectory]], cfg: TrainConfig) -> tuple[
         if key in episode_reward and episode_reward[key] != traj.reward:
             raise ValueError(f"split episode {key[1]!r} has unequal rewards ({episode_reward[key]} vs {traj.reward}); "
                              "samples of one episode must share its reward")
-        episode_reward[key] = float(traj.reward)
+        episode_reward[key] = float(traj.reward)  # type: ignore[arg-type]  # kept trajectories are scored
     rewards_E = torch.tensor([episode_reward[e] for e in episodes], dtype=torch.float64)
     groups_E = torch.tensor([e[0] for e in episodes])
     if cfg.algo.advantage == "rloo":
@@ -156,12 +156,13 @@ def group_advantages(groups: list[list[Trajectory]], cfg: TrainConfig) -> tuple[
 
 def to_sample(traj: Trajectory, advantage: float) -> TrainSample:
     logprobs = traj.rollout_logprobs
-    usable = logprobs is not None and len(logprobs) == len(traj.response_ids)
+    behaviour = None
+    if logprobs is not None and len(logprobs) == len(traj.response_ids):
+        behaviour = [0.0 if lp is None else lp for lp in logprobs]
     versions = [-1 if s.policy_version is None or not m else s.policy_version
                 for s in traj.segments for m in s.loss_mask]
     return TrainSample(traj.prompt_ids, traj.response_ids, traj.loss_mask,
-                       [0.0 if lp is None else lp for lp in logprobs] if usable else None, advantage,
-                       traj.mm_train_inputs or None, versions)
+                       behaviour, advantage, traj.mm_train_inputs or None, versions)
 
 
 class Trainer:
@@ -199,7 +200,7 @@ class Trainer:
         self.watchdog = getattr(rollout, "watchdog", None) or Watchdog(cfg.rollout.watchdog_s)
         """Fails the run when no trajectory, engine call, env call or training phase progresses for watchdog_s."""
 
-    def _prepare(self, policy: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    def _prepare(self, policy: Any) -> tuple[Any, torch.nn.Module | None]:
         """The policy as it trains (LoRA adapters, activation checkpointing, sharded over the ranks) and the
         frozen KL reference, sharded the same way; with LoRA the reference is the policy with its adapters
         off, so there is no second model."""
@@ -487,10 +488,10 @@ class Trainer:
         return metrics
 
     # ---- evaluation, logging, checkpoints -----------------------------------------------------------
-    async def evaluate(self, tag: str) -> dict[str, float]:
+    async def evaluate(self, tag: str) -> dict[str, Any]:
         """Greedy on the held-out rows (and the sampling policy too when `eval_sampled_n` > 0)."""
         greedy = SamplingParams(temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens)
-        metrics = {"step": float(self.step), "eval/tag": tag,
+        metrics: dict[str, Any] = {"step": float(self.step), "eval/tag": tag,
                    **await self._eval_pass(f"{tag}", greedy, self.cfg.eval_n, "eval/")}
         if self.cfg.eval_sampled_n:
             metrics.update(await self._eval_pass(f"{tag}-sampled", self.rollout.sampling, self.cfg.eval_sampled_n,
@@ -541,7 +542,7 @@ class Trainer:
     def _save_tokenizer(self, where: Path) -> None:
         """Tokenizer (and a VLM's image processor and chat template) beside the weights: a self-contained dir.
         The processor is saved piecewise: without a video processor its own save_pretrained fails."""
-        renderer = getattr(self.rollout, "renderer", None)
+        renderer: Any = getattr(self.rollout, "renderer", None)
         if getattr(renderer, "tokenizer", None) is not None:
             renderer.tokenizer.save_pretrained(where)
         processor = getattr(renderer, "processor", None)
@@ -626,7 +627,8 @@ class _Tally:
 
     def summary(self, parallel: Parallel, elapsed: float) -> dict[str, float]:
         parts = parallel.all_gather_object((dict(self.weighted), dict(self.weights), self.loss, self.tokens))
-        weighted, weights = defaultdict(float), defaultdict(float)
+        weighted: defaultdict[str, float] = defaultdict(float)
+        weights: defaultdict[str, float] = defaultdict(float)
         for w, n, _, _ in parts:
             for k in w:
                 weighted[k] += w[k]
