@@ -69,7 +69,7 @@ def start_rollout(engines, renderer, cfg, workers=2):
     handles = [RolloutWorker.remote(functools.partial(build_worker_manager, MODEL, cfg, None), engines)
                for _ in range(workers)]
     ray.get([w.ready.remote() for w in handles])
-    return RayRollout(handles, RayEngineGroup(engines), renderer)
+    return RayRollout(handles, RayEngineGroup(engines), renderer, SamplingParams())
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +192,7 @@ def test_build_trainer_builds_the_ray_rollout_when_configured(cluster, tmp_path)
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in latency_rows(2, LatencyDraw(mean_s=0.0, seed=2))))
     cfg = TrainConfig(model=MODEL, train_data=str(data), output_dir=str(tmp_path / "run"), prompts_per_step=2,
-                      steps=1, rollout=ENV_CFG.model_copy(update={"n": 2}),
+                      steps=1, rollout=ENV_CFG.model_copy(update={"n": 2}), eval_data=str(data), eval_sampled_n=1,
                       engine=EngineConfig(distributed="ray", ray_workers=1))
     trainer, stack = build_trainer(cfg)
     try:
@@ -210,6 +210,8 @@ def test_build_trainer_builds_the_ray_rollout_when_configured(cluster, tmp_path)
             time.sleep(0.2)
     assert metrics["rollout/trajectories"] == 4.0 and metrics["rollout/reward_mean"] == 1.0
     assert metrics["train/policy_version"] == 1.0 and version.policy_version == 1
+    # the sampled evaluation runs with the Ray rollout's sampling (it had none: AttributeError)
+    assert [m["eval/tag"] for m in history if "eval/sampled_reward_mean" in m] == ["before", "after"]
 
 
 @pytest.mark.slow  # ~65 s here: two trainer actors, an engine actor and a rollout worker start (torch each)

@@ -12,10 +12,10 @@ import asyncio
 import functools
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -67,7 +67,7 @@ def env_config(cfg: RolloutConfig) -> dict[str, Any]:
     return merged
 
 
-def load_engine(source: str, cfg: EngineConfig, *, eos_token_ids: list[int] = (), image_processor: Any = None,
+def load_engine(source: str, cfg: EngineConfig, *, eos_token_ids: Sequence[int] = (), image_processor: Any = None,
                 dtype: str = "float32") -> Engine:
     """`build_engine` with its weights: an embedded engine loads `source` (a model name or directory) in `dtype`
     here; vLLM in process loads it itself; server engines load nothing here."""
@@ -77,7 +77,7 @@ def load_engine(source: str, cfg: EngineConfig, *, eos_token_ids: list[int] = ()
     return build_engine(model, cfg, eos_token_ids, image_processor, model_path=source)
 
 
-def build_engine(model: torch.nn.Module | None, cfg: EngineConfig, eos_token_ids: list[int] = (),
+def build_engine(model: torch.nn.Module | None, cfg: EngineConfig, eos_token_ids: Sequence[int] = (),
                  image_processor: Any = None, model_path: str | None = None) -> Engine:
     """`model_path` (a model name or directory, as `turnrl.models.resolve_model` takes) is what an in-process
     vLLM engine (`engine.kind: vllm` without `engine.urls`) loads; the embedded engine uses `model` itself."""
@@ -89,7 +89,10 @@ def build_engine(model: torch.nn.Module | None, cfg: EngineConfig, eos_token_ids
         return build_server_engine(cfg)
     from turnrl.engines.embedded import EmbeddedEngine
 
-    def one(weights: torch.nn.Module) -> EmbeddedEngine:
+    if model is None:
+        raise ValueError("build_engine: the embedded engine needs the model (load_engine loads it)")
+
+    def one(weights: Any) -> EmbeddedEngine:  # a transformers PreTrainedModel
         return EmbeddedEngine(weights, eos_token_ids=eos_token_ids, max_batch_size=cfg.max_batch_size,
                               prefix_cache_tokens=cfg.prefix_cache_tokens, image_processor=image_processor)
 
@@ -103,7 +106,7 @@ def build_engine(model: torch.nn.Module | None, cfg: EngineConfig, eos_token_ids
     return Router({f"embedded{i}": one(model if i == 0 else copy.deepcopy(model)) for i in range(cfg.replicas)})
 
 
-def build_vllm_engine(cfg: EngineConfig, model_path: str | None, eos_token_ids: list[int] = ()) -> Engine:
+def build_vllm_engine(cfg: EngineConfig, model_path: str | None, eos_token_ids: Sequence[int] = ()) -> Engine:
     from turnrl.engines.vllm import VLLMEngine
     from turnrl.models import resolve_model
 
@@ -136,7 +139,7 @@ def build_policy_renderer(model_name: str, cfg: RolloutConfig) -> tuple[ChatRend
 
 
 def build_rollout_manager(
-    cfg: RolloutConfig, engine: Engine, renderer: ChatRenderer, reward_fn: RewardFn | None = None
+    cfg: RolloutConfig, engine: Engine | None, renderer: ChatRenderer, reward_fn: RewardFn | None = None
 ) -> RolloutManager:
     from turnrl.agents import agent_registry
     from turnrl.config import effective_rollout_config
@@ -166,8 +169,9 @@ def build_rollout_manager(
         tools = ToolAgentSettings.build(ToolSet.from_sources(py_files, configs), cfg.tool_parser, cfg.tool_agent)
     if default_agent == "env_agent" and env_factory is None:
         raise ConfigError("rollout.env is required for the env_agent (or choose rollout.agent=single_turn|tool_agent)")
+    # engine None: build_stack builds the manager first (plugins, env, tools fail before weights load), then sets it
     return RolloutManager(
-        engine, renderer, agents=agents, default_agent=default_agent, sampling=sampling_params(cfg),
+        cast(Engine, engine), renderer, agents=agents, default_agent=default_agent, sampling=sampling_params(cfg),
         limits=rollout_limits(cfg), env_factory=env_factory, env_config=env_config(cfg), tools=tools,
         concurrency=cfg.concurrency, sanity_mode=cfg.sanity_check, reward_fn=reward_fn, watchdog_s=cfg.watchdog_s,
     )
@@ -196,8 +200,9 @@ class Stack:
     does nothing unless `rollout.trace_uri`). `close()` stops what the stack started; a second call does
     nothing."""
 
-    engine: Engine
-    renderer: ChatRenderer
+    engine: Engine | None
+    """None on trainer ranks other than 0 (rank 0 alone samples)."""
+    renderer: ChatRenderer | None
     rollout: Rollout | None
     tracer: TrajectoryTracer
     stops: tuple[Callable[[], None], ...] = ()
@@ -267,7 +272,7 @@ def _ray_stack(model: str, cfg: RolloutConfig, engine_cfg: EngineConfig, rendere
                                image_processor=image_processor, dtype=dtype)
     rollout = RayRollout.start(engine, functools.partial(build_worker_manager, model, cfg, reward),
                                replicas=engine_cfg.replicas, workers=engine_cfg.ray_workers, renderer=renderer,
-                               address=engine_cfg.ray_address)
+                               sampling=sampling_params(cfg), address=engine_cfg.ray_address)
     return Stack(rollout.engine, renderer, rollout, tracer, (rollout.close,))
 
 
@@ -314,7 +319,7 @@ def build_trainer(cfg: TrainConfig, *, checkpoint: Path | None = None, console: 
     # the engines hold their own copy of the weights; this one trains (the Trainer moves or shards it onto the
     # devices cfg.device and cfg.trainer say)
     policy = load_model(weights or cfg.model, dtype=DTYPES[cfg.dtype]).eval()
-    if checkpoint and cfg.rollout_server and parallel.is_main:  # the server's engine loaded its own weights
+    if checkpoint and cfg.rollout_server and stack.engine is not None:  # the server loaded its own weights
         asyncio.run(stack.engine.update_weights(policy.state_dict()))
     trainer = Trainer(cfg, policy, stack.engine, stack.rollout, train_rows, eval_rows, console, stack.tracer,
                       parallel=parallel)

@@ -8,7 +8,7 @@ import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
@@ -34,7 +34,7 @@ def _setup_logging(verbose: bool) -> None:
     )
 
 
-def _fail(message: str, code: int = 2) -> None:
+def _fail(message: str, code: int = 2) -> NoReturn:
     from rich.markup import escape
 
     console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
@@ -173,6 +173,7 @@ async def _rollout(model_name, cfg, engine_cfg, rows, out: Path, reward: str | N
     try:
         with TrajectoryWriter(out) as writer, _progress() as progress:
             task = progress.add_task("rollout", total=len(rows) * cfg.n, info="")
+            assert stack.rollout is not None  # build_stack with a rollout config
             async for traj in stack.rollout.stream(rows, cfg.n):
                 tracer.export(traj)
                 writer.write(traj)
@@ -446,6 +447,7 @@ def serve(
         stack = build_stack(model, rollout, engine_cfg)
     except (ValueError, FileNotFoundError, ModuleNotFoundError, AttributeError, ImportError, EngineError) as e:
         _fail(str(e))
+    assert stack.engine is not None and stack.renderer is not None  # built in this process
     try:
         run_server(stack.engine, stack.renderer.tokenizer, stack.rollout, model_name=model, host=host, port=port,
                    token=token, tool_parser=tool_parser, sampling=SamplingParams(max_new_tokens=max_new_tokens or 1024),

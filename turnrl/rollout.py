@@ -746,9 +746,12 @@ class Rollout(Protocol):
     RemoteRollout (turnrl.remote, a `turnrl serve` rollout server). `stream` yields trajectories as they
     finish, rewards already computed (`score`); `run_groups` groups any of them."""
 
-    engine: Engine
-    renderer: ChatRenderer
-    sampling: SamplingParams
+    @property
+    def engine(self) -> Engine: ...
+    @property
+    def renderer(self) -> ChatRenderer: ...
+    @property
+    def sampling(self) -> SamplingParams: ...
 
     def stream(self, rows: Sequence[dict[str, Any]], n: int = 1, *, id_prefix: str = "",
                sampling: SamplingParams | None = None) -> AsyncIterator[Trajectory]: ...

@@ -170,7 +170,7 @@ class Trainer:
     trajectories on `engine`, which gets the new weights after each step; `tracer` exports trajectories
     (None: no tracing); `parallel` is the process group the policy is sharded over (None: one process)."""
 
-    def __init__(self, cfg: TrainConfig, policy: torch.nn.Module, engine: Any, rollout: Rollout,
+    def __init__(self, cfg: TrainConfig, policy: torch.nn.Module, engine: Any, rollout: Rollout | None,
                  train_rows: list[dict], eval_rows: list[dict], console: Console | None = None,
                  tracer: TrajectoryTracer | None = None, parallel: Parallel | None = None):
         self.cfg, self.engine, self.rollout = cfg, engine, rollout
@@ -494,12 +494,14 @@ class Trainer:
         metrics: dict[str, Any] = {"step": float(self.step), "eval/tag": tag,
                    **await self._eval_pass(f"{tag}", greedy, self.cfg.eval_n, "eval/")}
         if self.cfg.eval_sampled_n:
+            assert self.rollout is not None  # evaluation runs on rank 0, where the rollout is
             metrics.update(await self._eval_pass(f"{tag}-sampled", self.rollout.sampling, self.cfg.eval_sampled_n,
                                                  "eval/sampled_"))
         return metrics
 
     async def _eval_pass(self, tag: str, sampling: SamplingParams, n: int, prefix: str) -> dict[str, float]:
         stats = RolloutStats()
+        assert self.rollout is not None  # evaluation runs on rank 0, where the rollout is
         with TrajectoryWriter(self.out / "trajectories" / f"eval_{tag}.jsonl") as writer:
             async for traj in self.rollout.stream(self.eval_rows, n, id_prefix=f"eval-{tag}-", sampling=sampling):
                 stats.add(traj)

@@ -207,22 +207,25 @@ class RayRollout:
     """The driver's stand-in for a RolloutManager (a `turnrl.rollout.Rollout`): `stream` takes the same
     arguments and gives the same trajectories; rows go round-robin to the workers."""
 
-    def __init__(self, workers: Sequence[Any], engine: RayEngineGroup, renderer: Any):
+    def __init__(self, workers: Sequence[Any], engine: RayEngineGroup, renderer: Any, sampling: SamplingParams):
         if not workers:
             raise ValueError("RayRollout needs at least one RolloutWorker")
         self.workers, self.engine, self.renderer = list(workers), engine, renderer
+        self.sampling = sampling
+        """The workers' default sampling (rollout.sampling); what the trainer's sampled evaluation uses."""
         self._closed = False
 
     @classmethod
     def start(cls, build_engine: Callable[[], Engine], build_manager: Callable[[Engine], RolloutManager], *,
-              replicas: int, workers: int, renderer: Any, address: str | None = None) -> RayRollout:
+              replicas: int, workers: int, renderer: Any, sampling: SamplingParams,
+              address: str | None = None) -> RayRollout:
         """Start `replicas` engine actors and `workers` rollout workers (on the cluster at `address`, else a
-        local one) and wait until all are built. `renderer` is the driver's."""
+        local one) and wait until all are built. `renderer` is the driver's; `sampling` the workers' default."""
         init_ray(address)
         actors = [EngineActor.remote(build_engine) for _ in range(replicas)]  # type: ignore[attr-defined]
         handles = [RolloutWorker.remote(build_manager, actors) for _ in range(workers)]  # type: ignore[attr-defined]
         ray.get([a.ready.remote() for a in [*actors, *handles]])  # start-up errors surface here, not mid-step
-        return cls(handles, RayEngineGroup(actors), renderer)
+        return cls(handles, RayEngineGroup(actors), renderer, sampling)
 
     async def stream(self, rows: Sequence[dict[str, Any]], n: int = 1, *, id_prefix: str = "",
                      sampling: SamplingParams | None = None) -> AsyncIterator[Trajectory]:
