@@ -145,25 +145,13 @@ def _optional(layer, *args):
 
 
 # ---- the audit hook ----------------------------------------------------------------------------------
-def _install_audit_hook(root, block_network, allow_subprocess):
-    # Everything the hook calls is bound here, never looked up when it runs: code that replaces
-    # builtins.isinstance, os.path.abspath, os.lstat... cannot change its answers. Paths are resolved with the
-    # C functions and str's own methods (a str subclass cannot lie through overridden methods either).
-    is_instance, is_int, str_type, bytes_type = isinstance, int, str, bytes
-    fspath, lstat, readlink, getcwd, is_link = os.fspath, os.lstat, os.readlink, os.getcwd, stat.S_ISLNK
-    startswith, split, rfind, decode = str.startswith, str.split, str.rfind, bytes.decode
-    denied = PermissionError
-    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-    follow = {"os.chmod": (0,), "os.chown": (0,), "os.truncate": (0,), "os.utime": (0,)}
-    no_follow = {"os.remove": (0,), "os.rmdir": (0,), "os.mkdir": (0,), "os.rename": (0, 1),
-                 "os.link": (0, 1), "os.symlink": (1,), "shutil.rmtree": (0,)}
-    spawn = frozenset({"os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen"})
-    introspection = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents"})  # would reach the hook
-    net = frozenset({"socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg"})
-    unix = getattr(socket, "AF_UNIX", None)
+def _resolver():
+    """os.path.realpath (non-strict) built from primitives bound now, before any user code runs (see
+    _install_audit_hook): symlinks followed at most 40 times."""
+    lstat, readlink, getcwd, is_link = os.lstat, os.readlink, os.getcwd, stat.S_ISLNK
+    startswith, split, rfind = str.startswith, str.split, str.rfind
 
     def resolve(path, follow_last):
-        """os.path.realpath (non-strict) from the bound primitives; symlinks followed at most 40 times."""
         pending = split(path if startswith(path, "/") else getcwd() + "/" + path, "/")[::-1]
         out, hops = "", 0
         while pending:
@@ -191,6 +179,27 @@ def _install_audit_hook(root, block_network, allow_subprocess):
             out = "" if startswith(target, "/") else out
             pending += split(target, "/")[::-1]
         return out or "/"
+
+    return resolve
+
+
+def _install_audit_hook(root, block_network, allow_subprocess):
+    # Everything the hook calls is bound here, never looked up when it runs: code that replaces
+    # builtins.isinstance, os.path.abspath, os.lstat... cannot change its answers. Paths are resolved with the
+    # C functions and str's own methods (a str subclass cannot lie through overridden methods either).
+    is_instance, is_int, str_type, bytes_type = isinstance, int, str, bytes
+    fspath, startswith, decode = os.fspath, str.startswith, bytes.decode
+    denied = PermissionError
+    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+    follow = {"os.chmod": (0,), "os.chown": (0,), "os.truncate": (0,), "os.utime": (0,)}
+    no_follow = {"os.remove": (0,), "os.rmdir": (0,), "os.mkdir": (0,), "os.rename": (0, 1),
+                 "os.link": (0, 1), "os.symlink": (1,), "shutil.rmtree": (0,)}
+    spawn = frozenset({"os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen"})
+    introspection = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents"})  # would reach the hook
+    net = frozenset({"socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg"})
+    unix = getattr(socket, "AF_UNIX", None)
+
+    resolve = _resolver()
 
     def inside(path, follow_last=True):
         if is_instance(path, is_int):
