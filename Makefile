@@ -33,7 +33,8 @@ test-all: install
 	$(BIN)/python -m pytest -q -m "not vllm"
 
 lint: install
-	$(BIN)/ruff check turnrl tests bench examples
+	$(BIN)/ruff check turnrl tests bench examples scripts
+	$(BIN)/mypy turnrl
 
 bench: install
 	$(BIN)/python bench/engine.py

@@ -346,9 +346,9 @@ def test_build_trainer_uses_the_rollout_server_and_pushes_weights(qwen3_tokenize
         remote = trainer.rollout
         assert isinstance(remote, RemoteRollout) and trainer.engine is stack.engine is remote.engine
         assert (remote.sampling.temperature, remote.sampling.seed) == (0.7, cfg.seed)  # the trainer's sampling
-        trainer.step = 1
-        metrics = asyncio.run(trainer.train_step())
+        history = asyncio.run(trainer.train())  # one step (train_step alone would wait for a producer)
         stack.close()
+    metrics = next(m for m in history if m.get("step") == 1.0 and "train/samples" in m)
     assert engine.calls and {c.params.temperature for c in engine.calls} == {0.7}
     assert metrics["rollout/reward_mean"] == 0.5 and metrics["train/samples"] == 4.0  # rewards computed here
     assert metrics["train/policy_version"] == 1.0 and engine.policy_version == 1  # weights reached the server

@@ -12,10 +12,10 @@ import asyncio
 import functools
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -39,6 +39,7 @@ from turnrl.types import SamplingParams
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from turnrl.parallel import Parallel
     from turnrl.rewards.judge import Judge
     from turnrl.sft import SFTTrainer
     from turnrl.trainer import Trainer
@@ -76,7 +77,7 @@ def env_config(cfg: RolloutConfig) -> dict[str, Any]:
     return merged
 
 
-def load_engine(source: str, cfg: EngineConfig, *, eos_token_ids: list[int] = (), image_processor: Any = None,
+def load_engine(source: str, cfg: EngineConfig, *, eos_token_ids: Sequence[int] = (), image_processor: Any = None,
                 dtype: str = "float32") -> Engine:
     """`build_engine` with its weights: an embedded engine loads `source` (a model name or directory) in `dtype`
     here; vLLM in process loads it itself; server engines load nothing here."""
@@ -86,7 +87,7 @@ def load_engine(source: str, cfg: EngineConfig, *, eos_token_ids: list[int] = ()
     return build_engine(model, cfg, eos_token_ids, image_processor, model_path=source)
 
 
-def build_engine(model: torch.nn.Module | None, cfg: EngineConfig, eos_token_ids: list[int] = (),
+def build_engine(model: torch.nn.Module | None, cfg: EngineConfig, eos_token_ids: Sequence[int] = (),
                  image_processor: Any = None, model_path: str | None = None) -> Engine:
     """`model_path` (a model name or directory, as `turnrl.models.resolve_model` takes) is what an in-process
     vLLM engine (`engine.kind: vllm` without `engine.urls`) loads; the embedded engine uses `model` itself."""
@@ -98,7 +99,10 @@ def build_engine(model: torch.nn.Module | None, cfg: EngineConfig, eos_token_ids
         return build_server_engine(cfg)
     from turnrl.engines.embedded import EmbeddedEngine
 
-    def one(weights: torch.nn.Module) -> EmbeddedEngine:
+    if model is None:
+        raise ValueError("build_engine: the embedded engine needs the model (load_engine loads it)")
+
+    def one(weights: Any) -> EmbeddedEngine:  # a transformers PreTrainedModel
         return EmbeddedEngine(weights, eos_token_ids=eos_token_ids, max_batch_size=cfg.max_batch_size,
                               prefix_cache_tokens=cfg.prefix_cache_tokens, image_processor=image_processor)
 
@@ -112,7 +116,7 @@ def build_engine(model: torch.nn.Module | None, cfg: EngineConfig, eos_token_ids
     return Router({f"embedded{i}": one(model if i == 0 else copy.deepcopy(model)) for i in range(cfg.replicas)})
 
 
-def build_vllm_engine(cfg: EngineConfig, model_path: str | None, eos_token_ids: list[int] = ()) -> Engine:
+def build_vllm_engine(cfg: EngineConfig, model_path: str | None, eos_token_ids: Sequence[int] = ()) -> Engine:
     from turnrl.engines.vllm import VLLMEngine
     from turnrl.models import resolve_model
 
@@ -145,7 +149,7 @@ def build_policy_renderer(model_name: str, cfg: RolloutConfig) -> tuple[ChatRend
 
 
 def build_rollout_manager(
-    cfg: RolloutConfig, engine: Engine, renderer: ChatRenderer, reward_fn: RewardFn | None = None
+    cfg: RolloutConfig, engine: Engine | None, renderer: ChatRenderer, reward_fn: RewardFn | None = None
 ) -> RolloutManager:
     from turnrl.agents import agent_registry
     from turnrl.config import effective_rollout_config
@@ -175,10 +179,11 @@ def build_rollout_manager(
         tools = ToolAgentSettings.build(ToolSet.from_sources(py_files, configs), cfg.tool_parser, cfg.tool_agent)
     if default_agent == "env_agent" and env_factory is None:
         raise ConfigError("rollout.env is required for the env_agent (or choose rollout.agent=single_turn|tool_agent)")
+    # engine None: build_stack builds the manager first (plugins, env, tools fail before weights load), then sets it
     return RolloutManager(
-        engine, renderer, agents=agents, default_agent=default_agent, sampling=sampling_params(cfg),
+        cast(Engine, engine), renderer, agents=agents, default_agent=default_agent, sampling=sampling_params(cfg),
         limits=rollout_limits(cfg), env_factory=env_factory, env_config=env_config(cfg), tools=tools,
-        concurrency=cfg.concurrency, sanity_mode=cfg.sanity_check, reward_fn=reward_fn,
+        concurrency=cfg.concurrency, sanity_mode=cfg.sanity_check, reward_fn=reward_fn, watchdog_s=cfg.watchdog_s,
     )
 
 
@@ -212,7 +217,7 @@ def build_judge(cfg: JudgeConfig, name: str = "judge") -> Judge:
         template = Path(template).read_text(encoding="utf-8")
     renderer = ChatRenderer(load_tokenizer(cfg.model), cfg.chat_template_kwargs)
     sampling = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens)
-    judge_args = dict(system=cfg.system, score_pattern=cfg.score_pattern, labels=cfg.labels or None,
+    judge_args: dict[str, Any] = dict(system=cfg.system, score_pattern=cfg.score_pattern, labels=cfg.labels or None,
                       score_range=cfg.score_range, normalize=cfg.normalize, sampling=sampling,
                       max_concurrency=cfg.max_concurrency, timeout_s=cfg.timeout_s, cache=cfg.cache,
                       cache_path=cfg.cache_path, name=name)
@@ -231,8 +236,9 @@ class Stack:
     does nothing unless `rollout.trace_uri`). `close()` stops what the stack started; a second call does
     nothing."""
 
-    engine: Engine
-    renderer: ChatRenderer
+    engine: Engine | None
+    """None on trainer ranks other than 0 (rank 0 alone samples)."""
+    renderer: ChatRenderer | None
     rollout: Rollout | None
     tracer: TrajectoryTracer
     stops: tuple[Callable[[], None], ...] = ()
@@ -308,7 +314,7 @@ def _ray_stack(model: str, cfg: RolloutConfig, engine_cfg: EngineConfig, rendere
                                image_processor=image_processor, dtype=dtype)
     rollout = RayRollout.start(engine, functools.partial(build_worker_manager, model, cfg, reward),
                                replicas=engine_cfg.replicas, workers=engine_cfg.ray_workers, renderer=renderer,
-                               address=engine_cfg.ray_address)
+                               sampling=sampling_params(cfg), address=engine_cfg.ray_address)
     return Stack(rollout.engine, renderer, rollout, tracer, (rollout.close,))
 
 
@@ -318,56 +324,81 @@ def build_worker_manager(model: str, cfg: RolloutConfig, reward: RewardConfig | 
     return build_rollout_manager(cfg, engine, renderer, build_reward_fn(reward) if reward is not None else None)
 
 
-def build_trainer(cfg: TrainConfig, *, checkpoint: Path | None = None,
-                  console: Console | None = None) -> tuple[Trainer, Stack]:
+def build_trainer(cfg: TrainConfig, *, checkpoint: Path | None = None, console: Console | None = None,
+                  parallel: Parallel | None = None) -> tuple[Trainer, Stack]:
     """The Trainer of `cfg` over its built components, and the stack to close when done. `checkpoint` (a
-    model directory) replaces the base model's weights, in the policy and in the engines."""
+    model directory) replaces the base model's weights, in the policy and in the engines. `parallel` is this
+    process's place among the trainer ranks (None: `Parallel.start` from torchrun's environment, or one
+    process). Rank 0 reads the rows and builds the engines and the rollout; the other ranks only train, on the
+    samples rank 0 sends them each step (their stack holds nothing)."""
     from turnrl.data import load_rows
     from turnrl.models import DTYPES, load_model
+    from turnrl.parallel import Parallel
     from turnrl.trainer import Trainer
 
+    parallel = parallel or Parallel.start(cfg.trainer, cfg.device)  # first: a launch error before anything loads
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     if cfg.rollout.sampling.seed is None:  # seeded samplers make runs (and resumes) reproducible
         cfg.rollout.sampling.seed = cfg.seed
-    train_rows = load_rows(cfg.train_data)
-    eval_rows = load_rows(cfg.eval_data) if cfg.eval_data else []
     weights = str(checkpoint) if checkpoint else None
-    stack = build_stack(cfg.model, cfg.rollout, cfg.engine, reward=cfg.reward, server=cfg.rollout_server,
-                        weights=weights, dtype=cfg.dtype)
+    if parallel.is_main:
+        train_rows = load_rows(cfg.train_data)
+        eval_rows = load_rows(cfg.eval_data) if cfg.eval_data else []
+        stack = build_stack(cfg.model, cfg.rollout, cfg.engine, reward=cfg.reward, server=cfg.rollout_server,
+                            weights=weights, dtype=cfg.dtype)
+        if cfg.engine.kind != "embedded" and not cfg.rollout_server:  # a dead server fails here, not per trajectory
+            from turnrl.engines import check_servers
+
+            try:
+                check_servers(stack.engine)
+            except Exception:
+                stack.close()
+                raise
+    else:
+        train_rows, eval_rows, stack = [], [], Stack(None, None, None, TrajectoryTracer(None))
     # the engines hold their own copy of the weights; this one trains (the Trainer moves or shards it onto the
     # devices cfg.device and cfg.trainer say)
     policy = load_model(weights or cfg.model, dtype=DTYPES[cfg.dtype]).eval()
-    if checkpoint and cfg.rollout_server:  # the server's engine loaded its own weights: give it the checkpoint's
+    if checkpoint and cfg.rollout_server and stack.engine is not None:  # the server loaded its own weights
         asyncio.run(stack.engine.update_weights(policy.state_dict()))
-    trainer = Trainer(cfg, policy, stack.engine, stack.rollout, train_rows, eval_rows, console, stack.tracer)
+    trainer = Trainer(cfg, policy, stack.engine, stack.rollout, train_rows, eval_rows, console, stack.tracer,
+                      parallel=parallel)
     return trainer, stack
 
 
-def build_sft(cfg: SFTConfig, *, console: Console | None = None) -> tuple[SFTTrainer, Stack]:
+def build_sft(cfg: SFTConfig, *, console: Console | None = None,
+              parallel: Parallel | None = None) -> tuple[SFTTrainer, Stack]:
     """The SFTTrainer of `cfg` (turnrl.sft) and the stack to close: the policy's renderer turns the SFT rows into
     samples before any weights load; the engine and rollout are the ones `turnrl train` builds, for evaluation
-    on `eval_data` (without it no engine is loaded)."""
+    on `eval_data` (without it no engine is loaded). With N trainer ranks (`parallel`, as in build_trainer)
+    every rank renders the samples and trains; only rank 0 has the engine and evaluates."""
     from turnrl.data import load_rows
     from turnrl.models import DTYPES, load_model
+    from turnrl.parallel import Parallel
     from turnrl.sft import SFTTrainer, load_sft_samples, sft_steps
 
+    parallel = parallel or Parallel.start(cfg.trainer, cfg.device)  # first: a launch error before anything loads
     _seed_everything(cfg)
     eval_rows = load_rows(cfg.eval_data) if cfg.eval_data else []
-    if eval_rows:
+    if eval_rows and parallel.is_main:
         stack = build_stack(cfg.model, cfg.rollout, cfg.engine, reward=cfg.reward, dtype=cfg.dtype)
     else:
         renderer, _ = build_policy_renderer(cfg.model, cfg.rollout)
-        stack = Stack(None, renderer, None, TrajectoryTracer.from_config(cfg.rollout, renderer.tokenizer))  # type: ignore[arg-type]
+        tracer = TrajectoryTracer.from_config(cfg.rollout, renderer.tokenizer) if parallel.is_main else \
+            TrajectoryTracer(None)
+        stack = Stack(None, renderer, None, tracer)
     try:
         toolset = _sft_toolset(cfg.rollout, stack.rollout)
-        samples, report = load_sft_samples(cfg.train_data, stack.renderer, filter_expr=cfg.sft.filter, toolset=toolset,
+        sft_renderer = stack.renderer
+        assert sft_renderer is not None  # both stacks above have the policy's renderer
+        samples, report = load_sft_samples(cfg.train_data, sft_renderer, filter_expr=cfg.sft.filter, toolset=toolset,
                                            sanity=cfg.rollout.sanity_check, max_tokens=cfg.sft.max_tokens)
         cfg.steps = sft_steps(cfg, len(samples))
         policy = load_model(cfg.model, dtype=DTYPES[cfg.dtype]).eval()
-        trainer = SFTTrainer(cfg, policy, stack.engine, stack.rollout, samples, eval_rows, stack.renderer, console,
-                             stack.tracer, report=report)
+        trainer = SFTTrainer(cfg, policy, stack.engine, stack.rollout, samples, eval_rows, sft_renderer, console,
+                             stack.tracer, parallel=parallel, report=report)
     except BaseException:
         stack.close()
         raise

@@ -345,7 +345,9 @@ class ResponsesEvents:
 
     def __init__(self, body: dict[str, Any], model: str, response_id: str):
         self.body, self.model, self.id = body, model, response_id
-        self.seq, self.items, self.open = 0, [], None  # open: (kind, item) of the output item being streamed
+        self.seq = 0
+        self.items: list[dict[str, Any]] = []
+        self.open: tuple[str, dict[str, Any]] | None = None  # (kind, item) of the output item being streamed
 
     def _event(self, kind: str, **data: Any) -> str:
         self.seq += 1
@@ -366,14 +368,16 @@ class ResponsesEvents:
         if self.open is None or self.open[0] != kind:
             out += self._close()
             out += self._open_text(kind)
+        assert self.open is not None
         item = self.open[1]
         index = len(self.items) - 1
         item["content"][0]["text"] += text
         name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
+        extra: dict[str, Any] = {} if kind == "reasoning" else {"logprobs": []}
         return out + self._event(name, item_id=item["id"], output_index=index, content_index=0, delta=text, **extra)
 
     def _open_text(self, kind: str) -> str:
+        item: dict[str, Any]
         if kind == "reasoning":
             item = {"type": "reasoning", "id": _id("rs"), "summary": [], "status": "in_progress",
                     "content": [{"type": "reasoning_text", "text": ""}]}
@@ -438,7 +442,7 @@ class AnthropicEvents:
         self.index, self.open = -1, None  # the content block being streamed: its kind
 
     def start(self, prompt_tokens: int) -> str:
-        message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
+        message: dict[str, Any] = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
                    "stop_reason": None, "stop_sequence": None,
                    "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}
         return _sse("message_start", {"type": "message_start", "message": message}) + _sse("ping", {"type": "ping"})

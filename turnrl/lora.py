@@ -10,6 +10,8 @@ engines already hold them. Only the adapters (and their optimizer state) are che
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 from torch import nn
 
@@ -23,7 +25,8 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
-    return get_peft_model(model, PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+    alpha: Any = cfg.alpha  # peft annotates an int and scales by any number
+    return get_peft_model(model, PeftLoraConfig(r=cfg.r, lora_alpha=alpha, lora_dropout=cfg.dropout,
                                                 target_modules=cfg.target_modules, bias="none"))
 
 
@@ -31,9 +34,9 @@ def is_lora(model: nn.Module) -> bool:
     return hasattr(model, "peft_config")
 
 
-def base_model(model: nn.Module) -> nn.Module:
-    """The Hugging Face model under a peft wrapper (the model itself without one)."""
-    return model.get_base_model() if is_lora(model) else model
+def base_model(model: nn.Module) -> Any:
+    """The Hugging Face model under a peft wrapper (the model itself without one): a PreTrainedModel."""
+    return cast(Any, model).get_base_model() if is_lora(model) else model
 
 
 def hf_name(name: str) -> str:
@@ -41,8 +44,8 @@ def hf_name(name: str) -> str:
     return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
-def adapted_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, peft LoRA layer) for every adapted linear layer, in module order."""
+def adapted_layers(model: nn.Module) -> list[tuple[str, Any]]:
+    """(name, peft LoraLayer) for every adapted linear layer, in module order."""
     if not is_lora(model):
         return []
     from peft.tuners.lora import LoraLayer

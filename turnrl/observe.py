@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -38,7 +38,7 @@ class RolloutStats:
     reasons: Counter = field(default_factory=Counter)
     turns: Counter = field(default_factory=Counter)
     rewards: list[float] = field(default_factory=list)
-    totals: Counter = field(default_factory=Counter)
+    totals: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
     tool_calls: Counter = field(default_factory=Counter)
 
     def add(self, traj: Trajectory) -> None:

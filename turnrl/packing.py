@@ -104,7 +104,9 @@ def pack_sequences(
 
 
 def _build_row(sequences, members: list[int]) -> PackedRow:
-    ids, pos, cu = [], [], [0]
+    ids: list[int] = []
+    pos: list[int] = []
+    cu = [0]
     predict_at, targets, target_seq, target_pos = [], [], [], []
     for s, i in enumerate(members):
         prompt, response, mask = sequences[i]

@@ -375,8 +375,9 @@ class ChatProxy:
         def on_token(token: int) -> None:  # called on the session's loop, which may be another thread's
             loop.call_soon_threadsafe(stream.push, token)
 
-        out = await _on_loop(session.loop, self.engine.generate(prompt_ids, params, request_id=session.id,
-                                                                on_token=on_token))
+        engine: Any = self.engine  # an engine that streams (self._streams): EmbeddedEngine's on_token
+        out = await _on_loop(session.loop, engine.generate(prompt_ids, params, request_id=session.id,
+                                                           on_token=on_token))
         await asyncio.sleep(0)  # the pushes scheduled before the output arrived run first
         return out
 
@@ -445,7 +446,8 @@ class ChatProxy:
         finish = "stop" if out.finish_reason == FinishReason.STOP else "length"  # abort: the reply is cut short
         if tools and tool_choice != "none":
             parsed = get_parser(self.tool_parser, tools).parse(text)
-            reasoning, content = parsed.reasoning, parsed.content
+            reasoning: str | None = parsed.reasoning
+            content = parsed.content
             notes = {"tool_call_errors": parsed.errors} if parsed.errors else {}
             if parsed.errors and not parsed.calls:
                 content = split_reasoning(text)[1].strip()  # show the model's malformed call as it wrote it
@@ -470,7 +472,7 @@ class ChatProxy:
 def chat_response(call: RecordedCall, finish: str, model: str, logprobs: bool, renderer: ChatRenderer
                   ) -> dict[str, Any]:
     """The OpenAI `chat.completion` body of a recorded call."""
-    content = None
+    content: list[dict[str, Any]] | None = None
     if logprobs:
         content = [{"token": renderer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
                    for t, lp in zip(call.completion_ids, call.logprobs, strict=True)]
@@ -700,7 +702,8 @@ class IncrementalDecoder:
     a few tokens, as in vLLM and TGI)."""
 
     def __init__(self, decode: Callable[[list[int]], str]):
-        self.decode, self.ids, self.prefix, self.read = decode, [], 0, 0
+        self.decode, self.prefix, self.read = decode, 0, 0
+        self.ids: list[int] = []
 
     def push(self, token: int) -> str:
         self.ids.append(token)

@@ -88,7 +88,11 @@ class RemoteRollout:
             from turnrl.models import load_tokenizer
             from turnrl.render import ChatRenderer
 
-            renderer = ChatRenderer(load_tokenizer(model or server_model), self.info.get("chat_template_kwargs"))
+            name = model or server_model
+            if not name:
+                raise ValueError(f"rollout server {self.base_url} does not name its model: pass model= (the policy's "
+                                 "name or path) so this side can load its tokenizer")
+            renderer = ChatRenderer(load_tokenizer(name), self.info.get("chat_template_kwargs"))
         from turnrl.multimodal import VisionRenderer
 
         if isinstance(renderer, VisionRenderer):

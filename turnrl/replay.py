@@ -7,7 +7,7 @@ too (mask-0 segments), so replay needs no environment: each call is re-issued ag
 order and under one request id (so the engine reuses its KV across turns as it did when recording), and its
 tokens and logprobs are compared with the recorded ones.
 
-What is reproducible (`docs/replay.md` has the measurements):
+What is reproducible (docs/async-training.md, "Replaying a trajectory", has the measurements):
 - the embedded engine, seeded sampling (`rollout.sampling.seed`, so every call has a derived seed) or greedy:
   the same tokens. Logprobs are bit-identical when the recording computed each call alone (engine
   max_batch_size 1, the batch-invariant setting); batched, they differ in the last bits (a batch changes the

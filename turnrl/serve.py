@@ -244,7 +244,7 @@ def _add_auth_and_errors(app: Any, token: str | None, forms: list[str]) -> None:
             return _error(path, 404, message, "not_found_error")
         if exc.status_code == 405:
             return _error(path, 405, f"{request.method} is not allowed on {path} (allowed: "
-                          f"{(exc.headers or {}).get('Allow', '?')})", "invalid_request_error", headers=exc.headers)
+                          f"{(exc.headers or {}).get('Allow', '?')})", "invalid_request_error", headers=dict(exc.headers or {}))
         kind = "request_too_large" if exc.status_code == 413 else "invalid_request_error"
         return _error(path, exc.status_code, str(exc.detail), kind)
 
@@ -367,9 +367,12 @@ def _add_token_routes(app: Any, engine: Engine) -> None:
         else:
             tensors = tensors_from_safetensors_bytes(await request.body())
             version = request.query_params.get("version")
-        # final=false: one bucket of a streamed update (passed on only then, so any engine takes one-shot ones)
-        streamed = {"final": False} if request.query_params.get("final", "").lower() == "false" else {}
-        new_version = await engine.update_weights(tensors, None if version is None else int(version), **streamed)
+        # final=false: one bucket of a streamed update, pause=...: what requests in flight do (each passed on only
+        # when given, so any engine takes a default push)
+        options: dict[str, Any] = {"final": False} if request.query_params.get("final", "").lower() == "false" else {}
+        if request.query_params.get("pause", "keep") != "keep":
+            options["pause"] = request.query_params["pause"]
+        new_version = await engine.update_weights(tensors, None if version is None else int(version), **options)
         return {"policy_version": new_version}
 
     @app.post("/sleep")
@@ -549,11 +552,11 @@ async def _session_action(form: str, session_id: str, request: Any, proxy: ChatP
             await _release(engine, session_id)
         return {"ok": True, **session.summary()}
     if request.method == "DELETE":
-        session = proxy.close_session(session_id)
-        if session is None:
+        closed = proxy.close_session(session_id)
+        if closed is None:
             raise SessionNotFound(session_id)
         await engine.release(session_id)
-        return {"ok": True, "calls": len(session.calls)}
+        return {"ok": True, "calls": len(closed.calls)}
     return proxy.session(session_id).summary()
 
 
@@ -582,8 +585,9 @@ async def _stream(proxy: ChatProxy, apis: _Api, api: str, body: dict[str, Any], 
     first: list[tuple[str, Any]] = []
     while not first or first[-1][0] == "start":
         first.append(await queue.get())
-    if first[-1][0] == "done" and not task.cancelled() and task.exception() is not None:
-        raise task.exception()
+    error = None if task.cancelled() or first[-1][0] != "done" else task.exception()
+    if error is not None:
+        raise error
     events = apis.events(api, body)
 
     async def lines():

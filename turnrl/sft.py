@@ -225,7 +225,7 @@ async def replay(messages: list[Message], row: dict[str, Any], index: int, engin
     for k, reply in enumerate(replies):
         engine.turns[trajectory_id].append((list(history), reply, tools))
         history += [reply, *(between[k] if k < len(between) else [])]
-    ctx = RolloutContext(engine=engine, renderer=engine.renderer,  # type: ignore[arg-type]
+    ctx = RolloutContext(engine=engine, renderer=engine.renderer,
                          sampling=SamplingParams(temperature=0.0),
                          limits=RolloutLimits(max_turns=len(replies), max_new_tokens=1 << 30, env_timeout_s=None),
                          trajectory_id=trajectory_id, group_id=trajectory_id, sample_index=0, sample=row,
@@ -329,20 +329,20 @@ class SFTTrainer(Trainer):
         self.tracer.log_params(self.cfg.model_dump())
         if self.cfg.resume and self.load_checkpoint() and self.eval_rows:
             await self.sync_weights()
-        if self.step == 0 and self.eval_rows:
-            self._log(await self.evaluate("before"))
+        if self.step == 0:
+            await self._evaluate_on_main("before")
         while self.step < self.cfg.steps:
             self.step += 1
             self._log(self.sft_step())
             if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.step < self.cfg.steps \
                     and self.eval_rows:
                 await self.sync_weights()
-                self._log(await self.evaluate(f"step{self.step}"))
+                await self._evaluate_on_main(f"step{self.step}")
             if self.cfg.save_every and self.step % self.cfg.save_every == 0:
                 self.save_checkpoint()
-        if self.eval_rows:
+        if self.eval_rows:  # every rank has the rows: every rank takes part in the weight gathers
             await self.sync_weights()
-            self._log(await self.evaluate("after"))
+            await self._evaluate_on_main("after")
         self.save_checkpoint()
         return self.history
 
@@ -352,7 +352,7 @@ class SFTTrainer(Trainer):
         metrics = self.update(batch)
         return {"step": float(self.step), **metrics, "sft/sequences": float(len(batch)),
                 "sft/epoch": self.sampler.epoch + self.sampler.position / max(len(self.samples), 1),
-                "train/lr": self.scheduler.get_last_lr()[0], "time/step_s": time.perf_counter() - t0}
+                "train/lr": float(self.scheduler.get_last_lr()[0]), "time/step_s": time.perf_counter() - t0}
 
     def _row_loss(self, row: PackedRow, batch: list[TrainSample], members: list[int], old: dict | None,
                   temperature: float, denominator: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:

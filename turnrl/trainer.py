@@ -1,12 +1,22 @@
 """GRPO for multi-turn agents, in one loop you can read top to bottom.
 
+    producer: admit a prompt group whenever the buffer allows, roll it out (local, Ray or remote; rewards
+              streamed), hand it to the buffer                                 # turnrl.buffer, in the background
     for step in steps:
-        rows     = sampler.next_batch()                       # deterministic, resumable data order
-        groups   = run_groups(rollout, rows, n)               # local, Ray or remote: async, rewards streamed
+        groups   = buffer.take(step)                          # earliest deadline first; waits for what is due
         samples  = advantages(groups)                         # per group, over the trajectories we train on
         update(samples)                                       # packed sequences, loss only where mask = 1
         engine.update_weights(policy)                         # the engine samples from the new policy
-        log / evaluate (greedy, held-out) / checkpoint
+        log / evaluate (greedy, held-out) / checkpoint (with the buffer: nothing in flight is lost)
+
+Sync and async training are this one loop: `trainer.mode=sync` is the buffer with max_staleness 0 (a step's
+groups are sampled by the current policy and rollouts wait for the update); `trainer.mode=async` lets rollouts
+go on while the update runs, within `trainer.max_staleness` versions (docs/async-training.md).
+
+On N trainer ranks (`trainer.parallel: fsdp`, docs/distributed.md) it is still this loop: rank 0 holds the
+producer, the buffer and the engines, takes the groups and broadcasts the samples (`_next_batch`); every rank
+updates on its token-balanced share, takes part in the weight sync and writes its part of each checkpoint;
+logging and evaluation happen on rank 0.
 
 What is kept from GRPO/PPO and what is not (see turnrl.algos for the formulas):
 - Advantages are group-relative (GRPO mean/std, Dr. GRPO mean-only, or RLOO), computed over the
@@ -25,6 +35,7 @@ What is kept from GRPO/PPO and what is not (see turnrl.algos for the formulas):
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import dataclasses
 import json
@@ -41,6 +52,7 @@ import torch
 from rich.console import Console
 
 from turnrl import algos
+from turnrl.buffer import Group, TrajectoryBuffer, produce
 from turnrl.checkpoint import load_rng, load_training_state, save_rng, save_training_state, write_hf
 from turnrl.config import TrainConfig
 from turnrl.lora import apply_lora
@@ -54,9 +66,10 @@ from turnrl.packing import (
     use_varlen_attention,
 )
 from turnrl.parallel import Parallel
-from turnrl.rollout import Rollout, run_groups
+from turnrl.rollout import Rollout
 from turnrl.tracing import TrajectoryTracer
 from turnrl.types import SamplingParams, Trajectory
+from turnrl.watchdog import Watchdog
 from turnrl.weights import push_weights
 
 log = logging.getLogger(__name__)
@@ -68,6 +81,7 @@ class PromptSampler:
     def __init__(self, n_rows: int, batch_size: int, seed: int, shuffle: bool = True):
         self.n_rows, self.batch_size, self.seed, self.shuffle = n_rows, batch_size, seed, shuffle
         self.epoch, self.position = 0, 0
+        self._cached: tuple[int, list[int]] = (-1, [])
 
     def _order(self) -> list[int]:
         order = list(range(self.n_rows))
@@ -76,14 +90,15 @@ class PromptSampler:
         return order
 
     def next_batch(self) -> list[int]:
-        batch: list[int] = []
-        while len(batch) < self.batch_size:
-            if self.position >= self.n_rows:
-                self.epoch, self.position = self.epoch + 1, 0
-            take = min(self.batch_size - len(batch), self.n_rows - self.position)
-            batch += self._order()[self.position : self.position + take]
-            self.position += take
-        return batch
+        return [self.next_index() for _ in range(self.batch_size)]
+
+    def next_index(self) -> int:
+        if self.position >= self.n_rows:
+            self.epoch, self.position = self.epoch + 1, 0
+        if self._cached[0] != self.epoch:
+            self._cached = (self.epoch, self._order())
+        self.position += 1
+        return self._cached[1][self.position - 1]
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
@@ -102,6 +117,7 @@ class TrainSample:
     rollout_logprobs: list[float] | None  # aligned with response_ids (0.0 at mask 0), None = not usable
     advantage: float
     mm_inputs: dict[str, torch.Tensor] | None = None  # VLM processor tensors (pixel_values, image_grid_thw)
+    versions: list[int] | None = None  # the policy version that sampled each response token (-1 at mask 0)
 
 
 def group_advantages(groups: list[list[Trajectory]], cfg: TrainConfig) -> tuple[list[tuple[Trajectory, float]], dict]:
@@ -125,7 +141,7 @@ def group_advantages(groups: list[list[Trajectory]], cfg: TrainConfig) -> tuple[
         if key in episode_reward and episode_reward[key] != traj.reward:
             raise ValueError(f"split episode {key[1]!r} has unequal rewards ({episode_reward[key]} vs {traj.reward}); "
                              "samples of one episode must share its reward")
-        episode_reward[key] = float(traj.reward)
+        episode_reward[key] = float(traj.reward)  # type: ignore[arg-type]  # kept trajectories are scored
     rewards_E = torch.tensor([episode_reward[e] for e in episodes], dtype=torch.float64)
     groups_E = torch.tensor([e[0] for e in episodes])
     if cfg.algo.advantage == "rloo":
@@ -140,10 +156,13 @@ def group_advantages(groups: list[list[Trajectory]], cfg: TrainConfig) -> tuple[
 
 def to_sample(traj: Trajectory, advantage: float) -> TrainSample:
     logprobs = traj.rollout_logprobs
-    usable = logprobs is not None and len(logprobs) == len(traj.response_ids)
+    behaviour = None
+    if logprobs is not None and len(logprobs) == len(traj.response_ids):
+        behaviour = [0.0 if lp is None else lp for lp in logprobs]
+    versions = [-1 if s.policy_version is None or not m else s.policy_version
+                for s in traj.segments for m in s.loss_mask]
     return TrainSample(traj.prompt_ids, traj.response_ids, traj.loss_mask,
-                       [0.0 if lp is None else lp for lp in logprobs] if usable else None, advantage,
-                       traj.mm_train_inputs or None)
+                       behaviour, advantage, traj.mm_train_inputs or None, versions)
 
 
 class Trainer:
@@ -151,7 +170,7 @@ class Trainer:
     trajectories on `engine`, which gets the new weights after each step; `tracer` exports trajectories
     (None: no tracing); `parallel` is the process group the policy is sharded over (None: one process)."""
 
-    def __init__(self, cfg: TrainConfig, policy: torch.nn.Module, engine: Any, rollout: Rollout,
+    def __init__(self, cfg: TrainConfig, policy: torch.nn.Module, engine: Any, rollout: Rollout | None,
                  train_rows: list[dict], eval_rows: list[dict], console: Console | None = None,
                  tracer: TrajectoryTracer | None = None, parallel: Parallel | None = None):
         self.cfg, self.engine, self.rollout = cfg, engine, rollout
@@ -170,11 +189,18 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda k: min(1.0, (k + 1) / o.warmup_steps) if o.warmup_steps else 1.0)
         self.sampler = PromptSampler(len(train_rows), cfg.prompts_per_step, cfg.seed, cfg.shuffle)
+        self.buffer = TrajectoryBuffer(cfg.prompts_per_step, cfg.trainer.max_staleness)
+        self.engine_version = 0
+        """The policy version the engines sample with (the step whose weights were last pushed)."""
+        self._reissue: list[Group] = []
+        self._started = self._last_step_end = time.perf_counter()
         self.step = 0
         self.history: list[dict[str, float]] = []
         self.tracer = tracer if tracer is not None else TrajectoryTracer(None)
+        self.watchdog = getattr(rollout, "watchdog", None) or Watchdog(cfg.rollout.watchdog_s)
+        """Fails the run when no trajectory, engine call, env call or training phase progresses for watchdog_s."""
 
-    def _prepare(self, policy: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    def _prepare(self, policy: Any) -> tuple[Any, torch.nn.Module | None]:
         """The policy as it trains (LoRA adapters, activation checkpointing, sharded over the ranks) and the
         frozen KL reference, sharded the same way; with LoRA the reference is the policy with its adapters
         off, so there is no second model."""
@@ -198,52 +224,122 @@ class Trainer:
         self.tracer.log_params(self.cfg.model_dump())
         if self.cfg.resume and self.load_checkpoint():
             await self.sync_weights()
-        if self.step == 0 and self.eval_rows:
-            self._log(await self.evaluate("before"))
+        if self.step == 0:
+            await self._evaluate_on_main("before")
+        producer = self._start_producer()
         from rich.progress import Progress
 
-        with Progress(console=self.console, transient=False) as progress:
-            task = progress.add_task("training", total=self.cfg.steps, completed=self.step)
-            while self.step < self.cfg.steps:
-                self.step += 1
-                self._log(await self.train_step())
-                if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.step < self.cfg.steps:
-                    self._log(await self.evaluate(f"step{self.step}"))
-                if self.cfg.save_every and self.step % self.cfg.save_every == 0:
-                    self.save_checkpoint()
-                progress.update(task, completed=self.step)
-        if self.eval_rows:
-            self._log(await self.evaluate("after"))
+        try:
+            with Progress(console=self.console, transient=False, disable=not self.parallel.is_main) as progress:
+                task = progress.add_task("training", total=self.cfg.steps, completed=self.step)
+                while self.step < self.cfg.steps:
+                    self.step += 1
+                    self._log(await self.train_step())
+                    if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.step < self.cfg.steps:
+                        await self._evaluate_on_main(f"step{self.step}")
+                    if self.cfg.save_every and self.step % self.cfg.save_every == 0:
+                        self.save_checkpoint()
+                    progress.update(task, completed=self.step)
+        finally:
+            await _stop(producer)
+        await self._evaluate_on_main("after")
         self.save_checkpoint()
         return self.history
 
+    async def _evaluate_on_main(self, tag: str) -> None:
+        """Evaluation runs where the rollout is, on rank 0; the other ranks wait for it in their next collective."""
+        if self.eval_rows and self.parallel.is_main:
+            self._log(await self.evaluate(tag))
+
+    def _start_producer(self) -> asyncio.Task | None:
+        """Rollouts in the background, admitted by the buffer's rule (the main rank runs them); groups in flight
+        at the checkpoint a run resumed from are re-issued first."""
+        if self.rollout is None:
+            return None
+        reissue, self._reissue = self._reissue, []
+        return asyncio.create_task(produce(self.rollout, self.buffer, self.train_rows, self.cfg.rollout.n,
+                                           self.sampler.next_index, lambda: self.engine_version, reissue))
+
     async def train_step(self) -> dict[str, float]:
         t0 = time.perf_counter()
-        rows = [self.train_rows[i] for i in self.sampler.next_batch()]
-        stats = RolloutStats()
-        groups = await run_groups(self.rollout, rows, self.cfg.rollout.n, id_prefix=f"s{self.step}-",
-                                  on_trajectory=stats.add)
-        t_rollout = time.perf_counter() - t0
+        samples, metrics = await self._next_batch()
+        t_wait = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        update = (await self._update_beside_rollouts(samples)) if samples else {}
+        t_update = time.perf_counter() - t1
+        sync = await self.watchdog.wait(self.sync_weights(), "engine.update_weights", f"step {self.step}")
+        self.buffer.version_changed()
+        self._last_step_end = time.perf_counter()
+        if self.parallel.is_main:
+            metrics.update(self._buffer_metrics(t_wait))
+        return {"step": float(self.step), **metrics, **update, **sync, "train/samples": float(len(samples)),
+                "train/is_fallback": float(sum(s.rollout_logprobs is None for s in samples)),
+                "time/rollout_s": t_wait, "time/update_s": t_update,
+                "time/step_s": self._last_step_end - t0, "train/lr": self.scheduler.get_last_lr()[0]}
+
+    async def _next_batch(self) -> tuple[list[TrainSample], dict[str, float]]:
+        """This step's samples, and what their rollouts measured: rank 0 takes them from the buffer (the producer
+        and the prompt sampler live there); every other rank receives rank 0's samples (and waits for them)."""
+        samples, metrics = await self._samples_from_buffer() if self.parallel.is_main else ([], {})
+        return self.parallel.broadcast_object(samples), metrics
+
+    async def _samples_from_buffer(self) -> tuple[list[TrainSample], dict[str, float]]:
+        groups = await self.watchdog.wait(self.buffer.take(self.step), "trainer.rollout", f"step {self.step}")
+        self._record_groups(groups)
+        stats = RolloutStats(started=self._last_step_end)  # the trained trajectories over the step interval
         with TrajectoryWriter(self.out / "trajectories" / "last_step.jsonl") as writer:
             for group in groups:
-                for traj in group:
+                for traj in group.trajectories or []:
+                    stats.add(traj)
                     self.tracer.export(traj, self.step, "train")
                     writer.write(traj)
-        scored, adv_stats = group_advantages(groups, self.cfg)
+        scored, adv_stats = group_advantages([g.trajectories or [] for g in groups], self.cfg)
         samples = [to_sample(t, a) for t, a in scored if a != 0.0 or self.uses_kl]
         fallback = sum(s.rollout_logprobs is None for s in samples)
         if fallback:
             log.warning("step %d: %d trajectories have no usable rollout logprobs; trained without IS correction",
                         self.step, fallback)
-        t1 = time.perf_counter()
-        update = self.update(samples) if samples else {}
-        t_update = time.perf_counter() - t1
-        sync = await self.sync_weights()
-        metrics = {"step": float(self.step), **stats.summary(), **adv_stats, **update, **sync,
-                   "train/samples": float(len(samples)), "train/is_fallback": float(fallback),
-                   "time/rollout_s": t_rollout, "time/update_s": t_update,
-                   "time/step_s": time.perf_counter() - t0, "train/lr": self.scheduler.get_last_lr()[0]}
-        return metrics
+        return samples, {**stats.summary(), **adv_stats}
+
+    def _record_groups(self, groups: list[Group]) -> None:
+        """groups.jsonl: one line per trained group (its admission index, row, versions, whether it was re-issued
+        after a resume): the ledger that shows no admitted prompt was lost."""
+        if not self.parallel.is_main:
+            return
+        with open(self.out / "groups.jsonl", "a", encoding="utf-8") as f:
+            for g in groups:
+                f.write(json.dumps({"step": self.step, "index": g.index, "row_index": g.row_index,
+                                    "admitted_version": g.admitted_version, "oldest_version": g.oldest_version,
+                                    "reissued": g.reissued, "trajectories": len(g.trajectories or [])}) + "\n")
+
+    async def _update_beside_rollouts(self, samples: list[TrainSample]) -> dict[str, float]:
+        """async mode: the update runs in a worker thread, so the event loop (rollouts, envs, tools) goes on;
+        sync mode: in place (no rollout could start meanwhile anyway). Watched either way, in its own thread."""
+        if self.cfg.trainer.mode == "async":
+            return await asyncio.to_thread(self._watched_update, samples)
+        return self._watched_update(samples)
+
+    def _watched_update(self, samples: list[TrainSample]) -> dict[str, float]:
+        with self.watchdog.phase("trainer.update", f"step {self.step}, {len(samples)} samples"):
+            return self.update(samples)
+
+    def _buffer_metrics(self, t_wait: float) -> dict[str, float]:
+        b = self.buffer
+        trained = max(sum(b.stats.staleness.values()), 1)
+        out = {"async/buffer_depth": float(b.depth), "async/in_flight": float(b.in_flight),
+               "async/staleness_mean": sum(k * v for k, v in b.stats.staleness.items()) / trained,
+               "async/staleness_max": float(max(b.stats.staleness, default=0)),
+               "async/reissued": float(b.stats.reissued), "async/dropped": float(b.stats.dropped),
+               "async/trainer_idle": b.stats.wait_s / max(time.perf_counter() - self._started, 1e-9),
+               "time/trainer_wait_s": t_wait}
+        out.update({f"async/staleness_hist/{k}": v / trained for k, v in sorted(b.stats.staleness.items())})
+        per_traj = max(sum(b.stats.versions_per_trajectory.values()), 1)
+        out.update({f"async/versions_per_trajectory/{k}": v / per_traj
+                    for k, v in sorted(b.stats.versions_per_trajectory.items())})
+        idle = _engine_idle(self.engine, time.perf_counter() - self._started)
+        if idle is not None:
+            out["async/engine_idle"] = idle
+        return out
 
     # ---- the update ----------------------------------------------------------------------------------
     def update(self, samples: list[TrainSample]) -> dict[str, float]:
@@ -309,17 +405,19 @@ class Trainer:
         old_B_T = logp_B_T.detach() if old is None else unpack_to_padded(
             torch.cat([old[i] for i in members]), row, lengths)
         adv_B = torch.tensor([s.advantage for s in batch], dtype=logp_N.dtype, device=logp_N.device)
+        valid_B = torch.tensor([s.rollout_logprobs is not None for s in batch], device=logp_N.device)
+        rollout_B_T = torch.nn.utils.rnn.pad_sequence(
+            [torch.tensor(s.rollout_logprobs or [0.0] * len(s.response_ids)) for s in batch], batch_first=True,
+        ).to(logp_N.device, old_B_T.dtype)
+        metrics = self._mismatch_by_staleness(old_B_T, rollout_B_T, mask_B_T, valid_B, batch)
+        if not a.decoupled:  # PPO anchored at the behaviour policy: the ratio itself corrects, no IS weights
+            old_B_T = torch.where(valid_B[:, None], rollout_B_T, old_B_T)
         loss_B_T, pg = algos.policy_loss(logp_B_T, old_B_T, adv_B, mask_B_T, clip_low=a.clip_low,
                                          clip_high=a.clip_high, dual_clip=a.dual_clip, ratio_level=a.ratio_level)
-        metrics = {f"train/{k}": float(v) for k, v in pg.items()}
-        if a.is_mode != "none":
-            valid_B = torch.tensor([s.rollout_logprobs is not None for s in batch], device=logp_N.device)
-            rollout_B_T = torch.nn.utils.rnn.pad_sequence(
-                [torch.tensor(s.rollout_logprobs or [0.0] * len(s.response_ids)) for s in batch], batch_first=True,
-            ).to(logp_N.device)
-            weights_B_T, ism = algos.rollout_is_weights(old_B_T, rollout_B_T.to(old_B_T.dtype), mask_B_T,
-                                                        valid_B=valid_B, mode=a.is_mode, level=a.is_level,
-                                                        threshold=a.is_threshold)
+        metrics.update({f"train/{k}": float(v) for k, v in pg.items()})
+        if a.is_mode != "none" and a.decoupled:
+            weights_B_T, ism = algos.rollout_is_weights(old_B_T, rollout_B_T, mask_B_T, valid_B=valid_B,
+                                                        mode=a.is_mode, level=a.is_level, threshold=a.is_threshold)
             loss_B_T = loss_B_T * weights_B_T
             metrics.update({f"train/{k}": float(v) for k, v in ism.items()})
         if self.uses_kl:
@@ -331,6 +429,28 @@ class Trainer:
                                     denominator=denominator)
         metrics["train/loss"] = float(loss.detach())
         return loss, metrics
+
+    @torch.no_grad()
+    def _mismatch_by_staleness(self, old_B_T: torch.Tensor, rollout_B_T: torch.Tensor, mask_B_T: torch.Tensor,
+                               valid_B: torch.Tensor, batch: list[TrainSample]) -> dict[str, float]:
+        """k3 estimate of KL(behaviour ‖ proximal) per token staleness (versions between the policy being updated
+        and the one that sampled the token): how far each age of data is off-policy. Token counts ride along
+        under `_count/` keys so the tally weights each bucket by its own tokens."""
+        if not any(s.versions for s in batch):
+            return {}
+        versions_B_T = torch.nn.utils.rnn.pad_sequence(
+            [torch.tensor(s.versions or [-1] * len(s.response_ids)) for s in batch], batch_first=True,
+            padding_value=-1).to(old_B_T.device)
+        used_B_T = mask_B_T.bool() & valid_B[:, None] & (versions_B_T >= 0)
+        log_ratio_B_T = (old_B_T - rollout_B_T).clamp(-20, 20)
+        k3_B_T = log_ratio_B_T.exp() - 1 - log_ratio_B_T
+        staleness_B_T = (self.step - 1) - versions_B_T
+        out: dict[str, float] = {}
+        for d in staleness_B_T[used_B_T].unique().tolist():
+            bucket = used_B_T & (staleness_B_T == d)
+            key = f"train/mismatch_kl_k3/staleness_{int(d)}"
+            out[key], out[f"_count/{key}"] = float(k3_B_T[bucket].mean()), float(bucket.sum())
+        return out
 
     @torch.no_grad()
     def _reference_logprobs(self, row: PackedRow, temperature: float) -> torch.Tensor:
@@ -359,24 +479,29 @@ class Trainer:
 
     async def sync_weights(self) -> dict[str, float]:
         """The engine samples from the new policy: its weights streamed in buckets of weight_sync.bucket_mb
-        (rank 0 pushes, every rank gathers; with LoRA the merged adapted layers only)."""
-        return await push_weights(self.engine, self.policy, self.parallel,
-                                  bucket_bytes=int(self.cfg.weight_sync.bucket_mb * 2**20),
-                                  dtype=DTYPES[self.cfg.dtype], version=self.step)
+        (rank 0 pushes, every rank gathers; with LoRA the merged adapted layers only); requests in flight pause
+        as weight_sync.pause says."""
+        metrics = await push_weights(self.engine, self.policy, self.parallel,
+                                     bucket_bytes=int(self.cfg.weight_sync.bucket_mb * 2**20),
+                                     dtype=DTYPES[self.cfg.dtype], version=self.step, pause=self.cfg.weight_sync.pause)
+        self.engine_version = self.step
+        return metrics
 
     # ---- evaluation, logging, checkpoints -----------------------------------------------------------
-    async def evaluate(self, tag: str) -> dict[str, float]:
+    async def evaluate(self, tag: str) -> dict[str, Any]:
         """Greedy on the held-out rows (and the sampling policy too when `eval_sampled_n` > 0)."""
         greedy = SamplingParams(temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens)
-        metrics = {"step": float(self.step), "eval/tag": tag,
+        metrics: dict[str, Any] = {"step": float(self.step), "eval/tag": tag,
                    **await self._eval_pass(f"{tag}", greedy, self.cfg.eval_n, "eval/")}
         if self.cfg.eval_sampled_n:
+            assert self.rollout is not None  # evaluation runs on rank 0, where the rollout is
             metrics.update(await self._eval_pass(f"{tag}-sampled", self.rollout.sampling, self.cfg.eval_sampled_n,
                                                  "eval/sampled_"))
         return metrics
 
     async def _eval_pass(self, tag: str, sampling: SamplingParams, n: int, prefix: str) -> dict[str, float]:
         stats = RolloutStats()
+        assert self.rollout is not None  # evaluation runs on rank 0, where the rollout is
         with TrajectoryWriter(self.out / "trajectories" / f"eval_{tag}.jsonl") as writer:
             async for traj in self.rollout.stream(self.eval_rows, n, id_prefix=f"eval-{tag}-", sampling=sampling):
                 stats.add(traj)
@@ -413,6 +538,7 @@ class Trainer:
             self._save_tokenizer(path / "model")
             torch.save({"step": self.step, "scheduler": self.scheduler.state_dict(),
                         "sampler": self.sampler.state_dict(), "history": self.history,
+                        "buffer": self.buffer.state_dict(),
                         "world_size": self.parallel.world_size, "config": self.cfg.model_dump()},
                        path / "trainer_state.pt")
         self.parallel.barrier()  # every rank's files are written before `latest` points here
@@ -440,8 +566,12 @@ class Trainer:
         load_training_state(path, self.policy, self.optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
+        self._reissue = self.buffer.load_state_dict(state["buffer"]) if "buffer" in state else []
         self.step, self.history = state["step"], state["history"]
         load_rng(path, self.parallel.rank)
+        if self.parallel.is_main:  # what was logged after the checkpoint is done again: never log a step twice
+            for name in ("metrics.jsonl", "groups.jsonl"):
+                _truncate_after(self.out / name, self.step)
         if self.parallel.is_main:
             self.console.print(f"resumed from {path} (step {self.step}, written by {state['world_size']} ranks, "
                                f"now {self.parallel.world_size})")
@@ -476,6 +606,27 @@ def save_tokenizer(renderer: Any, where: Path) -> None:
         (where / "chat_template.jinja").write_text(processor.chat_template)
 
 
+def _truncate_after(path: Path, step: int) -> None:
+    """Keep the JSONL lines of `path` whose `step` is at most `step` (a resumed run writes the later ones again)."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step]
+    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
+
+async def _stop(task: asyncio.Task | None) -> None:
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def _engine_idle(engine: Any, wall_s: float) -> float | None:
+    """The engine's idle share of `wall_s`, where it counts its busy time (the embedded engine does)."""
+    busy = getattr(engine, "stats", {}).get("busy_s") if isinstance(getattr(engine, "stats", None), dict) else None
+    return None if busy is None or wall_s <= 0 else max(0.0, 1.0 - busy / wall_s)
+
+
 class _Tally:
     """Update metrics that mean the same at any world size: `train/loss` is each mini-batch's loss (the sum of
     its micro-batches' shares over all ranks), averaged over optimizer steps; the other metrics are means
@@ -493,8 +644,9 @@ class _Tally:
         self.loss += metrics.pop("train/loss")
         trained = sum(sum(s.loss_mask) for s in batch)
         corrected = sum(sum(s.loss_mask) for s in batch if s.rollout_logprobs is not None)
+        counts = {k.removeprefix("_count/"): metrics.pop(k) for k in [k for k in metrics if k.startswith("_count/")]}
         for k, v in metrics.items():
-            weight = (len(batch) if k == "train/is_valid_frac" else
+            weight = (counts[k] if k in counts else len(batch) if k == "train/is_valid_frac" else
                       corrected if k.startswith(("train/is_", "train/mismatch_")) else trained)
             self.weighted[k] += v * weight
             self.weights[k] += weight
@@ -502,7 +654,8 @@ class _Tally:
 
     def summary(self, parallel: Parallel, elapsed: float) -> dict[str, float]:
         parts = parallel.all_gather_object((dict(self.weighted), dict(self.weights), self.loss, self.tokens))
-        weighted, weights = defaultdict(float), defaultdict(float)
+        weighted: defaultdict[str, float] = defaultdict(float)
+        weights: defaultdict[str, float] = defaultdict(float)
         for w, n, _, _ in parts:
             for k in w:
                 weighted[k] += w[k]

@@ -58,11 +58,15 @@ def weight_sources(model: nn.Module, *, adapted_only: bool = False) -> list[Weig
     tensors = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n in persistent)]
     for name, t in tensors:
         if id(t) not in skip and ".lora_" not in name:
-            sources.append(WeightSource(lora.hf_name(name), t.numel(), lambda t=t: full_tensor(t.detach())))
+            sources.append(WeightSource(lora.hf_name(name), t.numel(), _gather(t)))
     return sources
 
 
-def _merged_source(name: str, layer: nn.Module) -> WeightSource:
+def _gather(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: full_tensor(t.detach())
+
+
+def _merged_source(name: str, layer: Any) -> WeightSource:  # a peft LoraLayer
     weight = layer.base_layer.weight
 
     def gather() -> torch.Tensor:
@@ -117,9 +121,11 @@ def weight_buckets(sources: list[WeightSource], bucket_bytes: int, dtype: torch.
 
 
 async def push_weights(engine: Any, model: nn.Module, parallel: Parallel, *, bucket_bytes: int,
-                       dtype: torch.dtype, version: int) -> dict[str, float]:
+                       dtype: torch.dtype, version: int, pause: str = "keep") -> dict[str, float]:
     """Stream the policy's weights to `engine` from rank 0 (`update_weights(bucket, version, final=...)` per
     bucket); every rank takes part in the gathers. With LoRA only the adapted layers' merged weights go.
+    `pause` (weight_sync.pause) goes with the first bucket: what the engine's requests in flight do meanwhile;
+    it is passed only when it is not the default `keep`, so any engine takes a default push.
     An engine error on rank 0 does not stop the gathers (the other ranks are inside them); every rank raises
     it at the end."""
     t0 = time.perf_counter()
@@ -129,8 +135,10 @@ async def push_weights(engine: Any, model: nn.Module, parallel: Parallel, *, buc
     for bucket in weight_buckets(sources, bucket_bytes, dtype, keep=parallel.is_main):
         if parallel.is_main and error is None:
             try:
-                streamed = {} if bucket.count == 1 else {"final": bucket.final}  # one bucket: any engine takes it
-                new_version = await engine.update_weights(bucket.tensors, version=version, **streamed)
+                options: dict[str, Any] = {} if bucket.count == 1 else {"final": bucket.final}  # any engine takes 1
+                if pause != "keep" and buckets == 0:
+                    options["pause"] = pause
+                new_version = await engine.update_weights(bucket.tensors, version=version, **options)
             except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
                 error = e
         sent, buckets, largest = sent + bucket.nbytes, buckets + 1, max(largest, bucket.nbytes)

@@ -15,6 +15,9 @@ from turnrl.types import GenerateOutput, SamplingParams
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
+PAUSE_MODES = ("keep", "wait", "abort")
+"""What requests in flight do at a weight update (`update_weights(..., pause=...)`, config weight_sync.pause)."""
+
 
 class EngineError(RuntimeError):
     """An engine failed to serve a request (the driver ends that trajectory as FAILED/engine_error)."""
@@ -29,6 +32,13 @@ class InvalidRequest(EngineError, ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+def check_pause(pause: str) -> str:
+    """`pause` if it is one of PAUSE_MODES, else InvalidRequest naming it."""
+    if pause not in PAUSE_MODES:
+        raise InvalidRequest(f"update_weights: pause must be one of {', '.join(PAUSE_MODES)}, got {pause!r}", "pause")
+    return pause
 
 
 @runtime_checkable
@@ -58,7 +68,13 @@ class Engine(Protocol):
         A trainer streaming a large model sends it in buckets: every call but the last has `final=False`,
         and the engine takes the version (and drops caches computed with the old weights) at the final
         call. Between the first and the final bucket the weights are half old, half new: backends that
-        can hold generation meanwhile do (embedded); trainers sync between rollout phases anyway."""
+        can hold generation meanwhile do (embedded); trainers sync between rollout phases anyway.
+
+        An engine that takes `pause=` (one of PAUSE_MODES, with the first bucket) applies it to its requests in
+        flight: keep (in place, KV kept, later tokens from the new weights: `GenerateOutput.token_versions`),
+        wait (finish them on the old weights first), abort (return their tokens so far as `preempted`, for the
+        caller to resubmit). Callers pass it only when it is not `keep`, so an engine without it takes any
+        default push; one that cannot honour a mode raises InvalidRequest naming it."""
         ...
 
     async def sleep(self) -> None:

@@ -35,12 +35,15 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from turnrl.engines.base import EngineError, InvalidRequest, NamedTensors
+from turnrl.engines.base import EngineError, InvalidRequest, NamedTensors, check_pause
 from turnrl.types import FinishReason, GenerateOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +166,7 @@ class _Request:
     next_pos: int = 0  # rotary position of the next token fed (differs from `length` after images)
     on_token: Callable[[int], None] | None = None  # streaming: called on `loop` with each sampled token
     error: BaseException | None = None  # set when this request alone failed in a step: retired with it
+    versions: list[int] = field(default_factory=list)  # the policy version that sampled each out token
 
 
 def sample_tokens(
@@ -200,8 +204,9 @@ def sample_tokens(
     if shared:
         tokens_N[shared] = draw(logp_N_V[shared], default_generator)
     for i, p in enumerate(params):
-        if not p.greedy and generators[i] is not None:
-            tokens_N[i] = draw(logp_N_V[i : i + 1], generators[i])[0]
+        generator = generators[i]
+        if not p.greedy and generator is not None:
+            tokens_N[i] = draw(logp_N_V[i : i + 1], generator)[0]
     logprobs_N = logp_N_V.gather(1, tokens_N[:, None])[:, 0]
     if greedy:  # a greedy choice has no sampling distribution: report the model's own (unfiltered) logprob
         logprobs_N[greedy] = logits_N_V[greedy].log_softmax(-1).gather(1, tokens_N[greedy, None])[:, 0]
@@ -275,7 +280,7 @@ class EmbeddedEngine:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         *,
         eos_token_ids: Iterable[int] = (),
         max_batch_size: int = 16,
@@ -293,10 +298,11 @@ class EmbeddedEngine:
         self.image_processor = image_processor
         if self.is_vlm and image_processor is None:
             raise EngineError("EmbeddedEngine over a VLM needs its image_processor (turnrl.multimodal.build_processor)")
-        cfg = getattr(model.config, "text_config", model.config)
+        cfg: Any = getattr(model.config, "text_config", model.config)
+        self.config: Any = model.config  # a transformers PretrainedConfig (nn.Module types it as Tensor | Module)
         self.max_batch_size = max_batch_size
-        self.max_context = max_context or getattr(cfg, "max_position_embeddings", 32_768)
-        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.max_context: int = max_context or int(getattr(cfg, "max_position_embeddings", 32_768))
+        self.vocab_size: int = cast(torch.nn.Embedding, model.get_input_embeddings()).num_embeddings
         """Token ids must lie in [0, vocab_size): the rows of the embedding (may exceed the tokenizer's)."""
         # the model config's and the generation config's end tokens both stop (Qwen3: <|im_end|>, <|endoftext|>)
         gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -318,6 +324,7 @@ class EmbeddedEngine:
         self._wake = threading.Event()
         self._stopped = False
         self._updating = False  # between the first and the final bucket of a streamed weight update
+        self._deferred: list[tuple] = []  # commands held until the running requests finish (pause=wait)
         self.stats = {"decode_steps": 0, "prefill_forwards": 0, "prefill_tokens": 0, "cached_prompt_tokens": 0,
                       "generated_tokens": 0, "requests": 0, "busy_s": 0.0}
         self._thread = threading.Thread(target=self._run, name="turnrl-engine", daemon=True)
@@ -365,7 +372,7 @@ class EmbeddedEngine:
         if self.is_vlm:
             from turnrl.multimodal import count_images
 
-            n_prompt = count_images(self.model.config, list(prompt_ids))
+            n_prompt = count_images(self.config, list(prompt_ids))
             if n_prompt != len(images or []):
                 raise InvalidRequest(f"{where}: the prompt has {n_prompt} images but {len(images or [])} were sent",
                                      "images")
@@ -374,9 +381,15 @@ class EmbeddedEngine:
                                  f"context of {self.max_context} tokens (the prompt must be shorter)", "prompt_ids")
 
     async def update_weights(self, named_tensors: NamedTensors, version: int | None = None, *,
-                             final: bool = True) -> int:
+                             final: bool = True, pause: str = "keep") -> int:
+        """Load weights between decode steps. `pause` (with the first bucket of an update) says what requests in
+        flight do: `keep` them in place, KV and all, and continue under the new weights (their later tokens
+        carry the new version, `GenerateOutput.token_versions`); `wait` until they finish on the old weights
+        (no request starts meanwhile); `abort` them: each returns its tokens so far as `preempted`, for the
+        caller to resubmit (turnrl.rollout does, re-prefilling under the new weights)."""
+        check_pause(pause)
         items = dict(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
-        return await self._call(("update_weights", items, version, final))
+        return await self._call(("update_weights", items, version, final, pause))
 
     async def release(self, request_id: str) -> None:
         await self._call(("release", request_id))
@@ -422,6 +435,7 @@ class EmbeddedEngine:
         with torch.inference_mode():
             while not self._stopped:
                 self._drain_inbox()
+                self._run_deferred()
                 if self._updating or (not self._active and not self._waiting):
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
@@ -456,11 +470,27 @@ class EmbeddedEngine:
             if item[0] == "generate":
                 self._waiting.append(item[1])
                 continue
-            _, command, loop, fut = item
-            try:
-                self._resolve(loop, fut, result=self._command(command))
-            except Exception as e:
-                self._resolve(loop, fut, error=e)
+            if self._deferred or self._waits_for_running(item[1]):  # in order, behind a waiting update
+                self._deferred.append(item)
+                continue
+            self._run_command(item)
+
+    def _waits_for_running(self, command: tuple) -> bool:
+        """A weight update in pause mode `wait` that starts while requests are running."""
+        return (command[0] == "update_weights" and not self._updating and command[4] == "wait"
+                and bool(self._active))
+
+    def _run_deferred(self) -> None:
+        """The running requests finished: the update that waited for them (and what queued behind it) runs."""
+        while self._deferred and not self._active:
+            self._run_command(self._deferred.pop(0))
+
+    def _run_command(self, item: tuple) -> None:
+        _, command, loop, fut = item
+        try:
+            self._resolve(loop, fut, result=self._command(command))
+        except Exception as e:
+            self._resolve(loop, fut, error=e)
 
     def _command(self, command: tuple):
         name = command[0]
@@ -477,9 +507,10 @@ class EmbeddedEngine:
         return None
 
     # ---- weights ---------------------------------------------------------------------------------
-    def _load_weights(self, tensors: dict[str, torch.Tensor], version: int | None, final: bool = True) -> int:
+    def _load_weights(self, tensors: dict[str, torch.Tensor], version: int | None, final: bool = True,
+                      pause: str = "keep") -> int:
         # remove_duplicate=False: a state dict names tied weights twice (lm_head.weight and embed_tokens.weight)
-        params = dict(self.model.named_parameters(remove_duplicate=False))
+        params: dict[str, torch.Tensor] = dict(self.model.named_parameters(remove_duplicate=False))
         params.update(dict(self.model.named_buffers(remove_duplicate=False)))
         unknown = [n for n in tensors if n not in params]
         if unknown:
@@ -487,6 +518,8 @@ class EmbeddedEngine:
         for name, t in tensors.items():  # check everything before copying anything: no half-updated policy
             if params[name].shape != t.shape:
                 raise EngineError(f"update_weights: {name} has shape {tuple(t.shape)}, expected {tuple(params[name].shape)}")
+        if pause == "abort" and not self._updating:  # the first bucket: stop what runs, keep its tokens
+            self._preempt_running()
         for name, t in tensors.items():
             params[name].copy_(t)
         self._drop_parked()  # parked KV was computed with the old weights
@@ -494,6 +527,20 @@ class EmbeddedEngine:
         if final:
             self.policy_version = self.policy_version + 1 if version is None else version
         return self.policy_version
+
+    def _preempt_running(self) -> None:
+        """pause=abort: every running request returns its tokens so far, marked preempted (the caller resubmits
+        prompt + tokens); their slots are free at once. Requests still waiting are served by the new weights."""
+        for req in self._active:
+            if not req.aborted and req.error is None:
+                self._resolve(req.loop, req.future, result=self._output(req, FinishReason.ABORT, preempted=True))
+        self._active = []
+
+    def _output(self, req: _Request, reason: FinishReason, *, preempted: bool = False) -> GenerateOutput:
+        versions = req.versions if len(set(req.versions)) > 1 else None  # a request that went on across an update
+        return GenerateOutput(token_ids=req.out_ids, logprobs=req.out_logprobs, finish_reason=reason,
+                              policy_version=self.policy_version, cached_prompt_tokens=req.cached_prompt_tokens,
+                              token_versions=versions, preempted=preempted)
 
     # ---- prefix reuse ----------------------------------------------------------------------------
     def _park(self, req: _Request, slot: int) -> None:
@@ -522,7 +569,7 @@ class EmbeddedEngine:
         """Move waiting requests into free slots and prefill them, several per forward where lengths allow."""
         self._waiting = [r for r in self._waiting if not r.aborted]
         admitted: list[tuple[_Request, int]] = []
-        while self._waiting and len(self._active) < self.max_batch_size:
+        while self._waiting and len(self._active) < self.max_batch_size and not self._deferred:  # (pause=wait)
             req = self._waiting.pop(0)
             slot = len(self._active)
             self._active.append(req)
@@ -595,9 +642,9 @@ class EmbeddedEngine:
         """Pixels of the images in the part of the prompt not served from the cache (stream order)."""
         from turnrl.multimodal import count_images, load_image
 
-        cached = count_images(self.model.config, req.prompt_ids[:start])
+        cached = count_images(self.config, req.prompt_ids[:start])
         new = req.images[cached:]
-        expected = count_images(self.model.config, req.prompt_ids[start:])
+        expected = count_images(self.config, req.prompt_ids[start:])
         if len(new) != expected:
             raise EngineError(f"request {req.request_id!r}: the prompt has {cached + expected} images but "
                               f"{len(req.images)} were sent")
@@ -639,6 +686,7 @@ class EmbeddedEngine:
     def _append(self, req: _Request, token: int, logprob: float) -> None:
         req.out_ids.append(token)
         req.out_logprobs.append(logprob)
+        req.versions.append(self.policy_version)
         self.stats["generated_tokens"] += 1
         if req.on_token is not None:
             with contextlib.suppress(RuntimeError):  # the caller's loop is closed
@@ -657,11 +705,7 @@ class EmbeddedEngine:
             elif not req.aborted:
                 self._park(req, slot)
                 reason = FinishReason.STOP if req.out_ids[-1] in req.stop_ids else FinishReason.LENGTH
-                out = GenerateOutput(
-                    token_ids=req.out_ids, logprobs=req.out_logprobs, finish_reason=reason,
-                    policy_version=self.policy_version, cached_prompt_tokens=req.cached_prompt_tokens,
-                )
-                self._resolve(req.loop, req.future, result=out)
+                self._resolve(req.loop, req.future, result=self._output(req, reason))
             last = len(self._active) - 1
             if slot != last:
                 moved = self._active[last]

@@ -117,7 +117,8 @@ def parse_last_tool_call(text: str, tool_names: tuple[str, ...] = TOOL_NAMES) ->
         return ParsedToolCall(problem="the text inside <tool_call> is not valid JSON")
     if not isinstance(payload, dict):
         return ParsedToolCall(problem="the text inside <tool_call> must be one JSON object")
-    function = payload.get("function") if isinstance(payload.get("function"), dict) else {}
+    function = payload.get("function")
+    function = function if isinstance(function, dict) else {}
     name = payload.get("name") or function.get("name") or ""
     arguments = payload.get("arguments", function.get("arguments", {}))
     if isinstance(arguments, str):

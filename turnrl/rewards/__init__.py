@@ -157,7 +157,7 @@ def bind_reward(fn: RewardFunction, name: str | None = None) -> Callable[[Trajec
     """Wrap `fn` so it is called with the arguments it names; a missing one is a clear error."""
     sig = inspect.signature(fn)
     takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values())
-    label = name or getattr(fn, "__name__", repr(fn))
+    label = name or str(getattr(fn, "__name__", repr(fn)))
 
     def call(traj: Trajectory) -> Any:
         available = reward_kwargs(traj)

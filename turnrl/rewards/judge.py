@@ -117,7 +117,7 @@ class Judge:
         try:
             return self.template.render(**names)
         except jinja2.UndefinedError as e:
-            raise JudgeError(f"{self.name}: the template uses {e.message.split(' is undefined')[0]}, which is "
+            raise JudgeError(f"{self.name}: the template uses {(e.message or '').split(' is undefined')[0]}, which is "
                              f"neither a column of the row ({sorted(sample)}) nor a judge variable "
                              "(messages, conversation, response, responses, sample)") from None
 
