@@ -89,10 +89,11 @@ async def test_weight_push_writes_safetensors_and_reloads(tmp_path):
     engine = VLLMServerEngine("http://vllm:8000", weights_dir=tmp_path / "w")
     seen = scripted(engine, lambda r: httpx.Response(200, json={"success": True} if "reset" in r.url.path else {}))
     assert await engine.update_weights({"w": torch.arange(3.0)}, version=4) == 4 and engine.policy_version == 4
-    assert [r.url.path for r in seen] == ["/collective_rpc", "/reset_prefix_cache"]
-    assert json.loads(seen[0].content) == {"method": "reload_weights",
+    # weight_sync.pause=keep: the running requests are frozen with their KV around the reload (tests/test_vllm_pause.py)
+    assert [r.url.path for r in seen] == ["/pause", "/collective_rpc", "/resume"]
+    assert seen[0].url.params["mode"] == "keep"
+    assert json.loads(seen[1].content) == {"method": "reload_weights",
                                            "kwargs": {"weights_path": str(tmp_path / "w")}}
-    assert seen[1].url.params["reset_running_requests"] == "true"
     from safetensors.torch import load_file
 
     assert torch.equal(load_file(tmp_path / "w" / "model.safetensors")["w"], torch.arange(3.0))

@@ -312,7 +312,7 @@ def _settle(future: asyncio.Future, result: Any, error: BaseException | None) ->
 
 
 def _dev_mode_hint(status: int, path: str) -> str:
-    if status == 404 and path in ("/collective_rpc", "/reset_prefix_cache"):
+    if status == 404 and path in ("/pause", "/resume", "/collective_rpc", "/reset_prefix_cache"):
         return " (start the server with VLLM_SERVER_DEV_MODE=1 for weight pushes)"
     return ""
 
