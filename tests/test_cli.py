@@ -93,3 +93,19 @@ def test_malformed_rows_name_row_and_field(tmp_path, content, message):
     result = runner.invoke(app, ["rollout", "--model", "tiny-qwen3", "--env", "single_turn", "--data", str(data),
                                  "--out", str(tmp_path / "o.jsonl")])
     assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+
+
+def test_output_into_a_file_is_one_line_per_line(tmp_path):
+    """Logs and console lines written to a file or a pipe are never wrapped at 80 columns (RichHandler's table
+    did, mid-word); in a terminal they keep Rich's layout."""
+    import subprocess
+    import sys
+
+    code = ("import logging; from turnrl.cli import _setup_logging, console; _setup_logging(False); "
+            "logging.getLogger('turnrl.x').warning('warned ' + 'w' * 150); console.print('printed ' + 'p' * 150)")
+    with open(tmp_path / "out.log", "w") as f:
+        subprocess.run([sys.executable, "-c", code], stdout=f, stderr=subprocess.STDOUT, check=True, timeout=120)
+    lines = (tmp_path / "out.log").read_text().splitlines()
+    [warned] = [x for x in lines if "warned" in x]
+    assert warned.endswith("warned " + "w" * 150) and " WARNING " in warned  # time, level, message: one line
+    assert "printed " + "p" * 150 in lines

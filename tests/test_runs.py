@@ -68,10 +68,15 @@ def test_each_run_gets_its_own_directory_and_leaves_the_others_alone(trained, tm
     history, printed = _train(config, f"output_dir={first.parent}", "steps=1", "save_every=0")
     second = [r for r in runs_under(first.parent) if r != first]
     assert len(second) == 1 and f"run directory: {second[0]}" in printed
+    assert (first.parent / "latest-run").resolve() == second[0].resolve()  # the newest run, by a link
     assert {p: p.stat().st_mtime_ns for p in first.rglob("*")} == before  # not one file of the first run touched
     assert (first / "metrics.jsonl").read_text() == lines
     assert (second[0] / "checkpoints" / "latest").read_text() == "step_000001"
     assert [m["step"] for m in history if "train/loss" in m or "train/samples" in m] == [1.0]
+    [step] = [m for m in history if "train/samples" in m]
+    [line] = [x for x in printed.splitlines() if x.startswith("peak memory: ")]  # in the final summary
+    assert float(line.split()[2]) >= round(step["memory/peak_rss_gb"], 2) and line.endswith("(this process's maximum RSS)")
+    assert 0.2 < step["memory/peak_rss_gb"] < 100
 
 
 def test_a_non_empty_run_dir_is_refused_without_resume_or_overwrite(trained, tmp_path):
@@ -203,3 +208,42 @@ def test_a_checkpoint_without_hf_weights_loads_from_its_sharded_state(trained, t
     with torch.no_grad():
         torch.testing.assert_close(from_state(probe).logits, saved(probe).logits)
         assert not torch.allclose(middle(probe).logits, saved(probe).logits)  # step 2's policy, not step 3's
+
+
+# ---- turnrl eval: a checkpoint, a run or a directory of runs; --out; greedy and sampled ---------------------
+@pytest.mark.filterwarnings("ignore")
+def test_eval_writes_where_out_says_and_says_so(trained, tmp_path):
+    from turnrl.cli import run_evaluation
+
+    config, run = trained
+    cfg = load_config(TrainConfig, config, [f"eval_data={run.parent.parent / 'rows.jsonl'}"])
+    out = tmp_path / "scores" / "eval.jsonl"
+    printed = io.StringIO()
+    metrics = run_evaluation(cfg, checkpoint=run.parent, out=out, console=Console(file=printed, width=300),
+                             sampled_n=2)
+    text = printed.getvalue()
+    assert f"evaluating {run / 'checkpoints' / 'step_000003'}" in text  # a directory of runs: the newest one's
+    sampled = tmp_path / "scores" / "eval-sampled.jsonl"
+    assert f"wrote {out} (4 trajectories), {sampled} (8 trajectories)" in text
+    greedy_rows = [json.loads(x) for x in out.read_text().splitlines()]
+    sampled_rows = [json.loads(x) for x in sampled.read_text().splitlines()]
+    assert len(greedy_rows) == 4 and {r["sampling"]["temperature"] for r in greedy_rows} == {0.0}
+    assert len(sampled_rows) == 8 and {r["sampling"]["temperature"] for r in sampled_rows} == {1.0}
+    assert metrics["eval/trajectories"] == 4 and metrics["eval/sampled_trajectories"] == 8
+    assert not (run / "trajectories" / "eval_cli.jsonl").exists()
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_eval_of_a_checkpoint_without_hf_weights_and_the_flags(trained, tmp_path):
+    config, run = trained
+    rows = str(run.parent.parent / "rows.jsonl")
+    middle = run / "checkpoints" / "step_000002"  # no Hugging Face weights: made from its sharded state
+    result = CliRunner().invoke(app, ["eval", str(config), f"eval_data={rows}", "--checkpoint", str(middle),
+                                      "--no-greedy", "--sampled-n", "1"])
+    assert result.exit_code == 0, result.output
+    default = run / "eval" / "step_000002-sampled.jsonl"  # beside the run, named after the checkpoint
+    assert f"wrote {default} (4 trajectories)" in result.output and not (run / "eval" / "step_000002.jsonl").exists()
+    for args, said in [(["--checkpoint", str(tmp_path / "nowhere")], "does not exist (expected e.g."),
+                       (["--no-greedy"], "--no-greedy leaves nothing to evaluate")]:
+        result = CliRunner().invoke(app, ["eval", str(config), f"eval_data={rows}", *args])
+        assert result.exit_code == 2 and said in result.output, result.output

@@ -202,6 +202,7 @@ def run_training(cfg: TrainConfig, console: Console | None = None, *, overwrite:
     """`turnrl train`: choose the run directory (turnrl.runs.prepare_run: a ConfigError for a non-empty one
     without resume or `overwrite`), build the trainer (turnrl.build), train, close; returns the metrics history."""
     from turnrl.build import build_trainer
+    from turnrl.observe import peak_rss_gb
     from turnrl.plots import plot_curves
     from turnrl.runs import prepare_run
 
@@ -220,6 +221,9 @@ def run_training(cfg: TrainConfig, console: Console | None = None, *, overwrite:
     plot_curves(history, trainer.out / "curves.png")
     trainer.console.print(f"wrote {trainer.out / 'curves.png'}, {trainer.out / 'metrics.jsonl'}, "
                           f"{trainer.out / 'trajectories'}, {trainer.out / 'checkpoints'}", soft_wrap=True)
+    peak = peak_rss_gb()
+    if peak is not None:
+        trainer.console.print(f"peak memory: {peak:.2f} GB resident (this process's maximum RSS)")
     return history
 
 

@@ -1,6 +1,7 @@
 """Run directories: every `turnrl train` gets its own, so a run never overwrites another.
 
     runs/arithmetic/                    output_dir: the runs of one config
+        latest-run -> 20261201-103200   the newest run started here (a symbolic link)
         20261201-103200/                a run directory (`--run-dir` names one yourself)
             config.yaml                 the config the run started with (resolved: every key)
             metrics.jsonl  groups.jsonl  curves.png  trajectories/
@@ -19,6 +20,7 @@ checkpoint) or a directory of runs (the newest run's).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -39,8 +41,8 @@ def runs_under(output_dir: Path) -> list[Path]:
     """The run directories directly under `output_dir`, oldest first (timestamped names sort by time)."""
     if not output_dir.is_dir():
         return []
-    return sorted((p for p in output_dir.iterdir() if not p.name.startswith(".") and is_run_dir(p)),
-                  key=lambda p: p.name)
+    return sorted((p for p in output_dir.iterdir() if not p.name.startswith(".") and not p.is_symlink()
+                   and is_run_dir(p)), key=lambda p: p.name)
 
 
 def new_run_dir(output_dir: Path) -> Path:
@@ -52,10 +54,23 @@ def new_run_dir(output_dir: Path) -> Path:
         path = output_dir / (stamp if k == 1 else f"{stamp}-{k}")
         try:
             path.mkdir()
-            return path
         except FileExistsError:
             continue
+        _link_latest(output_dir, path)
+        return path
     raise ConfigError(f"output_dir {output_dir}: could not create a new run directory for {stamp}")
+
+
+LATEST_RUN = "latest-run"
+
+
+def _link_latest(output_dir: Path, run: Path) -> None:
+    """`<output_dir>/latest-run` -> the run just created (replaced atomically; skipped where links cannot be made)."""
+    tmp = output_dir / f".{LATEST_RUN}-{os.getpid()}"
+    with contextlib.suppress(OSError):
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(run.name, target_is_directory=True)
+        os.replace(tmp, output_dir / LATEST_RUN)
 
 
 def prepare_run(cfg: TrainConfig, *, overwrite: bool = False) -> Path:

@@ -71,7 +71,7 @@ from turnrl.checkpoint import (
 from turnrl.config import TrainConfig
 from turnrl.lora import apply_lora
 from turnrl.models import DTYPES
-from turnrl.observe import RolloutStats, TrajectoryWriter
+from turnrl.observe import RolloutStats, TrajectoryWriter, peak_rss_gb
 from turnrl.packing import (
     PackedRow,
     pack_sequences,
@@ -299,7 +299,8 @@ class Trainer:
         return {"step": float(self.step), **stats.summary(), **adv_stats, **update, **sync,
                 **self._buffer_metrics(t_wait), "train/samples": float(len(samples)),
                 "train/is_fallback": float(fallback), "time/rollout_s": t_wait, "time/update_s": t_update,
-                "time/step_s": self._last_step_end - t0, "train/lr": self.scheduler.get_last_lr()[0]}
+                "time/step_s": self._last_step_end - t0, "train/lr": self.scheduler.get_last_lr()[0],
+                **({"memory/peak_rss_gb": peak} if (peak := peak_rss_gb()) is not None else {})}
 
     def _record_groups(self, groups: list[Group]) -> None:
         """groups.jsonl: one line per trained group (its admission index, row, versions, whether it was re-issued
@@ -503,7 +504,10 @@ class Trainer:
 
     @contextlib.contextmanager
     def _task(self, description: str, total: int) -> Iterator[Callable[[], None]]:
-        """A progress bar for `description` (on the training one while it shows, else its own); yields advance."""
+        """A progress bar for `description` (on the training one while it shows, else its own); yields advance.
+        Into a file or a pipe, where no bar is drawn, a line says what started."""
+        if not self.console.is_terminal:
+            self.console.print(f"{description}: {total} trajectories")
         if self._progress is not None:
             task = self._progress.add_task(description, total=total)
             try:
