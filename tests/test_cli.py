@@ -83,6 +83,8 @@ def test_clear_errors(tmp_path, args, message):
 @pytest.mark.parametrize(("content", "message"), [
     ('{"prompt": "ok"}\n{"question": "no prompt"}\n', "row 2: missing field 'prompt'"),
     ('{"prompt": "ok"}\n{not json\n', "line 2: invalid JSON"),
+    ('{"prompt": "ok"}\n\n{"prompt": "x",}\n', "line 3: invalid JSON (Expecting property name enclosed in double "
+                                               "quotes at column 16)"),  # the row's line and column, not the file's
     ('{"prompt": [{"role": "robot", "content": "x"}]}\n', "row 1: prompt[0] must be a message with 'role'"),
     ('{"prompt": "<image> what?", "images": []}\n', "row 1: the prompt has 1 '<image>' placeholders but 'images' has 0"),
     ('{"prompt": "<image> and <image>", "images": ["a.png"]}\n', "2 '<image>' placeholders but 'images' has 1"),
@@ -109,3 +111,38 @@ def test_output_into_a_file_is_one_line_per_line(tmp_path):
     [warned] = [x for x in lines if "warned" in x]
     assert warned.endswith("warned " + "w" * 150) and " WARNING " in warned  # time, level, message: one line
     assert "printed " + "p" * 150 in lines
+
+
+@pytest.mark.parametrize("offline", [True, False])
+def test_a_hub_id_that_cannot_be_had_fails_fast_in_one_line(tmp_path, monkeypatch, offline):
+    """Offline (HF_HUB_OFFLINE, or the hub unreachable) a hub id that is not cached fails at once with one line
+    naming the model and the way out, not after transformers' ~30 s of retries with a traceback."""
+    import time
+
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens: refused at once
+    data = _data(tmp_path, [{"prompt": "hi"}])
+    t0 = time.monotonic()
+    result = runner.invoke(app, ["rollout", "--model", "no-org/no-such-model", "--env", "single_turn", "--data",
+                                 str(data), "--out", str(tmp_path / "o.jsonl")])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and time.monotonic() - t0 < 10, result.output
+    assert "model 'no-org/no-such-model': not in the Hugging Face cache" in said and "Traceback" not in said
+    assert ("HF_HUB_OFFLINE is set" if offline else "http://127.0.0.1:9 cannot be reached") in said
+    assert "built-in name (smollm2-135m-instruct, tiny-qwen3" in said
+
+
+def test_train_with_an_unavailable_hub_id_says_so_in_one_line(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    data = _data(tmp_path, [{"prompt": "hi", "answer": 1}])
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: no-org/no-such-model\ntrain_data: {data}\noutput_dir: {tmp_path / 'runs'}\n"
+                      "rollout: {env: single_turn}\n")
+    result = runner.invoke(app, ["train", str(config)])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and "model 'no-org/no-such-model': not in the Hugging Face cache" in said, said
+    assert list((tmp_path / "runs").iterdir()) == []  # no empty run directory, no link to one

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import sys
@@ -184,7 +183,12 @@ def train(
         prepare_run(cfg, overwrite=overwrite)  # refuses a non-empty run directory before anything loads
     except ConfigError as e:
         _fail(str(e))
-    run_training(cfg, console=console)
+    from turnrl.models import ModelUnavailable
+
+    try:
+        run_training(cfg, console=console)
+    except ModelUnavailable as e:  # a hub id offline: one line, not transformers' traceback after its retries
+        _fail(str(e))
 
 
 def _resume_path(items: list[str], resume: bool) -> tuple[list[str], str | None]:
@@ -204,7 +208,7 @@ def run_training(cfg: TrainConfig, console: Console | None = None, *, overwrite:
     from turnrl.build import build_trainer
     from turnrl.observe import peak_rss_gb
     from turnrl.plots import plot_curves
-    from turnrl.runs import prepare_run
+    from turnrl.runs import discard_if_empty, prepare_run
 
     console = console or Console()
     run_dir = prepare_run(cfg, overwrite=overwrite)
@@ -212,7 +216,7 @@ def run_training(cfg: TrainConfig, console: Console | None = None, *, overwrite:
     try:
         trainer, stack = build_trainer(cfg, console=console)
     except BaseException:
-        _remove_if_empty(run_dir)  # a run that never started leaves no empty directory behind
+        discard_if_empty(run_dir)  # a run that never started leaves no empty directory behind
         raise
     try:
         history = asyncio.run(trainer.train())
@@ -225,11 +229,6 @@ def run_training(cfg: TrainConfig, console: Console | None = None, *, overwrite:
     if peak is not None:
         trainer.console.print(f"peak memory: {peak:.2f} GB resident (this process's maximum RSS)")
     return history
-
-
-def _remove_if_empty(path: Path) -> None:
-    with contextlib.suppress(OSError):  # not empty (or already gone): keep it
-        path.rmdir()
 
 
 @app.command(name="eval")

@@ -73,6 +73,21 @@ def _link_latest(output_dir: Path, run: Path) -> None:
         os.replace(tmp, output_dir / LATEST_RUN)
 
 
+def discard_if_empty(run: Path) -> None:
+    """A run that never started: its directory goes if it is empty, and `latest-run`, were it left pointing at
+    nothing, points back at the newest run that remains (or goes)."""
+    with contextlib.suppress(OSError):  # not empty (or already gone): keep it
+        run.rmdir()
+    link = run.parent / LATEST_RUN
+    if link.is_symlink() and not link.exists():
+        remaining = runs_under(run.parent)
+        if remaining:
+            _link_latest(run.parent, remaining[-1])
+        else:
+            with contextlib.suppress(OSError):
+                link.unlink()
+
+
 def prepare_run(cfg: TrainConfig, *, overwrite: bool = False) -> Path:
     """Decide this run's directory (module docstring) and set `cfg.run_dir` to it; an explicit checkpoint
     to resume from stays in `cfg.resume`. Raises ConfigError, naming the directory and the way out, for a
