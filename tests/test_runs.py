@@ -223,6 +223,7 @@ def test_eval_writes_where_out_says_and_says_so(trained, tmp_path):
                              sampled_n=2)
     text = printed.getvalue()
     assert f"evaluating {run / 'checkpoints' / 'step_000003'}" in text  # a directory of runs: the newest one's
+    assert "(greedy): 4 trajectories" in text and "(sampled at T=1): 8 trajectories" in text  # progress, in a file
     sampled = tmp_path / "scores" / "eval-sampled.jsonl"
     assert f"wrote {out} (4 trajectories), {sampled} (8 trajectories)" in text
     greedy_rows = [json.loads(x) for x in out.read_text().splitlines()]
