@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -51,6 +51,11 @@ class UpdateWeightFromDiskReqInput(_Strict):
     load_format: str | None = None
     abort_all_requests: bool = False
     weight_version: str | None = None
+    flush_cache: bool = True
+
+
+class PauseGenerationReqInput(_Strict):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
 
 
 class MemoryOccupationReqInput(_Strict):
@@ -71,6 +76,8 @@ class FakeSGLang:
         self.requests: list[dict[str, Any]] = []
         self.memory_calls: list[tuple[str, list[str] | None]] = []
         self.aborted: list[str] = []
+        self.calls: list[str] = []  # the pause / update / continue endpoints, in order
+        self.paused = False
         self._running: dict[str, asyncio.Task] = {}
         self.app = self._build()
 
@@ -98,6 +105,8 @@ class FakeSGLang:
                 self._running.pop(rid, None)
             if out.finish_reason == FinishReason.STOP:
                 finish = {"type": "stop", "matched": out.token_ids[-1]}
+            elif out.finish_reason == FinishReason.ABORT:  # abort_all_requests at a weight update
+                finish = {"type": "abort", "message": "Abort before update weights"}
             else:
                 finish = {"type": "length", "length": len(out.token_ids)}
             return self._response(req, rid, out.token_ids, out.logprobs, finish, out.cached_prompt_tokens)
@@ -111,10 +120,30 @@ class FakeSGLang:
             tensors = {}
             for f in files:
                 tensors.update(load_file(str(f)))
-            await self.engine.update_weights(tensors)
+            self.calls.append(f"update_weights_from_disk(abort_all_requests={req.abort_all_requests}, "
+                              f"flush_cache={req.flush_cache})")
+            if req.flush_cache and self.paused:  # SGLang: a flush needs no request holding KV in place
+                return JSONResponse({"success": False, "message": "flush_cache while paused in place",
+                                     "num_paused_requests": 0}, status_code=400)
+            # the embedded engine's pause modes stand in for SGLang's scheduler: abort_all_requests returns the
+            # running requests with their tokens so far; a paused-in-place scheduler keeps them; else they finish
+            pause = "abort" if req.abort_all_requests else "keep" if self.paused else "wait"
+            await self.engine.update_weights(tensors, pause=pause)
             if req.weight_version is not None:
                 self.weight_version = req.weight_version
             return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+
+        @app.post("/pause_generation")
+        async def pause_generation(req: PauseGenerationReqInput):
+            self.calls.append(f"pause_generation({req.mode})")
+            self.paused = req.mode == "in_place"
+            return {}
+
+        @app.post("/continue_generation")
+        async def continue_generation():
+            self.calls.append("continue_generation")
+            self.paused = False
+            return {}
 
         @app.post("/release_memory_occupation")
         async def release(req: MemoryOccupationReqInput):

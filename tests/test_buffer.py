@@ -103,3 +103,31 @@ async def test_a_checkpoint_loses_no_admitted_prompt(qwen3_tokenizer):
     trained_ids = {g.index for _, groups in trained for g in groups}
     assert {g["index"] for g in state["groups"]} <= trained_ids  # buffered and re-issued groups were all trained
     assert resumed.trained == 12 and max(resumed.stats.staleness) <= 2
+
+
+@pytest.mark.parametrize("pause", ["keep", "wait", "abort"])
+async def test_a_weight_update_mid_turn_keeps_tokens_versions_and_masks(qwen3_tokenizer, pause):
+    from turnrl.rollout import RolloutContext, drive
+    from turnrl.testing import LatencyToolEnv
+    from turnrl.types import SamplingParams, SegmentSource
+
+    reply = qwen3_tokenizer("one two three four five six seven eight nine ten", add_special_tokens=False)["input_ids"]
+    engine = LatencyEngine(reply, per_token_s=0.02)
+    ctx = RolloutContext(engine=engine, renderer=ChatRenderer(qwen3_tokenizer), sampling=SamplingParams(),
+                         limits=RolloutLimits(max_turns=2, max_new_tokens=len(reply)), trajectory_id="t",
+                         group_id="g", sample_index=0, sample={"prompt": "Go."}, sanity_mode="disable")
+    task = asyncio.create_task(drive(ctx, LatencyToolEnv([0.0, 0.0])))
+    while not (engine._queue and len(engine._queue[0].versions) >= 3):  # a few tokens into the first turn
+        await asyncio.sleep(0.005)
+    await engine.update_weights({}, version=1, pause=pause)
+    traj = await task
+    traj.validate()
+    model = [s for s in traj.segments if s.source == SegmentSource.MODEL]
+    turn1 = [s for s in model if s.turn == 1]
+    assert sum(len(s) for s in turn1) == len(reply)  # no token lost in any mode: the turn got its full budget
+    if pause == "wait":  # the update waited for the running turn: all of it is version 0
+        assert [s.policy_version for s in turn1] == [0]
+    else:  # keep: the turn went on in place; abort: it was resubmitted with its tokens; either way split by version
+        assert [s.policy_version for s in turn1] == [0, 1] and 3 <= len(turn1[0]) < len(reply)
+    assert [s.policy_version for s in model if s.turn == 2] == [1]
+    assert all(lp is not None for s in model for lp in s.logprobs)  # every model token keeps its logprob

@@ -525,3 +525,37 @@ async def test_on_token_streams_every_token_before_the_call_returns(engine, prom
     params = SamplingParams(max_new_tokens=12, seed=3)
     out = await engine.generate(prompts[1], params, request_id="stream", on_token=streamed.append)
     assert streamed == out.token_ids and len(streamed) == 12
+
+
+@pytest.mark.parametrize("pause", ["keep", "wait", "abort"])
+async def test_pause_modes_at_a_weight_update(fresh_engine, model, prompts, pause):
+    """A long request is running when new weights arrive: keep goes on in place (its later tokens from the new
+    weights), wait finishes it on the old weights first, abort returns its tokens so far as preempted."""
+    engine = fresh_engine(copy.deepcopy(model))
+    new = copy.deepcopy(model)
+    scramble(new, seed=1)
+    params = SamplingParams(temperature=1.0, max_new_tokens=120, seed=3)
+    prompt = prompts[2]
+    task = asyncio.create_task(engine.generate(prompt, params, request_id="long"))
+    while engine.stats["generated_tokens"] < 5:  # a few tokens in
+        await asyncio.sleep(0.005)
+    version = await engine.update_weights(new.state_dict(), version=1, pause=pause)
+    out = await task
+    assert version == 1
+    versions = out.versions()
+    n_old = versions.count(0)
+    assert n_old >= 5 and versions == sorted(versions)
+    expected_old = full_logprobs(model, prompt, out.token_ids)[:n_old]  # what the old weights give
+    torch.testing.assert_close(torch.tensor(out.logprobs[:n_old]), expected_old, atol=2e-4, rtol=0)
+    if pause == "wait":
+        assert n_old == len(out.token_ids) == 120 and out.policy_version == 0 and not out.preempted
+    elif pause == "abort":
+        assert out.preempted and out.finish_reason == FinishReason.ABORT and n_old == len(out.token_ids) < 120
+        more = await engine.generate(prompt + out.token_ids, params, request_id="long")  # the resubmission
+        assert more.policy_version == 1 and set(more.versions()) == {1}
+        expected_new = full_logprobs(new, prompt + out.token_ids, more.token_ids)  # re-prefilled: exactly the new policy's
+        torch.testing.assert_close(torch.tensor(more.logprobs), expected_new, atol=2e-4, rtol=0)
+    else:  # keep: one call, its tokens split at the update, KV of the old tokens kept
+        assert len(out.token_ids) == 120 and 0 < n_old < 120 and set(versions) == {0, 1} and not out.preempted
+    with pytest.raises(InvalidRequest, match="pause must be one of"):
+        await engine.update_weights({}, pause="later")

@@ -1,7 +1,8 @@
 """Ray mode on a local 2-CPU cluster: engine actors and rollout workers around the single-process components.
 
 One cluster, two EngineActors on tiny-qwen3 and two RolloutWorkers are shared by the module (each actor is a
-process that imports torch; starting them dominates the runtime).
+process that imports torch; starting them dominates the runtime). The trainer launcher (`trainer.launcher: ray`,
+two trainer actors) runs on the same cluster.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import functools
 import json
 import os
 import textwrap
+import time
 
 import pytest
 import torch
@@ -29,7 +31,7 @@ from turnrl.dist.ray import EngineActor, RayEngineGroup, RayRollout, RolloutWork
 from turnrl.models import load_model  # noqa: E402
 from turnrl.rollout import group_ids, run_groups  # noqa: E402
 from turnrl.testing import LatencyDraw, latency_rows  # noqa: E402
-from turnrl.types import SamplingParams, TerminationReason  # noqa: E402
+from turnrl.types import SamplingParams, TerminationReason, Trajectory  # noqa: E402
 
 MODEL = "tiny-qwen3"
 ENV_CFG = RolloutConfig(env="turnrl.testing", max_turns=6, max_new_tokens=8, sanity_check="disable",
@@ -195,13 +197,80 @@ def test_build_trainer_builds_the_ray_rollout_when_configured(cluster, tmp_path)
     trainer, stack = build_trainer(cfg)
     try:
         assert isinstance(trainer.rollout, RayRollout) and trainer.engine is stack.engine is trainer.rollout.engine
-        trainer.step = 1
-        metrics = asyncio.run(trainer.train_step())
+        history = asyncio.run(trainer.train())  # one step (train_step alone would wait for a producer)
+        metrics = next(m for m in history if m.get("step") == 1.0 and "train/samples" in m)
         version = ray.get(stack.engine.actors[0].generate.remote([1, 2, 3], SamplingParams(max_new_tokens=1), "v"))
         workers = trainer.rollout.workers
     finally:
         stack.close()
+    deadline = time.time() + 30  # ray.kill is asynchronous: the worker may answer once more
     with pytest.raises(ray.exceptions.RayActorError):  # the stack stopped the workers with the engines
-        ray.get(workers[0].ready.remote())
+        while time.time() < deadline:
+            ray.get(workers[0].ready.remote(), timeout=10)
+            time.sleep(0.2)
     assert metrics["rollout/trajectories"] == 4.0 and metrics["rollout/reward_mean"] == 1.0
     assert metrics["train/policy_version"] == 1.0 and version.policy_version == 1
+
+
+@pytest.mark.slow  # ~65 s here: two trainer actors, an engine actor and a rollout worker start (torch each)
+@pytest.mark.filterwarnings("ignore")
+def test_trainer_launcher_ray_trains_on_two_actor_ranks(cluster, tmp_path):
+    """`trainer.launcher: ray`: two trainer actors share one process group; rank 0 holds the Ray engine and
+    rollout workers, both ranks train and checkpoint, and the weights pushed from the two ranks reach the
+    engine actor (step 2's logprobs are those of the step-1 policy, as `turnrl export` writes it)."""
+    from test_launch import _assert_sampled_by, _write_config
+
+    from turnrl.checkpoint import export_checkpoint
+    from turnrl.cli import run_training
+    from turnrl.config import load_config
+
+    config = _write_config(tmp_path, "run", steps=2, trainer={"parallel": "fsdp", "world_size": 2, "launcher": "ray"},
+                           engine={"max_batch_size": 1, "distributed": "ray", "ray_workers": 1})
+    history = run_training(load_config(TrainConfig, config, [f"run_dir={tmp_path / 'run'}"]))  # rank 0's, returned
+    # through the driver, which chose the run directory every rank writes into
+    steps = [m for m in history if "train/samples" in m]
+    assert [m["step"] for m in steps] == [1.0, 2.0] and steps[-1]["train/policy_version"] == 2.0
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000002"
+    assert sorted(f.name for f in (ckpt / "state").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert sorted(f.name for f in (ckpt / "rng").iterdir()) == ["rank_00000.pt", "rank_00001.pt"]
+    step2 = [Trajectory.from_json(json.loads(line))
+             for line in (tmp_path / "run" / "trajectories" / "last_step.jsonl").read_text().splitlines()]
+    assert {s.policy_version for t in step2 for s in t.segments if s.source == "model"} == {1}
+    _assert_sampled_by(step2, export_checkpoint(ckpt.with_name("step_000001"), tmp_path / "hf1"))
+
+
+def test_trainer_launcher_ray_raises_the_error_of_a_failing_rank(cluster, tmp_path):
+    from turnrl.dist.ray import train_on_ray
+
+    def train(rank, world_size, init_method):
+        if rank == 1:
+            raise ValueError(f"rank {rank} of {world_size} failed")
+        time.sleep(60)  # stands for a rank waiting in a collective: stopped by the driver, not waited for
+
+    t0 = time.perf_counter()
+    with pytest.raises(ray.exceptions.RayTaskError, match="rank 1 of 2 failed"):
+        train_on_ray(train, 2)
+    assert time.perf_counter() - t0 < 30
+    # device: cuda asks one GPU per rank; a cluster without them is refused at once instead of waiting
+    with pytest.raises(ValueError, match="trainer.world_size=2 Ray trainer actors need 2 GPUs .* has 0"):
+        train_on_ray(train, 2, gpus_per_rank=1.0)
+
+
+def test_trainer_actors_join_one_process_group(cluster):
+    from turnrl.config import TrainerConfig
+    from turnrl.dist.ray import train_on_ray
+
+    def train(rank, world_size, init_method):
+        from turnrl.parallel import Parallel
+
+        cfg = TrainerConfig(parallel="fsdp", world_size=world_size, launcher="ray")
+        parallel = Parallel.start(cfg, rank=rank, world_size=world_size, init_method=init_method)
+        try:
+            return parallel.all_gather_object((parallel.rank, os.getpid())), parallel.all_sum([rank + 1])
+        finally:
+            parallel.close()
+
+    ranks, total = train_on_ray(train, 2)  # rank 0's result
+    assert [r for r, _ in ranks] == [0, 1] and total == [3.0]
+    pids = {pid for _, pid in ranks}
+    assert len(pids) == 2 and os.getpid() not in pids  # two actor processes, one group

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import time
 from pathlib import Path
 
 import pytest
@@ -12,11 +13,12 @@ from fakes import ScriptedEngine
 
 from turnrl.config import EngineConfig
 from turnrl.engines import build_server_engine
-from turnrl.engines.base import EngineError
+from turnrl.engines.base import EngineError, InvalidRequest
 from turnrl.engines.embedded import EmbeddedEngine
 from turnrl.engines.http import HttpEngine
 from turnrl.engines.router import Router
 from turnrl.engines.sglang import SGLangEngine
+from turnrl.faults import SilentServer
 from turnrl.render import ChatRenderer
 from turnrl.serve import ServerThread
 from turnrl.types import FinishReason, SamplingParams
@@ -129,6 +131,10 @@ async def test_sleep_wake_abort_and_errors(qwen3_tokenizer):
         await asyncio.sleep(0.3)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+        for _ in range(100):  # the abort goes out in the background: cancelling never waits on the server
+            if fake.aborted:
+                break
+            await asyncio.sleep(0.02)
         assert fake.aborted and fake.aborted[-1].startswith("cancel-me#")
 
         # the server aborts (e.g. a weight update): finish_reason abort
@@ -176,3 +182,45 @@ def test_build_server_engine_from_config(tmp_path):
     assert isinstance(many, Router) and all(isinstance(r.engine, HttpEngine) for r in many._replicas.values())
     with pytest.raises(ValueError, match="engine.urls is required"):
         build_server_engine(EngineConfig(kind="sglang"))
+
+
+@pytest.mark.parametrize(("pause", "calls"), [
+    ("keep", ["pause_generation(in_place)", "update_weights_from_disk(abort_all_requests=False, flush_cache=False)",
+              "continue_generation"]),
+    ("wait", ["update_weights_from_disk(abort_all_requests=False, flush_cache=True)"]),
+    ("abort", ["update_weights_from_disk(abort_all_requests=True, flush_cache=True)"]),
+])
+async def test_pause_modes_map_onto_sglangs_pause_and_update_calls(embedded, fake_server, tiny_qwen3, tmp_path, pause,
+                                                                    calls):
+    engine, renderer = embedded
+    fake, url = fake_server
+    sglang = SGLangEngine(url, weights_dir=tmp_path / "weights")
+    params = SamplingParams(temperature=1.0, max_new_tokens=200, seed=2, stop_token_ids=())
+    running = asyncio.create_task(sglang.generate(_prompt(renderer), params, request_id=f"long-{pause}"))
+    while engine.stats["generated_tokens"] == 0 or not engine._active:  # the request is decoding on the server
+        await asyncio.sleep(0.01)
+    fake.calls.clear()
+    options = {} if pause == "keep" else {"pause": pause}  # how turnrl.weights passes it
+    await sglang.update_weights(tiny_qwen3.state_dict(), version=11 + len(pause), **options)
+    out = await running
+    assert fake.calls == calls
+    assert out.preempted is (pause == "abort") and (out.finish_reason == FinishReason.ABORT) is (pause == "abort")
+    if pause == "abort":
+        assert 0 < len(out.token_ids) < 200  # its tokens so far, for turnrl.rollout to resubmit
+    with pytest.raises(InvalidRequest, match="pause must be one of"):
+        await sglang.update_weights({}, pause="soon")
+
+
+async def test_cancelling_a_call_to_a_hung_server_returns_at_once():
+    """The abort of a cancelled call goes to the server that may be the one that hung: it was awaited (shielded,
+    with the 600 s request limit) before, holding the cancelled trajectory; now it goes out in the background."""
+    with SilentServer() as server:
+        sglang = SGLangEngine(server.url, control_timeout_s=0.5)
+        task = asyncio.ensure_future(sglang.generate([1, 2, 3], SamplingParams(), request_id="stuck"))
+        await asyncio.sleep(0.3)
+        start = time.perf_counter()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert task.cancelled() and time.perf_counter() - start < 1.0
+        assert await sglang.health() is False  # control calls have their own short limit
+        await sglang.aclose()

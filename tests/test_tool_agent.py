@@ -90,12 +90,12 @@ def call(name, **args):
 
 
 def run(tokenizer, script, rows=None, options=None, tools=(add, explode, slow, echo, Counter), reward=None,
-        max_turns=6, n=1):
+        max_turns=6, n=1, max_new_tokens=200):
     settings = ToolAgentSettings.build(ToolSet(tools), "hermes", {"tool_timeout_s": 0.2, **(options or {})})
     engine = ScriptedEngine(tokenizer, script)
     manager = RolloutManager(
         engine, ChatRenderer(tokenizer), agents=AGENTS, default_agent="tool_agent", tools=settings,
-        limits=RolloutLimits(max_turns=max_turns, max_new_tokens=200), reward_fn=reward,
+        limits=RolloutLimits(max_turns=max_turns, max_new_tokens=max_new_tokens), reward_fn=reward,
     )
     groups = asyncio.run(run_groups(manager, rows or [{"prompt": "What is 2+3?"}], n=n))
     return [t for g in groups for t in g], engine
@@ -142,9 +142,15 @@ def test_model_supplied_call_ids_round_trip(qwen3_tokenizer):
     (call("explode", x="y"), "raised RuntimeError: kaboom"),
     (call("slow", x="y"), "timed out after 0.2 s"),
     (call("add", a=1), "missing required argument 'b'"),
+    # hostile JSON: a RecursionError / ValueError failed the trajectory before, and NaN reached the tool
+    ('<tool_call>\n{"name": "add", "arguments": ' + "[" * 5000 + "]" * 5000 + "}\n</tool_call>",
+     "invalid JSON in <tool_call> #1: nesting deeper than 64 levels"),
+    ('<tool_call>\n{"name": "add", "arguments": {"a": ' + "9" * 5000 + ', "b": 1}}\n</tool_call>',
+     "invalid JSON in <tool_call> #1: an integer of 5000 digits"),
+    ('<tool_call>\n{"name": "add", "arguments": {"a": NaN, "b": 1}}\n</tool_call>', "NaN is not JSON"),
 ])
 def test_tool_errors_come_back_as_text(qwen3_tokenizer, reply, expected):
-    [traj], _ = run(qwen3_tokenizer, scripted(reply, "I give up."))
+    [traj], _ = run(qwen3_tokenizer, scripted(reply, "I give up."), max_new_tokens=12_000)
     assert traj.termination_reason == TerminationReason.NO_TOOL_CALL and traj.num_turns == 2
     [text] = tool_texts(traj)
     assert text.startswith("Error:") and expected in text, text

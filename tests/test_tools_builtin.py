@@ -288,3 +288,103 @@ def test_file_size_limit_applies_to_files_and_output():
     assert result.stderr.rstrip().endswith("OSError: [Errno 27] File too large")
     result = run("while True:\n    print('x' * 100_000)", limits)
     assert result.exit_code == 1 and result.stderr.rstrip().endswith("OSError: [Errno 27] File too large")
+
+
+# ---- the audit hook's known bypasses, and the kernel layers that contain them ------------------------
+
+
+def _landlock_abi() -> int:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return max(libc.syscall(444, None, ctypes.c_size_t(0), ctypes.c_uint32(1)), 0)
+
+
+KERNEL = os.uname().sysname == "Linux" and os.uname().machine in ("x86_64", "aarch64")
+needs_landlock = pytest.mark.skipif(not KERNEL or not _landlock_abi(), reason="the kernel has no Landlock")
+
+
+@pytest.fixture()
+def world_writable():
+    """A directory anyone may write to, like /tmp: the privilege drop does not protect it, Landlock does."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="turnrl-ww-", dir="/tmp"))
+    path.chmod(0o1777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+EXEC_BYPASSES = {
+    # neither raises an audit event: both started /bin/sh before (the marker appeared)
+    "_posixsubprocess.fork_exec": """
+import _posixsubprocess, os
+pid = _posixsubprocess.fork_exec([b'/bin/sh', b'-c', b'echo ran > marker'], [b'/bin/sh'], True, (), None, None,
+    -1, -1, -1, -1, -1, -1, *os.pipe(), True, False, 0, None, None, None, -1, None, False)
+os.waitpid(pid, 0)
+""",
+    "ctypes system": "import ctypes\nctypes.CDLL(None).system(b'echo ran > marker')\n",
+}
+
+
+@pytest.mark.skipif(not KERNEL, reason="the exec filter is for Linux x86_64 / aarch64")
+@pytest.mark.parametrize("name", list(EXEC_BYPASSES))
+def test_programs_started_below_the_audit_hook_do_not_run(name):
+    result = run(EXEC_BYPASSES[name] + "import os\nprint('ran' if os.path.exists('marker') else 'did not run')\n")
+    assert result.layers["no_exec"] is True
+    assert result.stdout.strip() == "did not run", (result.stdout, result.stderr)
+
+
+@pytest.mark.parametrize("patch", [
+    "import builtins\nbuiltins.isinstance = lambda obj, cls: True",  # every path looked like an open fd
+    "import os.path\nos.path.abspath = lambda p: os.getcwd() + '/x'",  # every path looked inside the work dir
+    "import os\nos.lstat = lambda p: os.stat(os.getcwd())",
+    "import os.path\nos.path.realpath = lambda p, **kw: os.getcwd() + '/x'",
+])
+def test_monkeypatching_cannot_turn_off_the_write_check(world_writable, patch):
+    target = world_writable / "escaped.txt"
+    result = run(f"{patch}\nopen({str(target)!r}, 'w').write('x')\nprint('wrote')")
+    assert "sandbox: writing outside the working directory is not allowed" in result.stderr  # the hook itself
+    assert result.stdout == "" and not target.exists()
+
+
+def test_the_hook_cannot_be_found_through_the_garbage_collector():
+    result = run("import gc\ntry:\n    gc.get_objects()\nexcept PermissionError as e:\n    print(e)")
+    assert result.stdout.strip() == "sandbox: gc.get_objects is not allowed"
+
+
+@needs_landlock
+def test_writes_that_get_past_the_hook_are_refused_by_landlock(world_writable):
+    """Native code, and a `dir_fd=` relative open (the hook sees a name inside the work dir), both wrote into
+    world-writable directories before."""
+    native, relative = world_writable / "native.txt", world_writable / "relative.txt"
+    code = f"""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+print(libc.open({str(native).encode()!r}, 0o101, 0o644), ctypes.get_errno())
+outside = os.open({str(world_writable)!r}, os.O_RDONLY)
+try:
+    os.open({relative.name!r}, os.O_CREAT | os.O_WRONLY, dir_fd=outside)
+    print('wrote')
+except PermissionError as e:
+    print(e.errno)
+open('inside.txt', 'w').write('fine')  # the work dir stays writable
+print(open('inside.txt').read())
+"""
+    result = run(code)
+    assert result.layers["landlock"] >= 1
+    assert result.stdout.split() == ["-1", "13", "13", "fine"], result.stderr  # EACCES from the kernel
+    assert not native.exists() and not relative.exists()
+
+
+@needs_landlock
+def test_allow_subprocess_starts_programs_that_still_cannot_write_outside(world_writable):
+    target = world_writable / "from_shell.txt"
+    code = ("import subprocess\n"
+            "print(subprocess.run(['echo', 'hi'], capture_output=True, text=True).stdout.strip())\n"
+            f"print(subprocess.run(['sh', '-c', 'echo x > {target}']).returncode != 0)\n")
+    result = run(code, SandboxLimits(timeout_s=5, allow_subprocess=True))
+    assert result.layers["no_exec"] is False
+    assert result.stdout.split() == ["hi", "True"] and not target.exists()

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import time
+
 import pytest
 
+from turnrl.faults import fuzz_parsers
 from turnrl.tools import PARSERS, get_parser
 from turnrl.types import ToolCall
 
@@ -197,3 +201,91 @@ def test_qwen3_coder_ignores_calls_in_reasoning_and_never_evals():
     assert parser.parse(f"{hidden}</think>done").calls == []
     evil = "<tool_call>\n<function=f>\n<parameter=x>\n__import__('os').getcwd()\n</parameter>\n</function>\n</tool_call>"
     assert parser.parse(evil).calls[0].arguments == {"x": "__import__('os').getcwd()"}
+
+
+# ---- hostile output: never an exception, always the invalid-call feedback ---------------------------
+
+qwen = get_parser("qwen3_coder")
+
+
+def _hermes_args(value: str) -> str:
+    return f'<tool_call>{{"name": "f", "arguments": {{"x": {value}}}}}</tool_call>'
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        ("[" * 100_000 + "]" * 100_000, "nesting deeper than 64 levels"),  # RecursionError before
+        ("[" * 65 + "]" * 65, "nesting deeper than 64 levels"),
+        ("9" * 5000, "an integer of 5000 digits (at most 4300)"),  # ValueError before
+        ("-" + "9" * 4301, "an integer of 4301 digits (at most 4300)"),
+        ("NaN", "NaN is not JSON (numbers must be finite)"),  # accepted before, sent on as invalid JSON
+        ("-Infinity", "-Infinity is not JSON (numbers must be finite)"),
+        ("1e999", "the number 1e999 is out of range"),  # json.loads makes it inf
+        ('"\\ud800"', "a string holds an unpaired surrogate ('\\ud800')"),  # cannot be written as UTF-8
+    ],
+)
+def test_hermes_refuses_what_cannot_go_out_as_json(value, error):
+    result = hermes.parse(_hermes_args(value))
+    assert result.calls == []
+    assert result.errors == [f"invalid JSON in <tool_call> #1: {error}"]
+
+
+def test_hermes_limits_also_apply_inside_an_arguments_string_and_keep_what_is_fine():
+    nested = json.dumps({"x": json.loads("[" * 63 + "]" * 63), "n": int("9" * 4300), "s": "\ud83d\ude00", "f": 1e308})
+    ok = hermes.parse(f'<tool_call>{{"name": "f", "arguments": {json.dumps(nested)}}}</tool_call>')
+    assert ok.errors == [] and ok.calls[0].arguments["n"] == int("9" * 4300) and ok.calls[0].arguments["s"] == "😀"
+    bad = hermes.parse('<tool_call>{"name": "f", "arguments": "{\\"x\\": NaN}"}</tool_call>')
+    assert bad.calls == []
+    assert bad.errors == ['invalid JSON in the "arguments" string of <tool_call> #1: NaN is not JSON (numbers must be finite)']
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["[" * 100_000, "[" * 100_000 + "]" * 100_000, "9" * 5000, "1e999", "-Infinity", '"\\udc00"'],
+)
+def test_qwen3_coder_keeps_values_it_cannot_read_as_raw_strings(value):
+    result = qwen.parse(f"<tool_call>\n<function=f>\n<parameter=x>\n{value}\n</parameter>\n</function>\n</tool_call>")
+    assert result.errors == []
+    assert result.calls == [ToolCall("f", {"x": value}, "call_0")]
+    json.dumps(result.calls[0].arguments, allow_nan=False)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "</think>" * 100_000 + "<think>",  # quadratic in split_reasoning before: minutes
+        "<channel|>" * 100_000 + "<tool_call>",
+        "<tool_call><function=" * 50_000 + "</tool_call>",  # quadratic in the function regex before
+        "<tool_call><function=f><parameter=" * 50_000 + "</tool_call>",
+        '<tool_call>{"name": "f", "arguments": ' + json.dumps('{"a": [' * 100_000) + "}</tool_call>",
+        '<tool_call>{"name": "f", "arguments": {"x": "' + '\\"[' * 200_000 + "}}</tool_call>",
+    ],
+)
+def test_parsing_is_linear_in_the_reply(text):
+    for parser in (hermes, qwen):
+        start = time.perf_counter()
+        parser.parse(text)
+        assert time.perf_counter() - start < 2.0, parser.name
+
+
+@pytest.mark.parametrize(("inner", "depth"), [
+    ('{"a": [1, {"b": "]]]}}}"}]}', 4),  # brackets inside strings do not count
+    ('["\\"[[[", [[]]]', 4),  # nor after an escaped quote
+    ('"[[[[', 1),  # an unterminated string runs to the end
+    ('"x\\', 1),  # also with a trailing backslash
+    ("[" * 70 + "]" * 70, 65),  # counting stops past the limit
+])
+def test_nesting_depth_reads_strings_as_json_does(inner, depth):
+    from turnrl.tools.parsers import _nesting_depth
+
+    padded = '["' + "[" * 100 + '", ' + inner + "]"  # more than 64 brackets: the text is scanned
+    assert _nesting_depth(padded, 64) == depth
+
+
+def test_fuzz_of_adversarial_replies_raises_nothing():
+    """A fast slice of bench/faults.py's fuzz (200,000 inputs there): every parser, with and without schemas."""
+    report = fuzz_parsers(2000, seed=7)
+    assert report.inputs == 2000 and report.calls == 16_000
+    assert report.exceptions == {} and report.bad_outputs == 0, report.examples
+    assert report.tool_calls > 500 and report.parse_errors > 2000  # the mix holds good and bad calls

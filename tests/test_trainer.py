@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 
 import pytest
 import torch
@@ -196,3 +197,38 @@ def test_an_engine_sharing_the_policy_tensors_samples_what_an_engine_with_a_copy
     assert sampled("shared") == sampled("copied")  # the same tokens with the same logprobs, bit for bit
     losses = [[m["train/loss"] for m in h if "train/loss" in m] for h in (shared, copied)]
     assert losses[0] == losses[1] and len(losses[0]) == 3
+
+
+def _behaviour_samples(tokenizer, policy, shift: float):
+    """Samples whose rollout logprobs are the policy's own minus `shift` per token, half sampled by version 0
+    (two versions stale at step 3) and half by version 2 (fresh)."""
+    samples = _fixed_samples(tokenizer)
+    rows = pack_sequences([(s.prompt_ids, s.response_ids, s.loss_mask) for s in samples], 4096)
+    for row in rows:
+        with torch.no_grad():
+            logp = packed_token_logprobs(policy, row)
+        for j, i in enumerate(row.sequence_index):
+            s = samples[i]
+            s.rollout_logprobs = (logp[row.target_seq == j] - shift).tolist()
+            s.versions = [0 if i % 2 == 0 else 2] * len(s.response_ids)
+    return samples
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_mismatch_is_reported_per_staleness_and_the_anchor_is_chosen(tiny_qwen3, qwen3_tokenizer, tmp_path, decoupled):
+    policy = copy.deepcopy(tiny_qwen3)
+    cfg = TrainConfig(model="tiny-qwen3", train_data="x", output_dir=str(tmp_path), optim={"lr": 1e-4},
+                      algo={"is_mode": "truncate", "decoupled": decoupled})
+    trainer = Trainer(cfg, policy, engine=None, rollout=None, train_rows=[{}], eval_rows=[])
+    trainer.step = 3  # updating policy version 2
+    metrics = trainer.update(_behaviour_samples(qwen3_tokenizer, policy, shift=0.1))
+    # log ratio proximal/behaviour = 0.1 on every token: k3 = e^0.1 - 1 - 0.1, for both ages of data
+    k3 = math.exp(0.1) - 1.1
+    assert metrics["train/mismatch_kl_k3/staleness_2"] == pytest.approx(k3, rel=1e-3)
+    assert metrics["train/mismatch_kl_k3/staleness_0"] == pytest.approx(k3, rel=1e-3)
+    if decoupled:  # clipped ratio against the proximal policy (1 here) and TIS weights e^0.1 on each token
+        assert metrics["train/ratio_mean"] == pytest.approx(1.0) and "train/is_weight_mean" in metrics
+        assert metrics["train/is_weight_mean"] == pytest.approx(math.exp(0.1), rel=1e-3)
+    else:  # anchored at behaviour: the ratio itself is e^0.1 and no importance weights are applied
+        assert metrics["train/ratio_mean"] == pytest.approx(math.exp(0.1), rel=1e-3)
+        assert "train/is_weight_mean" not in metrics

@@ -121,6 +121,7 @@ def test_engine_kind_vllm_without_urls_builds_an_in_process_engine(monkeypatch):
 
     built = {}
     monkeypatch.setattr(vllm_engines, "VLLMEngine", lambda model, **kw: built.update(model=model, **kw) or "engine")
+    monkeypatch.setattr("turnrl.models.check_hub_model", lambda repo_id: None)  # org/model is in no cache
     cfg = EngineConfig(kind="vllm", max_batch_size=8)
     with pytest.raises(ConfigError, match="needs model_path"):
         build_engine(torch.nn.Linear(1, 1), cfg)

@@ -31,6 +31,7 @@ from turnrl.types import SamplingParams
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from turnrl.parallel import Parallel
     from turnrl.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -170,7 +171,7 @@ def build_rollout_manager(
     return RolloutManager(
         engine, renderer, agents=agents, default_agent=default_agent, sampling=sampling_params(cfg),
         limits=rollout_limits(cfg), env_factory=env_factory, env_config=env_config(cfg), tools=tools,
-        concurrency=cfg.concurrency, sanity_mode=cfg.sanity_check, reward_fn=reward_fn,
+        concurrency=cfg.concurrency, sanity_mode=cfg.sanity_check, reward_fn=reward_fn, watchdog_s=cfg.watchdog_s,
     )
 
 
@@ -283,21 +284,24 @@ def build_worker_manager(model: str, cfg: RolloutConfig, reward: RewardConfig | 
     return build_rollout_manager(cfg, engine, renderer, build_reward_fn(reward) if reward is not None else None)
 
 
-def build_trainer(cfg: TrainConfig, *, checkpoint: Path | None = None,
-                  console: Console | None = None) -> tuple[Trainer, Stack]:
+def build_trainer(cfg: TrainConfig, *, checkpoint: Path | None = None, console: Console | None = None,
+                  parallel: Parallel | None = None) -> tuple[Trainer, Stack]:
     """The Trainer of `cfg` over its built components, and the stack to close when done. `checkpoint` (a
-    model directory) replaces the base model's weights, in the policy and in the engines."""
+    model directory) replaces the base model's weights, in the policy and in the engines. `parallel` is this
+    process's place among the trainer ranks (None: `Parallel.start` from torchrun's environment, or one
+    process). Rank 0 reads the rows and builds the engines and the rollout; the other ranks only train, on the
+    samples rank 0 sends them each step (their stack holds nothing)."""
     from turnrl.data import load_rows
     from turnrl.models import DTYPES, load_model
+    from turnrl.parallel import Parallel
     from turnrl.trainer import Trainer
 
+    parallel = parallel or Parallel.start(cfg.trainer, cfg.device)  # first: a launch error before anything loads
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     if cfg.rollout.sampling.seed is None:  # seeded samplers make runs (and resumes) reproducible
         cfg.rollout.sampling.seed = cfg.seed
-    train_rows = load_rows(cfg.train_data)
-    eval_rows = load_rows(cfg.eval_data) if cfg.eval_data else []
     weights = str(checkpoint) if checkpoint else None
     # the policy trains (the Trainer moves or shards it onto the devices cfg.device and cfg.trainer say); the
     # engines sample from a copy of it, or from its very tensors where that is safe (shares_weights)
@@ -307,12 +311,27 @@ def build_trainer(cfg: TrainConfig, *, checkpoint: Path | None = None,
         loaded.append(load_model(weights or cfg.model, dtype=DTYPES[cfg.dtype]).eval())
         return sharing_view(loaded[0])
 
-    stack = build_stack(cfg.model, cfg.rollout, cfg.engine, reward=cfg.reward, server=cfg.rollout_server,
-                        weights=weights, dtype=cfg.dtype, engine_model=policy_view if shares_weights(cfg) else None)
+    if parallel.is_main:
+        train_rows = load_rows(cfg.train_data)
+        eval_rows = load_rows(cfg.eval_data) if cfg.eval_data else []
+        stack = build_stack(cfg.model, cfg.rollout, cfg.engine, reward=cfg.reward, server=cfg.rollout_server,
+                            weights=weights, dtype=cfg.dtype,
+                            engine_model=policy_view if shares_weights(cfg) else None)
+        if cfg.engine.kind != "embedded" and not cfg.rollout_server:  # a dead server fails here, not per trajectory
+            from turnrl.engines import check_servers
+
+            try:
+                check_servers(stack.engine)
+            except Exception:
+                stack.close()
+                raise
+    else:
+        train_rows, eval_rows, stack = [], [], Stack(None, None, None, TrajectoryTracer(None))
     policy = loaded[0] if loaded else load_model(weights or cfg.model, dtype=DTYPES[cfg.dtype]).eval()
-    if checkpoint and cfg.rollout_server:  # the server's engine loaded its own weights: give it the checkpoint's
+    if checkpoint and cfg.rollout_server and parallel.is_main:  # the server's engine loaded its own weights
         asyncio.run(stack.engine.update_weights(policy.state_dict()))
-    trainer = Trainer(cfg, policy, stack.engine, stack.rollout, train_rows, eval_rows, console, stack.tracer)
+    trainer = Trainer(cfg, policy, stack.engine, stack.rollout, train_rows, eval_rows, console, stack.tracer,
+                      parallel=parallel)
     return trainer, stack
 
 

@@ -1,13 +1,16 @@
-"""`turnrl rollout | train | eval | serve | view`."""
+"""`turnrl rollout | train | eval | export | serve | view | replay`."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
@@ -16,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 if TYPE_CHECKING:
     from turnrl.config import RolloutConfig, TrainConfig
+    from turnrl.parallel import Parallel
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Multi-turn agentic RL for LLMs and VLMs.")
 console = Console(soft_wrap=not sys.stdout.isatty())  # into a file or a pipe: one line per line, never wrapped
@@ -35,9 +39,49 @@ def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, handlers=[handler], force=True)
 
 
-def _fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {message}", soft_wrap=True)
-    raise typer.Exit(2)
+def _fail(message: str, code: int = 2) -> None:
+    from rich.markup import escape
+
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+T = TypeVar("T")
+
+
+def _guarded(verbose: bool, body: Callable[[], T]) -> T:
+    """A command's body with one error boundary: any error is one paragraph naming what was wrong (the
+    exception's own message, which names the field or file), the traceback only with -v. Bad input exits 2;
+    a run that failed (a stall, an engine that died, a bug) exits 1."""
+    try:
+        return body()
+    except (typer.Exit, typer.Abort, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        if verbose:
+            console.print_exception()
+        _fail(_one_paragraph(e), 2 if _is_bad_input(e) else 1)
+        raise  # unreachable: _fail raises
+
+
+def _one_paragraph(e: BaseException) -> str:
+    from turnrl.watchdog import Stalled
+
+    if isinstance(e, SyntaxError):
+        message = f"{e.filename} line {e.lineno}: {type(e).__name__}: {e.msg}"
+    elif isinstance(e, Stalled | KeyError) or not str(e):
+        message = f"{type(e).__name__}: {e}"
+    else:
+        message = str(e)
+    notes = [n for n in getattr(e, "__notes__", ()) if n not in message]
+    hint = "" if _is_bad_input(e) else " (run with -v for the traceback)"
+    return " ".join([message, *notes]).rstrip() + hint
+
+
+def _is_bad_input(e: BaseException) -> bool:
+    from turnrl.engines.base import EngineError
+
+    return isinstance(e, ValueError | OSError | ImportError | AttributeError | SyntaxError | EngineError)
 
 
 Opt = typer.Option
@@ -69,6 +113,11 @@ def rollout(
     chat_template_kwargs: Annotated[str | None, Opt(help='JSON, e.g. \'{"enable_thinking": false}\'.')] = None,
     sanity_check: Annotated[str, Opt(help="strict | ignore_strippable | disable.")] = "strict",
     concurrency: Annotated[int, Opt(help="Trajectories in flight.")] = 64,
+    env_timeout: Annotated[float | None, Opt(help="Seconds one env step may take (FAILED/timeout past it; "
+                                                  "0 = no limit).")] = 60.0,
+    env_retries: Annotated[int, Opt(help="Extra attempts of a failing env step.")] = 0,
+    watchdog: Annotated[float, Opt(help="Seconds without progress of any trajectory, engine or env call before "
+                                        "the run fails naming what was stuck (0 = off).")] = 600.0,
     max_batch_size: Annotated[int, Opt(help="Rows decoded together by the embedded engine.")] = 16,
     ray_workers: Annotated[int, Opt(help="Rollout workers on Ray, the engine a Ray actor (0 = all in this process).")] = 0,
     limit: Annotated[int | None, Opt(help="Use only the first N rows.")] = None,
@@ -84,6 +133,8 @@ def rollout(
     if server and (env or scheduler or plugin or tools or agents or ray_workers):
         _fail("--env, --scheduler, --plugin, --tools, --agent-path and --ray-workers configure where the turns run; "
               "with --server the rollout server runs them: pass these to `turnrl serve` instead")
+    from pydantic import ValidationError
+
     from turnrl.config import (
         ConfigError,
         EngineConfig,
@@ -100,30 +151,29 @@ def rollout(
             tools=tools, tool_parser=tool_parser, scheduler=scheduler, plugins=plugin, n=n, **given,
             env_config={"gym_env": gym_env} if gym_env else {},
             max_new_tokens=max_new_tokens, token_budget=token_budget, concurrency=concurrency,
-            sanity_check=sanity_check, chat_template_kwargs=json.loads(chat_template_kwargs or "{}"),
+            env_timeout_s=env_timeout or None, env_retries=env_retries, watchdog_s=watchdog or None,
+            sanity_check=sanity_check, chat_template_kwargs=_json_flag("--chat-template-kwargs", chat_template_kwargs),
             trace_uri=trace_uri, max_traces_per_step=max_traces,
             sampling=SamplingConfig(temperature=temperature, top_p=top_p, seed=seed),
         ))
         rows = load_rows(data)[:limit]
         engine_cfg = EngineConfig(max_batch_size=max_batch_size, distributed="ray" if ray_workers else "none",
                                   ray_workers=max(ray_workers, 1))
+    except ValidationError as e:
+        _fail(_flag_errors(e))
     except (ConfigError, DataError, ValueError, FileNotFoundError) as e:
         _fail(str(e))
-    asyncio.run(_rollout(model, cfg, engine_cfg, rows, out, reward, server=server))
+    _guarded(verbose, lambda: asyncio.run(_rollout(model, cfg, engine_cfg, rows, out, reward, server=server)))
 
 
 async def _rollout(model_name, cfg, engine_cfg, rows, out: Path, reward: str | None, server: str | None = None) -> None:
     from turnrl.build import build_stack
     from turnrl.config import RewardConfig
-    from turnrl.engines.base import EngineError
     from turnrl.observe import RolloutStats, TrajectoryWriter
 
-    try:
-        with console.status(f"loading {model_name}"):
-            stack = build_stack(model_name, cfg, engine_cfg, reward=RewardConfig(function=reward) if reward else None,
-                                server=server)
-    except (ValueError, FileNotFoundError, AttributeError, ImportError, EngineError) as e:
-        _fail(str(e))
+    with console.status(f"loading {model_name}"):  # errors: one paragraph from _guarded
+        stack = build_stack(model_name, cfg, engine_cfg, reward=RewardConfig(function=reward) if reward else None,
+                            server=server)
     stats, tracer = RolloutStats(), stack.tracer
     try:
         with TrajectoryWriter(out) as writer, _progress() as progress:
@@ -141,6 +191,31 @@ async def _rollout(model_name, cfg, engine_cfg, rows, out: Path, reward: str | N
     if tracer.enabled:
         console.print(f"traced {tracer.exported} trajectories to {cfg.trace_uri} (experiment {cfg.trace_experiment!r}, "
                       f"{tracer.failures} failures)")
+
+
+_FLAGS = {"env_timeout_s": "--env-timeout", "watchdog_s": "--watchdog", "plugins": "--plugin", "agents": "--agent-path",
+          "max_traces_per_step": "--max-traces"}
+"""Config fields whose `turnrl rollout` flag is not simply --field-name."""
+
+
+def _flag_errors(error: Any) -> str:
+    """A pydantic ValidationError of the flags' config, one clause per bad flag."""
+    clauses = []
+    for err in error.errors():
+        field = str(err["loc"][-1]) if err["loc"] else ""
+        flag = _FLAGS.get(field, "--" + field.replace("_", "-"))
+        clauses.append(f"{flag}: {err['msg']} (got {err.get('input')!r:.60})")
+    return "; ".join(clauses)
+
+
+def _json_flag(flag: str, value: str | None) -> dict[str, Any]:
+    try:
+        parsed = json.loads(value or "{}")
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag}: invalid JSON ({e.msg} at column {e.colno}): {value!r:.80}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{flag}: expected a JSON object, got {type(parsed).__name__}")
+    return parsed
 
 
 def _progress() -> Progress:
@@ -164,9 +239,12 @@ def train(
     verbose: Annotated[bool, Opt("--verbose", "-v")] = False,
 ) -> None:
     """Train a policy with GRPO on multi-turn rollouts. Each run writes its own directory (printed at start):
-    OUTPUT_DIR/<timestamp>, or --run-dir; `turnrl train CONFIG --resume [PATH]` continues one."""
+    OUTPUT_DIR/<timestamp>, or --run-dir; `turnrl train CONFIG --resume [PATH]` continues one. Under torchrun
+    each process is one trainer rank (trainer.parallel: fsdp; every rank needs the same --run-dir); with
+    trainer.launcher: ray it starts the ranks itself (docs/distributed.md)."""
     _setup_logging(verbose)
     from turnrl.config import ConfigError, TrainConfig, load_config
+    from turnrl.parallel import check_launch
     from turnrl.runs import prepare_run
 
     try:
@@ -180,15 +258,11 @@ def train(
             cfg.run_dir = str(run_dir)
         if resume:
             cfg.resume = resume_path or True
+        check_launch(cfg.trainer)  # torchrun's ranks against trainer.world_size / parallel / launcher
         prepare_run(cfg, overwrite=overwrite)  # refuses a non-empty run directory before anything loads
     except ConfigError as e:
         _fail(str(e))
-    from turnrl.models import ModelUnavailable
-
-    try:
-        run_training(cfg, console=console)
-    except ModelUnavailable as e:  # a hub id offline: one line, not transformers' traceback after its retries
-        _fail(str(e))
+    _guarded(verbose, lambda: run_training(cfg, console=console))
 
 
 def _resume_path(items: list[str], resume: bool) -> tuple[list[str], str | None]:
@@ -202,33 +276,71 @@ def _resume_path(items: list[str], resume: bool) -> tuple[list[str], str | None]
     return [item for item in items if "=" in item], (paths[0] if paths else None)
 
 
-def run_training(cfg: TrainConfig, console: Console | None = None, *, overwrite: bool = False) -> list[dict[str, float]]:
+def run_training(cfg: TrainConfig, console: Console | None = None, parallel: Parallel | None = None, *,
+                 overwrite: bool = False) -> list[dict[str, float]]:
     """`turnrl train`: choose the run directory (turnrl.runs.prepare_run: a ConfigError for a non-empty one
-    without resume or `overwrite`), build the trainer (turnrl.build), train, close; returns the metrics history."""
+    without resume or `overwrite`), build the trainer (turnrl.build), train, close; returns the metrics history
+    (rank 0's is the one logged). This process is one trainer rank: `parallel`, else as torchrun's environment
+    says (one process without it). With `trainer.launcher: ray` and no `parallel` it starts the ranks as Ray
+    actors (each runs this function with its own `parallel`, in the run directory chosen here) and returns rank
+    0's history."""
     from turnrl.build import build_trainer
     from turnrl.observe import peak_rss_gb
     from turnrl.plots import plot_curves
     from turnrl.runs import discard_if_empty, prepare_run
 
     console = console or Console()
-    run_dir = prepare_run(cfg, overwrite=overwrite)
-    console.print(f"run directory: {run_dir}" + (" (resuming)" if cfg.resume else ""), soft_wrap=True)
+    if parallel is None:  # a Ray trainer rank (parallel given) runs in the directory its driver chose
+        run_dir = prepare_run(cfg, overwrite=overwrite)
+        if int(os.environ.get("RANK", "0")) == 0:
+            console.print(f"run directory: {run_dir}" + (" (resuming)" if cfg.resume else ""), soft_wrap=True)
+    if cfg.trainer.launcher == "ray" and parallel is None:
+        from turnrl.dist.ray import train_on_ray
+
+        return train_on_ray(functools.partial(_train_rank, cfg), cfg.trainer.world_size,
+                            address=cfg.engine.ray_address, gpus_per_rank=1.0 if cfg.device.startswith("cuda") else 0.0)
     try:
-        trainer, stack = build_trainer(cfg, console=console)
+        trainer, stack = build_trainer(cfg, console=console, parallel=parallel)
     except BaseException:
-        discard_if_empty(run_dir)  # a run that never started leaves no empty directory behind
+        discard_if_empty(Path(cfg.run_dir))  # a run that never started leaves no empty directory behind
         raise
     try:
         history = asyncio.run(trainer.train())
     finally:
         stack.close()
-    plot_curves(history, trainer.out / "curves.png")
-    trainer.console.print(f"wrote {trainer.out / 'curves.png'}, {trainer.out / 'metrics.jsonl'}, "
-                          f"{trainer.out / 'trajectories'}, {trainer.out / 'checkpoints'}", soft_wrap=True)
-    peak = peak_rss_gb()
-    if peak is not None:
-        trainer.console.print(f"peak memory: {peak:.2f} GB resident (this process's maximum RSS)")
+    trainer.parallel.close()  # after a failure a rank just exits: torchrun / the Ray driver stops the others
+    if trainer.parallel.is_main:
+        plot_curves(history, trainer.out / "curves.png")
+        trainer.console.print(f"wrote {trainer.out / 'curves.png'}, {trainer.out / 'metrics.jsonl'}, "
+                              f"{trainer.out / 'trajectories'}, {trainer.out / 'checkpoints'}", soft_wrap=True)
+        peak = peak_rss_gb()
+        if peak is not None:
+            trainer.console.print(f"peak memory: {peak:.2f} GB resident (this process's maximum RSS)")
     return history
+
+
+def _train_rank(cfg: TrainConfig, rank: int, world_size: int, init_method: str) -> list[dict[str, float]]:
+    """What each Ray trainer actor runs (turnrl.dist.ray.TrainerActor): join the process group, train."""
+    from turnrl.parallel import Parallel
+
+    parallel = Parallel.start(cfg.trainer, cfg.device, rank=rank, world_size=world_size, init_method=init_method)
+    return run_training(cfg, parallel=parallel)
+
+
+@app.command(name="export")
+def export_command(
+    checkpoint: Annotated[Path, typer.Argument(help="A training checkpoint: RUN/checkpoints/step_NNNNNN.")],
+    out_dir: Annotated[Path, typer.Argument(help="Where to write the Hugging Face directory.")],
+    verbose: Annotated[bool, Opt("--verbose", "-v")] = False,
+) -> None:
+    """Write a checkpoint as a Hugging Face directory (safetensors, config, tokenizer or processor, chat template)
+    that transformers and vLLM load: from its sharded state, whatever world size wrote it; LoRA merged in."""
+    _setup_logging(verbose)
+    from turnrl.checkpoint import export_checkpoint
+
+    out = _guarded(verbose, lambda: export_checkpoint(checkpoint, out_dir))
+    files = sorted(f.name for f in out.iterdir())
+    console.print(f"wrote {out}: {', '.join(files)}")
 
 
 @app.command(name="eval")
@@ -246,11 +358,12 @@ def evaluate(
     sampled_n: Annotated[int | None, Opt(help="Also sample this many answers per problem at the rollout's "
                                               "temperature (rollout.sampling); default: the config's "
                                               "eval_sampled_n; 0 = off.")] = None,
+    verbose: Annotated[bool, Opt("--verbose", "-v")] = False,
 ) -> None:
     """Evaluate a policy on the held-out set of a training config (eval_data), as training does before and after:
     greedy decoding and, with --sampled-n N (or eval_sampled_n in the config), N sampled answers per problem.
     Prints the scores and where the trajectories went."""
-    _setup_logging(False)
+    _setup_logging(verbose)
     from turnrl.config import ConfigError, TrainConfig, load_config
 
     try:
@@ -261,10 +374,8 @@ def evaluate(
             raise ConfigError("--no-greedy leaves nothing to evaluate: add --sampled-n N")
     except ConfigError as e:
         _fail(str(e))
-    try:
-        run_evaluation(cfg, checkpoint=checkpoint, out=out, console=console, greedy=greedy, sampled_n=sampled_n)
-    except (ValueError, FileNotFoundError) as e:
-        _fail(str(e))
+    _guarded(verbose, lambda: run_evaluation(cfg, checkpoint=checkpoint, out=out, console=console, greedy=greedy,
+                                             sampled_n=sampled_n))
 
 
 def run_evaluation(cfg: TrainConfig, checkpoint: Path | None = None, out: Path | None = None,
@@ -274,8 +385,11 @@ def run_evaluation(cfg: TrainConfig, checkpoint: Path | None = None, out: Path |
     of runs: turnrl.runs.find_checkpoint; None = the base model) on `eval_data`, written to `out`."""
     import tempfile
 
+    import torch
+
     from turnrl.build import build_trainer
     from turnrl.checkpoint import export_checkpoint, has_hf_weights
+    from turnrl.parallel import Parallel
     from turnrl.runs import find_checkpoint
     from turnrl.trainer import format_step_line, sampled_path
 
@@ -286,11 +400,13 @@ def run_evaluation(cfg: TrainConfig, checkpoint: Path | None = None, out: Path |
         console.print(f"evaluating {ckpt}" + (f" ({'; '.join(notes)})" if notes else ""), soft_wrap=True)
     if out is None:
         out = ckpt.parent.parent / "eval" / f"{ckpt.name}.jsonl" if ckpt else Path(cfg.output_dir) / "eval" / "base.jsonl"
+    # evaluation is rollouts only: one process, whatever trainer.parallel / world_size / launcher the config has
+    one = Parallel(device=torch.device(cfg.device))
     with tempfile.TemporaryDirectory(prefix="turnrl-eval-") as tmp:
         model_dir = None
         if ckpt is not None:  # a checkpoint without Hugging Face weights (all but a run's last): from its state
             model_dir = ckpt / "model" if has_hf_weights(ckpt / "model") else export_checkpoint(ckpt, tmp)
-        trainer, stack = build_trainer(cfg, checkpoint=model_dir, console=console)
+        trainer, stack = build_trainer(cfg, checkpoint=model_dir, console=console, parallel=one)
     try:
         metrics = asyncio.run(trainer.evaluate("cli", greedy=greedy, sampled_n=sampled_n, out=out))
     finally:
@@ -457,3 +573,7 @@ def _server_rollout_config(path: Path | None, flags: dict[str, Any], plugins: li
 
 def main() -> None:  # pragma: no cover
     app()
+
+
+if __name__ == "__main__":  # `python -m turnrl.cli ...`, e.g. under torchrun: torchrun ... -m turnrl.cli train CONFIG
+    main()

@@ -88,12 +88,15 @@ class RolloutConfig(Strict):
     """Tokens per model turn."""
     token_budget: int | None = Field(None, ge=1)
     """Tokens after the prompt for the whole trajectory (model + observations); None = unlimited."""
-    env_timeout_s: float | None = 60.0
+    env_timeout_s: float | None = Field(60.0, gt=0)
     """Time limit of one env step."""
     env_retries: int = Field(0, ge=0)
     """Extra attempts of a failing env step."""
-    trajectory_timeout_s: float | None = None
+    trajectory_timeout_s: float | None = Field(None, gt=0)
     """Wall-clock limit per trajectory."""
+    watchdog_s: float | None = Field(600.0, gt=0)
+    """The run fails (naming what was stuck, stacks in the log) when no trajectory, engine call or env call makes
+    progress for this long; a training run also watches its update and weight sync. None = off."""
     concurrency: int = Field(64, ge=1)
     """Trajectories in flight at once."""
     sanity_check: Literal["strict", "ignore_strippable", "disable"] = "strict"
@@ -131,6 +134,11 @@ class AlgoConfig(Strict):
     """How per-token losses become one number (see algos.aggregate_loss)."""
     norm_constant: float | None = None
     """Denominator of seq_mean_token_sum_norm (e.g. the max response length)."""
+    decoupled: bool = True
+    """Decoupled PPO (AReaL's, for off-policy data): the clipped ratio is against the proximal policy (the one
+    being updated, recomputed), and importance weights `is_mode` correct proximal vs behaviour per token, with the
+    behaviour logprobs of each segment's own version. false: PPO anchored at the behaviour policy (the rollout
+    logprobs are the "old" ones; no separate importance weights)."""
     is_mode: Literal["none", "truncate", "mask"] = "truncate"
     """Importance-sampling correction against the engine's logprobs: TIS, MIS, or none."""
     is_level: Literal["token", "sequence"] = "token"
@@ -177,11 +185,16 @@ class LoraConfig(Strict):
 class TrainerConfig(Strict):
     parallel: Literal["none", "fsdp"] = "none"
     """none: one process on `device`. fsdp: FSDP2 (`fully_shard` per decoder layer and at the root) over
-    `world_size` ranks started by torchrun; the update is the same at any world size (docs/distributed.md).
-    With fsdp the sharded parameters, the gradient reduction and the optimizer state are fp32 and `dtype` is
-    the compute dtype (bfloat16: mixed precision)."""
+    `world_size` ranks (started by torchrun or Ray: `launcher`); the update is the same at any world size
+    (docs/distributed.md). With fsdp the sharded parameters, the gradient reduction and the optimizer state
+    are fp32 and `dtype` is the compute dtype (bfloat16: mixed precision)."""
     world_size: int = Field(1, ge=1)
     """Trainer ranks; under torchrun it must equal WORLD_SIZE."""
+    launcher: Literal["torchrun", "ray"] = "torchrun"
+    """Who starts the trainer ranks. torchrun: each process `turnrl train` runs in is one rank, as torchrun's
+    environment says (WORLD_SIZE, RANK, LOCAL_RANK); without torchrun, one process. ray: `turnrl train`, run
+    once, starts `world_size` Ray trainer actors on the cluster at engine.ray_address (one GPU each with a
+    cuda device) sharing one process group; rank 0 holds the engines and the rollout (docs/distributed.md)."""
     cpu_offload: bool = False
     """fsdp: keep the sharded parameters, gradients and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy);
     the optimizer step runs on the CPU. Trades step time for device memory."""
@@ -399,7 +412,8 @@ def _explain(cls: type[BaseModel], error: ValidationError, path: Path | None) ->
             suggestion = f" (did you mean {hint[0]!r}?)" if hint else f" (known keys: {', '.join(known)})"
             lines.append(f"  {loc}: unknown key{suggestion}")
         else:
-            lines.append(f"  {loc or '(top level)'}: {err['msg']} (got {err.get('input')!r:.80})")
+            got = f" (got {err.get('input')!r:.80})" if loc else ""  # the top level's input is the whole config
+            lines.append(f"  {loc or '(top level)'}: {err['msg']}{got}")
     return "\n".join(lines)
 
 

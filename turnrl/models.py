@@ -116,58 +116,54 @@ BUILTIN_MODELS: dict[str, Callable[[Path], None]] = {
 }
 
 
-class ModelUnavailable(ValueError):
-    """A model that cannot be had here: not a local directory or built-in name, or a hub id neither cached nor
-    downloadable (offline). One line, said before anything waits on the network."""
-
-
-HUB_PROBE_TIMEOUT_S = 3.0
-
-
-def _check_hub(repo_id: str) -> None:
-    """Fail fast for a hub id that is not in the local Hugging Face cache when the hub cannot be reached
-    (HF_HUB_OFFLINE, or no connection within HUB_PROBE_TIMEOUT_S): transformers would retry for ~30 s and then
-    print a long traceback."""
-    import socket
-    from urllib.parse import urlparse
-
-    from huggingface_hub import constants, try_to_load_from_cache
-
-    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
-        return  # cached: from_pretrained loads it without the network
-    advice = f"use a local directory or a built-in name ({', '.join(BUILTIN_MODELS)})"
-    if constants.HF_HUB_OFFLINE:
-        raise ModelUnavailable(f"model {repo_id!r}: not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
-                               f"HF_HUB_OFFLINE is set, so it cannot be downloaded; {advice}")
-    url = urlparse(constants.ENDPOINT)
-    try:
-        socket.create_connection((url.hostname, url.port or 443), timeout=HUB_PROBE_TIMEOUT_S).close()
-    except OSError as e:
-        raise ModelUnavailable(f"model {repo_id!r}: not in the Hugging Face cache and {constants.ENDPOINT} cannot "
-                               f"be reached ({e.__class__.__name__} within {HUB_PROBE_TIMEOUT_S:.0f} s); "
-                               f"{advice}") from None
-
-
 def resolve_model(name_or_path: str) -> str:
     """Return a local directory for built-in names and paths, or the hub id unchanged.
 
-    Raises ModelUnavailable (a ValueError) for a bare name that is neither a directory nor built-in nor
-    `org/name`, and for a hub id that is not cached while the hub cannot be reached.
+    Raises ValueError for a bare name that is neither a directory nor built-in nor `org/name`.
     """
     if name_or_path in BUILTIN_MODELS:
         return str(_materialised(name_or_path))
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
-            raise ModelUnavailable(f"model directory {path} has no config.json (expected a Hugging Face model directory)")
+            raise ValueError(f"model directory {path} has no config.json (expected a Hugging Face model directory)")
         return str(path)
     if name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/")):
-        _check_hub(name_or_path)
+        check_hub_model(name_or_path)
         return name_or_path  # a hub id; from_pretrained downloads it where the network allows
-    raise ModelUnavailable(
+    raise ValueError(
         f"unknown model {name_or_path!r}: not a local directory, not a built-in name "
         f"({', '.join(BUILTIN_MODELS)}), and not a hub id of the form org/name"
     )
+
+
+_TRUE = {"1", "ON", "YES", "TRUE"}
+
+
+def check_hub_model(repo_id: str, timeout_s: float = 5.0) -> None:
+    """Fail fast, in one line, for a hub id that cannot load: not in the local Hugging Face cache while offline
+    or with the hub unreachable (transformers retries for tens of seconds, then prints a long traceback), or
+    not on the hub. A cached model passes without any network call."""
+    import httpx
+    from huggingface_hub import constants, get_token, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return
+    hint = "download it where the network allows (it is then loaded from the cache), or pass a local directory"
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in _TRUE:
+        raise ValueError(f"model {repo_id!r} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+                         f"HF_HUB_OFFLINE is set: {hint}")
+    endpoint = os.environ.get("HF_ENDPOINT", constants.ENDPOINT).rstrip("/")
+    token = get_token()
+    try:
+        response = httpx.get(f"{endpoint}/api/models/{repo_id}", timeout=timeout_s,
+                             headers={"authorization": f"Bearer {token}"} if token else {})
+    except httpx.HTTPError as e:
+        raise ValueError(f"model {repo_id!r} is not in the local Hugging Face cache and {endpoint} cannot be reached "
+                         f"({type(e).__name__}: {e}): {hint}") from None
+    if response.status_code in (401, 404):
+        raise ValueError(f"model {repo_id!r} is not on {endpoint} (HTTP {response.status_code}; a private or gated "
+                         "model needs `hf auth login` or HF_TOKEN), nor in the local cache")
 
 
 def _materialised(name: str) -> Path:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from turnrl.config import TrainerConfig
+from turnrl.config import ConfigError, TrainerConfig
 
 COLLECTIVE_TIMEOUT = timedelta(hours=2)
 """How long a rank waits in a collective: the other ranks wait in one while rank 0 runs a step's rollouts and
@@ -53,28 +53,26 @@ class Parallel:
         """Join (or create) the trainer's process group: from torchrun's environment (RANK, WORLD_SIZE,
         LOCAL_RANK, MASTER_ADDR, MASTER_PORT), or from explicit `rank`, `world_size` and `init_method`
         ("tcp://host:port", what Ray trainer actors pass). gloo on CPU, NCCL on CUDA."""
-        env_world = os.environ.get("WORLD_SIZE")
+        if cfg.launcher == "ray" and world_size is None:
+            raise ConfigError("trainer.launcher is ray: the trainer ranks are the Ray actors `turnrl train` starts "
+                              "(turnrl.dist.ray.train_on_ray), each given its rank, world_size and init_method")
+        check_launch(cfg, world_size)
         if cfg.parallel == "none":
-            if int(env_world or 1) > 1 or (world_size or 1) > 1:
-                raise ValueError(f"{world_size or env_world} trainer ranks were started but trainer.parallel is "
-                                 "none; set trainer.parallel: fsdp and trainer.world_size")
             return cls(device=torch.device(device))
         _check_fsdp_support()
+        env_world = os.environ.get("WORLD_SIZE")
         world_size = world_size or int(env_world or 1)
-        if world_size != cfg.world_size:
-            raise ValueError(f"trainer.world_size is {cfg.world_size} but {world_size} ranks were started "
-                             f"(WORLD_SIZE={env_world}); make them equal")
         rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         where = torch.device(device)
         if where.type == "cuda":  # one GPU per rank, by its rank on this node
             where = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1))))
+            if where.index >= torch.cuda.device_count():
+                raise ConfigError(f"device={device}: rank {rank} needs CUDA device {where.index} (LOCAL_RANK) but "
+                                  f"this node has {torch.cuda.device_count()}; start at most that many ranks per node")
             torch.cuda.set_device(where)
         if not dist.is_initialized():
-            if init_method is None and env_world is None:
-                if world_size > 1:
-                    raise ValueError(f"trainer.world_size={world_size} but this process was not started by torchrun "
-                                     f"(no WORLD_SIZE in the environment): torchrun --nproc-per-node {world_size} ...")
-                init_method = f"tcp://127.0.0.1:{_free_port()}"  # a group of one (fsdp on a single device)
+            if init_method is None and env_world is None:  # a group of one (fsdp on a single device)
+                init_method = f"tcp://127.0.0.1:{_free_port()}"
             dist.init_process_group("nccl" if where.type == "cuda" else "gloo", init_method=init_method,
                                     rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
         from torch.distributed.device_mesh import init_device_mesh
@@ -184,6 +182,33 @@ class Parallel:
         torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm,
                                              torch.tensor(total, dtype=torch.float32))
         return total
+
+
+def check_launch(cfg: TrainerConfig, world_size: int | None = None) -> None:
+    """Raise a ConfigError naming the `trainer.*` field when the ranks this process was started among do not
+    match the config: `world_size` ranks when given (what a Ray trainer actor is told), else torchrun's
+    WORLD_SIZE (none: one process). Cheap: `turnrl train` calls it before anything loads."""
+    env_world = os.environ.get("WORLD_SIZE")
+    if cfg.launcher == "ray" and world_size is None:  # the driver, which starts the ranks itself
+        if env_world is not None:
+            raise ConfigError(f"trainer.launcher is ray: `turnrl train` starts the {cfg.world_size} trainer ranks "
+                              f"itself, as Ray actors, but this process was started by torchrun (WORLD_SIZE="
+                              f"{env_world}); run it once without torchrun, or set trainer.launcher: torchrun")
+        return
+    started = world_size or int(env_world or 1)
+    if cfg.parallel == "none":
+        if started > 1:
+            raise ConfigError(f"{started} trainer ranks were started but trainer.parallel is none; set "
+                              f"trainer.parallel: fsdp and trainer.world_size: {started}")
+        return
+    if world_size is None and env_world is None and cfg.world_size > 1:
+        raise ConfigError(f"trainer.world_size is {cfg.world_size} but this process was not started by torchrun "
+                          f"(no WORLD_SIZE in the environment): run torchrun --nproc-per-node {cfg.world_size} "
+                          "$(which turnrl) train CONFIG, or set trainer.launcher: ray")
+    if started != cfg.world_size:
+        where = f"WORLD_SIZE={env_world}" if world_size is None else "Ray trainer actors"
+        raise ConfigError(f"trainer.world_size is {cfg.world_size} but {started} ranks were started ({where}); "
+                          "make them equal")
 
 
 def balanced_split(token_counts: Sequence[int], parts: int) -> list[list[int]]:

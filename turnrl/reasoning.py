@@ -60,8 +60,12 @@ def _split_one(text: str, open_tag: str, close_tag: str, reasoning: list[str]) -
     """Move one family's reasoning from `text` into `reasoning`; return what is left."""
     content: list[str] = []
     pos = 0
-    while pos < len(text):
-        start, close = text.find(open_tag, pos), text.find(close_tag, pos)
+    start = close = -2  # the next markers at or after `pos`, searched again only once `pos` passed them:
+    while pos < len(text):  # searching both every round is quadratic on a reply of many `</think>`
+        if start != -1 and start < pos:
+            start = text.find(open_tag, pos)
+        if close != -1 and close < pos:
+            close = text.find(close_tag, pos)
         if start == -1 and close == -1:
             break
         if start == -1 or (close != -1 and close < start):  # closes reasoning that began at `pos`

@@ -25,13 +25,14 @@ raised by the step that found it and caught once, in `drive`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import math
 import numbers
 import time
-import traceback
 import weakref
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -49,6 +50,7 @@ from turnrl.types import (
     GenerateOutput,
     GenerateSpan,
     Message,
+    RolloutStatus,
     SamplingParams,
     Segment,
     SegmentSource,
@@ -60,6 +62,7 @@ from turnrl.types import (
     TurnRecord,
     validate_segment,
 )
+from turnrl.watchdog import Detail, Watchdog, abandon_after, engine_label
 
 log = logging.getLogger(__name__)
 
@@ -253,6 +256,12 @@ class RolloutContext:
     """Where sync env methods run (the RolloutManager's, sized to its concurrency)."""
     partial: Trajectory | None = None
     """Set by `drive` when the trajectory is cancelled, so a timeout keeps the content produced so far."""
+    watchdog: Watchdog | None = None
+    """The run's watchdog (turnrl.watchdog): engine and env calls report to it through `watch`."""
+
+    def watch(self, component: str, detail: Detail = "") -> contextlib.AbstractContextManager[None]:
+        """A call in progress: shown by the watchdog's report if nothing progresses, progress when it ends."""
+        return self.watchdog.busy(component, detail) if self.watchdog is not None else contextlib.nullcontext()
 
     def new_trajectory(self, prompt_ids: list[int], messages: list[Message]) -> TrajectoryBuilder:
         traj = Trajectory(
@@ -288,7 +297,7 @@ async def drive(ctx: RolloutContext, env: Env | TurnEnv | EpisodeEnv, messages: 
         episode.end(TerminationReason.CANCELLED)
         raise
     except Exception as e:  # env.reset, env factory output, rendering: this trajectory fails, never the batch
-        log.warning("trajectory %s failed: %s", ctx.trajectory_id, e)
+        log.info("trajectory %s: %s raised", ctx.trajectory_id, type(e).__name__, exc_info=True)  # -v
         episode.end(TerminationReason.ENV_ERROR, f"{type(e).__name__}: {e}")
     finally:
         await episode.close()
@@ -408,7 +417,9 @@ class Episode:
                                               stop_token_ids=list(params.stop_token_ids))
         t0 = time.perf_counter()
         try:
-            out = await self._generate_through_updates(ids, params, images)
+            where = functools.partial(engine_label, self.ctx.engine, self.ctx.trajectory_id)  # read only on a stall
+            with self.ctx.watch("engine.generate", where):
+                out = await self._generate_through_updates(ids, params, images)
         except Exception as e:
             span.error = f"{type(e).__name__}: {e}"
             raise EpisodeEnd(TerminationReason.ENGINE_ERROR, span.error) from e
@@ -445,7 +456,8 @@ class Episode:
         span = self.trajectory.turns[-1].env = EnvSpan(time.time_ns())
         t0 = time.perf_counter()
         try:
-            step, span.attempts = await self.env.step(turn)
+            with self.ctx.watch("env.step", self.env.name):
+                step, span.attempts = await self.env.step(turn)
         except EnvStepError as e:
             span.attempts, span.error = e.attempts, str(e)
             reason = TerminationReason.TIMEOUT if e.timed_out else TerminationReason.ENV_ERROR
@@ -524,17 +536,10 @@ class Episode:
             self.builder.finish(reason, error)
 
     async def close(self) -> None:
-        """Close the env and release the engine's cache of this trajectory; failures become warnings."""
-        problems, bound = [], self.limits.cleanup_timeout_s
-        if self._env is not None:
-            try:
-                await asyncio.wait_for(self._env.close(), bound)
-            except Exception as e:
-                problems.append(f"env.close raised {type(e).__name__}: {e}")
-        try:  # releasing a cache entry must never fail, or hold, a finished trajectory
-            await asyncio.wait_for(self.ctx.engine.release(self.ctx.trajectory_id), bound)
-        except Exception as e:
-            problems.append(f"engine.release raised {type(e).__name__}: {e}")
+        """Close the env and release the engine's cache of this trajectory; failures become warnings. Shielded:
+        a second cancellation (a server's cancel scope repeats it) returns at once but never skips the release,
+        which goes on, bounded, in the background."""
+        problems = await asyncio.shield(asyncio.ensure_future(self._cleanup()))
         for problem in problems:
             log.warning("trajectory %s: %s", self.ctx.trajectory_id, problem)
         if self._builder is not None:
@@ -543,6 +548,19 @@ class Episode:
             traj.metrics.update(self._metrics, total_time_s=time.perf_counter() - self._t0,
                                 model_tokens=traj.num_model_tokens,
                                 injected_tokens=traj.num_response_tokens - traj.num_model_tokens)
+
+    async def _cleanup(self) -> list[str]:
+        problems, bound = [], self.limits.cleanup_timeout_s
+        if self._env is not None:
+            try:
+                await abandon_after(self._env.close(), bound, "env.close")
+            except Exception as e:
+                problems.append(f"env.close raised {type(e).__name__}: {e}")
+        try:  # releasing a cache entry must never fail, or hold, a finished trajectory
+            await abandon_after(self.ctx.engine.release(self.ctx.trajectory_id), bound, "engine.release")
+        except Exception as e:
+            problems.append(f"engine.release raised {type(e).__name__}: {e}")
+        return problems
 
     def result(self) -> Trajectory:
         """The finished trajectory, with its images merged and checked and its token stream sanity-checked."""
@@ -641,6 +659,7 @@ class RolloutManager:
         concurrency: int = 64,
         sanity_mode: SanityMode | str = SanityMode.STRICT,
         reward_fn: RewardFn | None = None,
+        watchdog_s: float | None = None,
     ):
         if default_agent not in agents:
             raise ValueError(f"unknown default agent {default_agent!r}; registered: {sorted(agents)}")
@@ -652,6 +671,8 @@ class RolloutManager:
         self.env_threads = EnvThreads(concurrency)
         self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
             weakref.WeakKeyDictionary())  # `concurrency` across every stream of this manager (one per event loop)
+        self.watchdog = Watchdog(watchdog_s)
+        """Fails `stream` (Stalled) when no trajectory, engine call or env call progresses for `watchdog_s`."""
 
     def context(self, row: dict[str, Any], trajectory_id: str, group_id: str, sample_index: int,
                 sampling: SamplingParams | None = None) -> RolloutContext:
@@ -662,7 +683,7 @@ class RolloutManager:
             engine=self.engine, renderer=self.renderer, sampling=sampling or self.sampling, limits=self.limits,
             trajectory_id=trajectory_id, group_id=group_id, sample_index=sample_index, sample=row,
             agent_name=agent_name, env_factory=self.env_factory, env_config=self.env_config, tools=self.tools,
-            sanity_mode=self.sanity_mode, env_threads=self.env_threads,
+            sanity_mode=self.sanity_mode, env_threads=self.env_threads, watchdog=self.watchdog,
         )
 
     async def stream(
@@ -681,7 +702,7 @@ class RolloutManager:
         tasks = [asyncio.create_task(self._run_one(ctx, semaphore)) for ctx in contexts]
         try:
             for next_done in asyncio.as_completed(tasks):
-                for traj in await next_done:
+                for traj in await self.watchdog.wait(next_done):
                     yield traj
         finally:
             for t in tasks:
@@ -689,7 +710,7 @@ class RolloutManager:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _run_one(self, ctx: RolloutContext, semaphore: asyncio.Semaphore) -> list[Trajectory]:
-        async with semaphore:
+        async with semaphore, self.watchdog.busy("trajectory", ctx.agent_name):
             agent = self.agents[ctx.agent_name]
             try:
                 result = await asyncio.wait_for(agent(ctx, ctx.sample), ctx.limits.trajectory_timeout_s)
@@ -697,10 +718,13 @@ class RolloutManager:
             except TimeoutError:
                 trajs = [_timed_out(ctx)]
             except Exception as e:  # a broken agent fails its trajectory, never the batch
-                log.warning("agent %s raised on %s:\n%s", ctx.agent_name, ctx.trajectory_id, traceback.format_exc())
+                log.info("agent %s raised on %s", ctx.agent_name, ctx.trajectory_id, exc_info=True)  # -v
                 trajs = [ctx.failed(TerminationReason.ENV_ERROR, e)]
             for traj in trajs:
                 await score(traj, self.reward_fn)
+                if traj.status == RolloutStatus.FAILED:  # one line each; tracebacks at -v (INFO)
+                    log.warning("trajectory %s failed (%s): %.300s", traj.id, traj.termination_reason,
+                                " ".join(str(traj.error).split()))
             return trajs
 
 

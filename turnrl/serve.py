@@ -367,9 +367,12 @@ def _add_token_routes(app: Any, engine: Engine) -> None:
         else:
             tensors = tensors_from_safetensors_bytes(await request.body())
             version = request.query_params.get("version")
-        # final=false: one bucket of a streamed update (passed on only then, so any engine takes one-shot ones)
-        streamed = {"final": False} if request.query_params.get("final", "").lower() == "false" else {}
-        new_version = await engine.update_weights(tensors, None if version is None else int(version), **streamed)
+        # final=false: one bucket of a streamed update, pause=...: what requests in flight do (each passed on only
+        # when given, so any engine takes a default push)
+        options: dict[str, Any] = {"final": False} if request.query_params.get("final", "").lower() == "false" else {}
+        if request.query_params.get("pause", "keep") != "keep":
+            options["pause"] = request.query_params["pause"]
+        new_version = await engine.update_weights(tensors, None if version is None else int(version), **options)
         return {"policy_version": new_version}
 
     @app.post("/sleep")

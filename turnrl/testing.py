@@ -35,8 +35,10 @@ from turnrl.types import FinishReason, GenerateOutput, SamplingParams, StepResul
 # ---------------------------------------------------------------------------------------------------
 @dataclass(eq=False)
 class _Pending:
-    remaining: int
+    ids: list[int]
     done: asyncio.Future
+    versions: list[int] = field(default_factory=list)
+    """The policy version of each token produced so far."""
 
 
 class LatencyEngine:
@@ -47,7 +49,9 @@ class LatencyEngine:
     that wait in FIFO order and join as rows finish. So one call of k tokens takes k * per_token_s, B <=
     max_batch concurrent calls of k tokens take the same, and 2 * max_batch calls take twice as long.
     Prefill is free. Every call returns `reply_ids` cut at `params.max_new_tokens` (finish `length` when
-    cut, else `stop`) with logprob -0.5 per token.
+    cut, else `stop`) with logprob -0.5 per token. Weight updates honour the pause modes like the embedded
+    engine: `keep` (running calls go on; later tokens carry the new version), `wait` (the update waits for the
+    running calls; new ones wait for the update), `abort` (running calls return their tokens so far, preempted).
     """
 
     def __init__(self, reply_ids: Sequence[int], *, per_token_s: float = 0.01, max_batch: int = 64):
@@ -60,18 +64,26 @@ class LatencyEngine:
         self.stats = {"steps": 0, "tokens": 0, "requests": 0, "max_running": 0}
         self._queue: list[_Pending] = []
         self._stepper: asyncio.Task | None = None
+        self._open = asyncio.Event()  # cleared while a `wait` update drains the running calls
+        self._open.set()
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str,
                        images: list[Any] | None = None) -> GenerateOutput:
+        await self._open.wait()
         ids = self.reply_ids[: params.max_new_tokens]
-        pending = _Pending(len(ids), asyncio.get_running_loop().create_future())
+        pending = _Pending(list(ids), asyncio.get_running_loop().create_future())
         self._queue.append(pending)
         self.stats["requests"] += 1
         if self._stepper is None or self._stepper.done():
             self._stepper = asyncio.create_task(self._run())
-        await pending.done
-        finish = FinishReason.LENGTH if len(ids) < len(self.reply_ids) else FinishReason.STOP
-        return GenerateOutput(list(ids), [-0.5] * len(ids), finish, policy_version=self.policy_version)
+        preempted = await pending.done
+        done = ids[: len(pending.versions)]
+        finish = (FinishReason.ABORT if preempted else FinishReason.LENGTH if len(ids) < len(self.reply_ids)
+                  else FinishReason.STOP)
+        versions = pending.versions if len(set(pending.versions)) > 1 else None
+        last = pending.versions[-1] if pending.versions else self.policy_version  # the version of its last token
+        return GenerateOutput(list(done), [-0.5] * len(done), finish, policy_version=last, token_versions=versions,
+                              preempted=preempted)
 
     async def _run(self) -> None:
         while self._queue:
@@ -81,16 +93,27 @@ class LatencyEngine:
             self.stats["tokens"] += len(running)
             self.stats["max_running"] = max(self.stats["max_running"], len(running))
             for p in running:
-                p.remaining -= 1
-            for p in [p for p in running if p.remaining <= 0]:
-                self._queue.remove(p)
-                if not p.done.done():  # a cancelled caller
-                    p.done.set_result(None)
+                p.versions.append(self.policy_version)
+            for p in [p for p in running if len(p.versions) >= len(p.ids)]:
+                self._finish(p, preempted=False)
+
+    def _finish(self, pending: _Pending, *, preempted: bool) -> None:
+        self._queue.remove(pending)
+        if not pending.done.done():  # a cancelled caller
+            pending.done.set_result(preempted)
 
     async def update_weights(self, named_tensors: NamedTensors, version: int | None = None, *,
-                             final: bool = True) -> int:
+                             final: bool = True, pause: str = "keep") -> int:
+        if pause == "wait":  # the running calls finish on the old weights; new ones wait for the update
+            self._open.clear()
+            while self._queue:
+                await asyncio.sleep(self.per_token_s)
+        elif pause == "abort":
+            for pending in list(self._queue):
+                self._finish(pending, preempted=True)
         if final:
             self.policy_version = self.policy_version + 1 if version is None else version
+        self._open.set()
         return self.policy_version
 
     async def sleep(self) -> None:
@@ -169,8 +192,8 @@ class LockstepEngine:
             await self._answered.wait()
 
     async def update_weights(self, named_tensors: NamedTensors, version: int | None = None, *,
-                             final: bool = True) -> int:
-        return await self.inner.update_weights(named_tensors, version, final=final)
+                             final: bool = True, **options: Any) -> int:
+        return await self.inner.update_weights(named_tensors, version, final=final, **options)
 
     async def sleep(self) -> None:
         await self.inner.sleep()

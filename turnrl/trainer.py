@@ -13,6 +13,11 @@ Sync and async training are this one loop: `trainer.mode=sync` is the buffer wit
 groups are sampled by the current policy and rollouts wait for the update); `trainer.mode=async` lets rollouts
 go on while the update runs, within `trainer.max_staleness` versions (docs/async-training.md).
 
+On N trainer ranks (`trainer.parallel: fsdp`, docs/distributed.md) it is still this loop: rank 0 holds the
+producer, the buffer and the engines, takes the groups and broadcasts the samples (`_next_batch`); every rank
+updates on its token-balanced share, takes part in the weight sync and writes its part of each checkpoint;
+logging and evaluation happen on rank 0.
+
 What is kept from GRPO/PPO and what is not (see turnrl.algos for the formulas):
 - Advantages are group-relative (GRPO mean/std, Dr. GRPO mean-only, or RLOO), computed over the
   trajectories whose status is in `algo.train_on` and whose reward exists. Failed trajectories and reward
@@ -83,6 +88,7 @@ from turnrl.parallel import Parallel
 from turnrl.rollout import Rollout
 from turnrl.tracing import TrajectoryTracer
 from turnrl.types import SamplingParams, Trajectory
+from turnrl.watchdog import Watchdog
 from turnrl.weights import push_weights
 
 log = logging.getLogger(__name__)
@@ -130,6 +136,7 @@ class TrainSample:
     rollout_logprobs: list[float] | None  # aligned with response_ids (0.0 at mask 0), None = not usable
     advantage: float
     mm_inputs: dict[str, torch.Tensor] | None = None  # VLM processor tensors (pixel_values, image_grid_thw)
+    versions: list[int] | None = None  # the policy version that sampled each response token (-1 at mask 0)
 
 
 def group_advantages(groups: list[list[Trajectory]], cfg: TrainConfig) -> tuple[list[tuple[Trajectory, float]], dict]:
@@ -169,9 +176,11 @@ def group_advantages(groups: list[list[Trajectory]], cfg: TrainConfig) -> tuple[
 def to_sample(traj: Trajectory, advantage: float) -> TrainSample:
     logprobs = traj.rollout_logprobs
     usable = logprobs is not None and len(logprobs) == len(traj.response_ids)
+    versions = [-1 if s.policy_version is None or not m else s.policy_version
+                for s in traj.segments for m in s.loss_mask]
     return TrainSample(traj.prompt_ids, traj.response_ids, traj.loss_mask,
                        [0.0 if lp is None else lp for lp in logprobs] if usable else None, advantage,
-                       traj.mm_train_inputs or None)
+                       traj.mm_train_inputs or None, versions)
 
 
 class Trainer:
@@ -214,6 +223,8 @@ class Trainer:
         self.tracer = tracer if tracer is not None else TrajectoryTracer(None)
         self._progress: Progress | None = None
         """The training progress bar while it shows (evaluation passes add their own bar to it)."""
+        self.watchdog = getattr(rollout, "watchdog", None) or Watchdog(cfg.rollout.watchdog_s)
+        """Fails the run when no trajectory, engine call, env call or training phase progresses for watchdog_s."""
 
     def _prepare(self, policy: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module | None]:
         """The policy as it trains (LoRA adapters, activation checkpointing, sharded over the ranks) and the
@@ -241,27 +252,31 @@ class Trainer:
             (self.out / "config.yaml").write_text(yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
         if self.cfg.resume and self.load_checkpoint():
             await self.sync_weights()
-        if self.step == 0 and self.eval_rows:
-            self._log(await self.evaluate("before"))
+        if self.step == 0:
+            await self._evaluate_on_main("before")
         producer = self._start_producer()
         try:
-            with Progress(console=self.console, transient=False) as self._progress:
+            with Progress(console=self.console, transient=False, disable=not self.parallel.is_main) as self._progress:
                 task = self._progress.add_task("training", total=self.cfg.steps, completed=self.step)
                 while self.step < self.cfg.steps:
                     self.step += 1
                     self._log(await self.train_step())
                     if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.step < self.cfg.steps:
-                        self._log(await self.evaluate(f"step{self.step}"))
+                        await self._evaluate_on_main(f"step{self.step}")
                     if self.cfg.save_every and self.step % self.cfg.save_every == 0:
                         self.save_checkpoint(final=False)
                     self._progress.update(task, completed=self.step)
         finally:
             self._progress = None
             await _stop(producer)
-        if self.eval_rows:
-            self._log(await self.evaluate("after"))
+        await self._evaluate_on_main("after")
         self.save_checkpoint()
         return self.history
+
+    async def _evaluate_on_main(self, tag: str) -> None:
+        """Evaluation runs where the rollout is, on rank 0; the other ranks wait for it in their next collective."""
+        if self.eval_rows and self.parallel.is_main:
+            self._log(await self.evaluate(tag))
 
     def _start_producer(self) -> asyncio.Task | None:
         """Rollouts in the background, admitted by the buffer's rule (the main rank runs them); groups in flight
@@ -274,8 +289,30 @@ class Trainer:
 
     async def train_step(self) -> dict[str, float]:
         t0 = time.perf_counter()
-        groups = await self.buffer.take(self.step)
+        samples, metrics = await self._next_batch()
         t_wait = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        update = (await self._update_beside_rollouts(samples)) if samples else {}
+        t_update = time.perf_counter() - t1
+        sync = await self.watchdog.wait(self.sync_weights(), "engine.update_weights", f"step {self.step}")
+        self.buffer.version_changed()
+        self._last_step_end = time.perf_counter()
+        if self.parallel.is_main:
+            metrics.update(self._buffer_metrics(t_wait))
+        return {"step": float(self.step), **metrics, **update, **sync, "train/samples": float(len(samples)),
+                "train/is_fallback": float(sum(s.rollout_logprobs is None for s in samples)),
+                "time/rollout_s": t_wait, "time/update_s": t_update,
+                "time/step_s": self._last_step_end - t0, "train/lr": self.scheduler.get_last_lr()[0],
+                **({"memory/peak_rss_gb": peak} if (peak := peak_rss_gb()) is not None else {})}
+
+    async def _next_batch(self) -> tuple[list[TrainSample], dict[str, float]]:
+        """This step's samples, and what their rollouts measured: rank 0 takes them from the buffer (the producer
+        and the prompt sampler live there); every other rank receives rank 0's samples (and waits for them)."""
+        samples, metrics = await self._samples_from_buffer() if self.parallel.is_main else ([], {})
+        return self.parallel.broadcast_object(samples), metrics
+
+    async def _samples_from_buffer(self) -> tuple[list[TrainSample], dict[str, float]]:
+        groups = await self.watchdog.wait(self.buffer.take(self.step), "trainer.rollout", f"step {self.step}")
         self._record_groups(groups)
         stats = RolloutStats(started=self._last_step_end)  # the trained trajectories over the step interval
         with TrajectoryWriter(self.out / "trajectories" / "last_step.jsonl") as writer:
@@ -290,17 +327,7 @@ class Trainer:
         if fallback:
             log.warning("step %d: %d trajectories have no usable rollout logprobs; trained without IS correction",
                         self.step, fallback)
-        t1 = time.perf_counter()
-        update = (await self._update_beside_rollouts(samples)) if samples else {}
-        t_update = time.perf_counter() - t1
-        sync = await self.sync_weights()
-        self.buffer.version_changed()
-        self._last_step_end = time.perf_counter()
-        return {"step": float(self.step), **stats.summary(), **adv_stats, **update, **sync,
-                **self._buffer_metrics(t_wait), "train/samples": float(len(samples)),
-                "train/is_fallback": float(fallback), "time/rollout_s": t_wait, "time/update_s": t_update,
-                "time/step_s": self._last_step_end - t0, "train/lr": self.scheduler.get_last_lr()[0],
-                **({"memory/peak_rss_gb": peak} if (peak := peak_rss_gb()) is not None else {})}
+        return samples, {**stats.summary(), **adv_stats}
 
     def _record_groups(self, groups: list[Group]) -> None:
         """groups.jsonl: one line per trained group (its admission index, row, versions, whether it was re-issued
@@ -315,17 +342,22 @@ class Trainer:
 
     async def _update_beside_rollouts(self, samples: list[TrainSample]) -> dict[str, float]:
         """async mode: the update runs in a worker thread, so the event loop (rollouts, envs, tools) goes on;
-        sync mode: in place (no rollout could start meanwhile anyway). An engine over the policy's own tensors
-        (turnrl.build.shares_weights: sync mode only) sleeps meanwhile: its KV cache gives the update room."""
+        sync mode: in place (no rollout could start meanwhile anyway). Watched either way, in its own thread. An
+        engine over the policy's own tensors (turnrl.build.shares_weights: sync mode only) sleeps meanwhile: its KV
+        cache gives the update room."""
         if self.cfg.trainer.mode == "async":
-            return await asyncio.to_thread(self.update, samples)
+            return await asyncio.to_thread(self._watched_update, samples)
         if not self.shares_weights:
-            return self.update(samples)
+            return self._watched_update(samples)
         await self.engine.sleep()
         try:
-            return self.update(samples)
+            return self._watched_update(samples)
         finally:
             await self.engine.wake_up()
+
+    def _watched_update(self, samples: list[TrainSample]) -> dict[str, float]:
+        with self.watchdog.phase("trainer.update", f"step {self.step}, {len(samples)} samples"):
+            return self.update(samples)
 
     def _buffer_metrics(self, t_wait: float) -> dict[str, float]:
         b = self.buffer
@@ -410,17 +442,19 @@ class Trainer:
         old_B_T = logp_B_T.detach() if old is None else unpack_to_padded(
             torch.cat([old[i] for i in members]), row, lengths)
         adv_B = torch.tensor([s.advantage for s in batch], dtype=logp_N.dtype, device=logp_N.device)
+        valid_B = torch.tensor([s.rollout_logprobs is not None for s in batch], device=logp_N.device)
+        rollout_B_T = torch.nn.utils.rnn.pad_sequence(
+            [torch.tensor(s.rollout_logprobs or [0.0] * len(s.response_ids)) for s in batch], batch_first=True,
+        ).to(logp_N.device, old_B_T.dtype)
+        metrics = self._mismatch_by_staleness(old_B_T, rollout_B_T, mask_B_T, valid_B, batch)
+        if not a.decoupled:  # PPO anchored at the behaviour policy: the ratio itself corrects, no IS weights
+            old_B_T = torch.where(valid_B[:, None], rollout_B_T, old_B_T)
         loss_B_T, pg = algos.policy_loss(logp_B_T, old_B_T, adv_B, mask_B_T, clip_low=a.clip_low,
                                          clip_high=a.clip_high, dual_clip=a.dual_clip, ratio_level=a.ratio_level)
-        metrics = {f"train/{k}": float(v) for k, v in pg.items()}
-        if a.is_mode != "none":
-            valid_B = torch.tensor([s.rollout_logprobs is not None for s in batch], device=logp_N.device)
-            rollout_B_T = torch.nn.utils.rnn.pad_sequence(
-                [torch.tensor(s.rollout_logprobs or [0.0] * len(s.response_ids)) for s in batch], batch_first=True,
-            ).to(logp_N.device)
-            weights_B_T, ism = algos.rollout_is_weights(old_B_T, rollout_B_T.to(old_B_T.dtype), mask_B_T,
-                                                        valid_B=valid_B, mode=a.is_mode, level=a.is_level,
-                                                        threshold=a.is_threshold)
+        metrics.update({f"train/{k}": float(v) for k, v in pg.items()})
+        if a.is_mode != "none" and a.decoupled:
+            weights_B_T, ism = algos.rollout_is_weights(old_B_T, rollout_B_T, mask_B_T, valid_B=valid_B,
+                                                        mode=a.is_mode, level=a.is_level, threshold=a.is_threshold)
             loss_B_T = loss_B_T * weights_B_T
             metrics.update({f"train/{k}": float(v) for k, v in ism.items()})
         if self.uses_kl:
@@ -432,6 +466,28 @@ class Trainer:
                                     denominator=denominator)
         metrics["train/loss"] = float(loss.detach())
         return loss, metrics
+
+    @torch.no_grad()
+    def _mismatch_by_staleness(self, old_B_T: torch.Tensor, rollout_B_T: torch.Tensor, mask_B_T: torch.Tensor,
+                               valid_B: torch.Tensor, batch: list[TrainSample]) -> dict[str, float]:
+        """k3 estimate of KL(behaviour ‖ proximal) per token staleness (versions between the policy being updated
+        and the one that sampled the token): how far each age of data is off-policy. Token counts ride along
+        under `_count/` keys so the tally weights each bucket by its own tokens."""
+        if not any(s.versions for s in batch):
+            return {}
+        versions_B_T = torch.nn.utils.rnn.pad_sequence(
+            [torch.tensor(s.versions or [-1] * len(s.response_ids)) for s in batch], batch_first=True,
+            padding_value=-1).to(old_B_T.device)
+        used_B_T = mask_B_T.bool() & valid_B[:, None] & (versions_B_T >= 0)
+        log_ratio_B_T = (old_B_T - rollout_B_T).clamp(-20, 20)
+        k3_B_T = log_ratio_B_T.exp() - 1 - log_ratio_B_T
+        staleness_B_T = (self.step - 1) - versions_B_T
+        out: dict[str, float] = {}
+        for d in staleness_B_T[used_B_T].unique().tolist():
+            bucket = used_B_T & (staleness_B_T == d)
+            key = f"train/mismatch_kl_k3/staleness_{int(d)}"
+            out[key], out[f"_count/{key}"] = float(k3_B_T[bucket].mean()), float(bucket.sum())
+        return out
 
     @torch.no_grad()
     def _reference_logprobs(self, row: PackedRow, temperature: float) -> torch.Tensor:
@@ -675,8 +731,9 @@ class _Tally:
         self.loss += metrics.pop("train/loss")
         trained = sum(sum(s.loss_mask) for s in batch)
         corrected = sum(sum(s.loss_mask) for s in batch if s.rollout_logprobs is not None)
+        counts = {k.removeprefix("_count/"): metrics.pop(k) for k in [k for k in metrics if k.startswith("_count/")]}
         for k, v in metrics.items():
-            weight = (len(batch) if k == "train/is_valid_frac" else
+            weight = (counts[k] if k in counts else len(batch) if k == "train/is_valid_frac" else
                       corrected if k.startswith(("train/is_", "train/mismatch_")) else trained)
             self.weighted[k] += v * weight
             self.weights[k] += weight

@@ -55,6 +55,7 @@ from turnrl.render import ChatRenderer
 from turnrl.rollout import RolloutContext
 from turnrl.serve import ServerThread, create_app
 from turnrl.types import TerminationReason, Trajectory
+from turnrl.watchdog import abandon_after
 
 log = logging.getLogger(__name__)
 
@@ -122,11 +123,11 @@ async def openai_agent(ctx: RolloutContext, sample: dict[str, Any]) -> list[Traj
         raise
     except Exception as e:  # the agent's failure ends this episode only
         error = e
-        log.warning("openai agent %s raised on %s: %r", spec, ctx.trajectory_id, e)
+        log.info("openai agent %s raised on %s", spec, ctx.trajectory_id, exc_info=True)  # -v; one line at the end
     finally:
         gw.proxy.close_session(session.id)
         try:
-            await ctx.engine.release(ctx.trajectory_id)
+            await abandon_after(ctx.engine.release(ctx.trajectory_id), ctx.limits.cleanup_timeout_s, "engine.release")
         except Exception as e:  # a cache entry that was not dropped must not fail the episode
             log.warning("trajectory %s: engine.release raised %r", ctx.trajectory_id, e)
     return _episode(ctx, sample, session, reward, error, time.perf_counter() - t0)

@@ -497,7 +497,7 @@ class SchedulerRunner:
         except (asyncio.CancelledError, EpisodeOver):
             raise
         except Exception as e:
-            log.warning("trajectory %s failed: %s", self.ctx.trajectory_id, e)
+            log.info("trajectory %s: %s raised", self.ctx.trajectory_id, type(e).__name__, exc_info=True)  # -v
             await self._end_sample(None, TerminationReason.ENV_ERROR, f"{type(e).__name__}: {e}")
         traj = self.trajectories[-1]
         raise EpisodeOver(f"the sample ended: {traj.termination_reason}{': ' + traj.error if traj.error else ''}")

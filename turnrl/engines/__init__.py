@@ -30,6 +30,27 @@ def build_server_engine(cfg: Any) -> Any:
     return replicas[0] if len(replicas) == 1 else Router(replicas)
 
 
+def check_servers(engine: Any, timeout_s: float = 10.0) -> None:
+    """Fail at start-up, naming the URL, when a server engine (or a replica behind a Router) does not answer at
+    all: otherwise every trajectory of the first step fails on it, one by one. Any HTTP answer counts as alive."""
+    import httpx
+
+    from turnrl.engines.base import EngineError
+
+    replicas = engine.engines().values() if hasattr(engine, "engines") else [engine]
+    dead = []
+    for replica in replicas:
+        url = getattr(replica, "base_url", None)
+        if url is None:
+            continue  # in process: nothing to reach
+        try:
+            httpx.get(f"{url}/health", timeout=timeout_s)
+        except httpx.HTTPError as e:
+            dead.append(f"{url} ({type(e).__name__}: {e or 'no answer'})")
+    if dead:
+        raise EngineError(f"engine.urls: no answer from {', '.join(dead)}; start the server(s) or fix engine.urls")
+
+
 def _replica_dir(cfg: Any, index: int) -> str | None:
     """A folder per replica: they write concurrently when the router broadcasts an update."""
     if cfg.weights_dir is None:

@@ -34,6 +34,13 @@ class InvalidRequest(EngineError, ValueError):
         self.param = param
 
 
+def check_pause(pause: str) -> str:
+    """`pause` if it is one of PAUSE_MODES, else InvalidRequest naming it."""
+    if pause not in PAUSE_MODES:
+        raise InvalidRequest(f"update_weights: pause must be one of {', '.join(PAUSE_MODES)}, got {pause!r}", "pause")
+    return pause
+
+
 @runtime_checkable
 class Engine(Protocol):
     """What the turn loop and the trainer need from an inference backend.

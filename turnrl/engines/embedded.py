@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from turnrl.engines.base import PAUSE_MODES, EngineError, InvalidRequest, NamedTensors
+from turnrl.engines.base import EngineError, InvalidRequest, NamedTensors, check_pause
 from turnrl.types import FinishReason, GenerateOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -376,9 +376,7 @@ class EmbeddedEngine:
         carry the new version, `GenerateOutput.token_versions`); `wait` until they finish on the old weights
         (no request starts meanwhile); `abort` them: each returns its tokens so far as `preempted`, for the
         caller to resubmit (turnrl.rollout does, re-prefilling under the new weights)."""
-        if pause not in PAUSE_MODES:
-            raise InvalidRequest(f"update_weights: pause must be one of {', '.join(PAUSE_MODES)}, got {pause!r}",
-                                 "pause")
+        check_pause(pause)
         items = dict(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
         return await self._call(("update_weights", items, version, final, pause))
 

@@ -33,6 +33,7 @@ import math
 import os
 from collections.abc import Callable
 from pathlib import Path
+from types import EllipsisType
 from typing import Any
 
 import httpx
@@ -42,6 +43,7 @@ from safetensors.torch import save as save_safetensors_bytes
 
 from turnrl.engines.base import EngineError, InvalidRequest, NamedTensors
 from turnrl.types import FinishReason, GenerateOutput, SamplingParams
+from turnrl.watchdog import abandon_after
 
 TOKEN_ENV = "TURNRL_SERVE_TOKEN"
 
@@ -105,10 +107,15 @@ def _json_type(value: Any) -> str:
 
 
 def output_to_json(out: GenerateOutput) -> dict[str, Any]:
-    return {
+    body = {
         "token_ids": list(out.token_ids), "logprobs": list(out.logprobs), "finish_reason": str(out.finish_reason),
         "policy_version": out.policy_version, "cached_prompt_tokens": out.cached_prompt_tokens,
     }
+    if out.token_versions is not None:  # a call that went on across a weight update (pause=keep)
+        body["token_versions"] = list(out.token_versions)
+    if out.preempted:  # stopped by a weight update (pause=abort): the caller resubmits
+        body["preempted"] = True
+    return body
 
 
 def output_from_json(body: Any, where: str) -> GenerateOutput:
@@ -119,6 +126,8 @@ def output_from_json(body: Any, where: str) -> GenerateOutput:
             finish_reason=FinishReason(body["finish_reason"]),
             policy_version=int(body.get("policy_version", 0)),
             cached_prompt_tokens=int(body.get("cached_prompt_tokens", 0)),
+            token_versions=None if body.get("token_versions") is None else [int(v) for v in body["token_versions"]],
+            preempted=bool(body.get("preempted", False)),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise EngineError(f"{where}: malformed generate response ({type(e).__name__}: {e}): {_excerpt(body)}") from None
@@ -190,6 +199,9 @@ class JsonHttp:
 
     An httpx client belongs to the event loop that opened its connections, and a trainer may run several
     loops one after another (asyncio.run per phase), so there is one client per loop.
+
+    `timeout_s` bounds a whole request (httpx's own timeouts are per read, so a server trickling bytes would
+    hold a request forever); a request past it is abandoned, never waited for.
     """
 
     def __init__(self, base_url: str, *, owner: str, token: str | None = None, timeout_s: float | None = 600.0,
@@ -198,6 +210,7 @@ class JsonHttp:
             raise ValueError(f"{owner}.base_url must start with http:// or https://, got {base_url!r}")
         self.base_url = base_url.rstrip("/")
         self.token = token
+        self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self.hint = hint  # (status, path) -> extra text for an error message
         self._client: httpx.AsyncClient | None = None
@@ -211,11 +224,18 @@ class JsonHttp:
             self._client_loop = loop
         return self._client
 
-    async def request(self, method: str, path: str, *, expect_json: bool = True, **kwargs: Any) -> Any:
-        """The decoded JSON body (None for an empty one, or when `expect_json` is false)."""
+    async def request(self, method: str, path: str, *, expect_json: bool = True,
+                      timeout_s: float | None | EllipsisType = ..., **kwargs: Any) -> Any:
+        """The decoded JSON body (None for an empty one, or when `expect_json` is false). `timeout_s` replaces the
+        client's limit for this request (short ones for control calls such as release and health)."""
         where = f"{method} {self.base_url}{path}"
+        limit = self.timeout_s if isinstance(timeout_s, EllipsisType) else timeout_s
+        call = self.client().request(method, path, timeout=httpx.Timeout(limit, connect=self.connect_timeout_s),
+                                     **kwargs)
         try:
-            response = await self.client().request(method, path, **kwargs)
+            response = await abandon_after(call, limit, where)
+        except TimeoutError as e:
+            raise EngineError(f"{e}: the server accepted the connection but did not answer") from None
         except httpx.HTTPError as e:
             raise EngineError(f"{where} failed: {type(e).__name__}: {e or 'no details'}") from e
         if response.status_code >= 400:
@@ -265,14 +285,17 @@ class HttpEngine:
         token: bearer token; defaults to the `TURNRL_SERVE_TOKEN` environment variable.
         timeout_s: limit of one request (a long generation included); None waits forever.
         connect_timeout_s: limit of opening the connection, so a dead host fails fast.
+        control_timeout_s: limit of release and health, which answer at once from a working server: a finished
+            trajectory never waits long on a server that hung.
     """
 
     def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float | None = 600.0,
-                 connect_timeout_s: float = 10.0):
+                 connect_timeout_s: float = 10.0, control_timeout_s: float = 10.0):
         self.token = token if token is not None else os.environ.get(TOKEN_ENV)
         self.http = JsonHttp(base_url, owner="HttpEngine", token=self.token, timeout_s=timeout_s,
                              connect_timeout_s=connect_timeout_s, hint=_token_hint)
         self.base_url = self.http.base_url
+        self.control_timeout_s = control_timeout_s
 
     # ---- Engine protocol -------------------------------------------------------------------------
     async def generate(
@@ -286,9 +309,10 @@ class HttpEngine:
         return output_from_json(data, f"POST {self.base_url}/generate")
 
     async def update_weights(self, named_tensors: NamedTensors, version: int | None = None, *,
-                             final: bool = True) -> int:
+                             final: bool = True, pause: str = "keep") -> int:
         payload = safetensors_bytes(named_tensors)
-        params = {k: v for k, v in (("version", version), ("final", None if final else "false")) if v is not None}
+        params = {k: v for k, v in (("version", version), ("final", None if final else "false"),
+                                    ("pause", None if pause == "keep" else pause)) if v is not None}
         data = await self._request("POST", "/update_weights", content=payload,
                                    headers={"content-type": "application/octet-stream"}, params=params or None)
         return self._version(data)
@@ -305,11 +329,11 @@ class HttpEngine:
         await self._request("POST", "/wake_up")
 
     async def release(self, request_id: str) -> None:
-        await self._request("POST", "/release", json={"request_id": request_id})
+        await self._request("POST", "/release", json={"request_id": request_id}, timeout_s=self.control_timeout_s)
 
     # ---- extras ----------------------------------------------------------------------------------
     async def health(self) -> dict[str, Any]:
-        return await self._request("GET", "/health")
+        return await self._request("GET", "/health", timeout_s=self.control_timeout_s)
 
     async def aclose(self) -> None:
         await self.http.aclose()

@@ -10,8 +10,8 @@ The policy follows verl's `GlobalRequestLoadBalancer` (research/verl.md 2.5):
 2. **Fewest in flight.** A new trajectory goes to the healthy replica with the fewest requests running
    now (ties: fewer requests served so far, then first registered, so routing is deterministic). In-flight
    counts go down when a request ends, so a replica that was slow for a while is not penalised forever.
-3. **Failover.** A replica that raises or does not answer within `request_timeout_s` is taken out of
-   rotation (the error is kept in `stats()`), its trajectories are unpinned, and the request is retried
+3. **Failover.** A replica that raises or does not answer within `request_timeout_s` (600 s by default; the
+   call is then abandoned, never waited for) is taken out of rotation (the error is kept in `stats()`), its trajectories are unpinned, and the request is retried
    on a replica not yet tried, at most `max_retries` times; then `EngineError`. `restore(name)` or
    `add_replica(name, ...)` brings a replica back.
 
@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 from turnrl.engines.base import Engine, EngineError, InvalidRequest, NamedTensors
 from turnrl.types import GenerateOutput, SamplingParams
+from turnrl.watchdog import abandon_after
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -76,9 +77,11 @@ class Router:
         *,
         sticky_capacity: int = 10_000,
         max_retries: int = 2,
-        request_timeout_s: float | None = None,
+        request_timeout_s: float | None = 600.0,
+        release_timeout_s: float = 10.0,
     ) -> None:
-        """`replicas` as a name -> engine mapping, or a list (named `replica0`, `replica1`, ...)."""
+        """`replicas` as a name -> engine mapping, or a list (named `replica0`, `replica1`, ...). A generate call
+        gets `request_timeout_s` (None: no limit of the router's own), a `release` `release_timeout_s`."""
         if sticky_capacity < 1:
             raise ValueError(f"Router.sticky_capacity must be >= 1, got {sticky_capacity}")
         if max_retries < 0:
@@ -88,6 +91,7 @@ class Router:
         self.sticky_capacity = sticky_capacity
         self.max_retries = max_retries
         self.request_timeout_s = request_timeout_s
+        self.release_timeout_s = release_timeout_s
         self._replicas: dict[str, _Replica] = {}
         self._sticky: OrderedDict[str, str] = OrderedDict()  # request_id -> replica name, oldest first
         named = replicas.items() if isinstance(replicas, Mapping) else enumerate(replicas)
@@ -114,6 +118,19 @@ class Router:
     def replica_for(self, request_id: str) -> str | None:
         """The replica `request_id` is pinned to, if any (does not refresh its LRU position)."""
         return self._sticky.get(request_id)
+
+    def replica_label(self, request_id: str) -> str:
+        """`replica NAME (URL)` serving `request_id`, for progress reports (turnrl.watchdog)."""
+        name = self._sticky.get(request_id)
+        replica = self._replicas.get(name) if name is not None else None
+        if replica is None:
+            return f"no replica yet ({len(self._replicas)} registered)"
+        url = getattr(replica.engine, "base_url", None)
+        return f"replica {name} ({url})" if url else f"replica {name}"
+
+    def engines(self) -> dict[str, Engine]:
+        """The registered replicas by name, in registration order."""
+        return {name: r.engine for name, r in self._replicas.items()}
 
     def stats(self) -> RouterStats:
         """A snapshot: per-replica health and counters, and the sticky map's size."""
@@ -150,12 +167,14 @@ class Router:
         )
 
     async def update_weights(self, named_tensors: NamedTensors, version: int | None = None, *,
-                             final: bool = True) -> int:
+                             final: bool = True, pause: str = "keep") -> int:
         # `named_tensors` may be a one-shot iterator, and every replica needs all of it.
         weights = dict(named_tensors)
-        # `final` only when streaming, so engines written before buckets existed still take one-shot updates
-        streamed = {} if final else {"final": False}
-        versions = await self._broadcast("update_weights", lambda e: e.update_weights(weights, version, **streamed))
+        # `final` and `pause` only when not the default, so engines written before them still take default updates
+        options: dict[str, Any] = {} if final else {"final": False}
+        if pause != "keep":
+            options["pause"] = pause
+        versions = await self._broadcast("update_weights", lambda e: e.update_weights(weights, version, **options))
         if len(set(versions.values())) > 1:
             logger.warning(
                 "Router.update_weights: replicas disagree on the version %s; using the max", versions
@@ -174,7 +193,7 @@ class Router:
         if replica is None:
             return
         try:
-            await replica.engine.release(request_id)
+            await abandon_after(replica.engine.release(request_id), self.release_timeout_s, f"release on {name!r}")
         except Exception as exc:  # cleanup only: a cache that was not dropped must not fail the trajectory
             logger.warning("Router.release(%r) on replica %r failed: %r", request_id, name, exc)
 
@@ -214,12 +233,12 @@ class Router:
         replica.stats.requests += 1
         try:
             call = replica.engine.generate(prompt_ids, params, request_id=request_id, images=images)
-            return await asyncio.wait_for(call, self.request_timeout_s)
+            return await abandon_after(call, self.request_timeout_s, f"replica {replica.stats.name!r}")
         finally:
             replica.stats.in_flight -= 1
 
     def _mark_failed(self, replica: _Replica, exc: BaseException) -> str:
-        if isinstance(exc, TimeoutError) and not str(exc):
+        if isinstance(exc, TimeoutError) and str(exc).startswith(f"replica {replica.stats.name!r} gave no answer"):
             error = f"TimeoutError: no answer within request_timeout_s={self.request_timeout_s}"
         else:
             error = f"{type(exc).__name__}: {exc}"

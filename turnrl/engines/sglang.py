@@ -52,7 +52,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from turnrl.engines.base import EngineError, NamedTensors
+from turnrl.engines.base import EngineError, NamedTensors, check_pause
 from turnrl.engines.http import JsonHttp, WeightsFolder, _excerpt, encode_image
 from turnrl.types import FinishReason, GenerateOutput, SamplingParams
 
@@ -72,10 +72,12 @@ class SGLangEngine:
             `update_weights` raises.
         sleep_tags: memory regions released by `sleep` ("weights", "kv_cache"); None releases all.
         timeout_s / connect_timeout_s: per request / to open a connection.
+        control_timeout_s: limit of abort and health requests (a working server answers them at once).
     """
 
     def __init__(self, base_url: str, *, api_key: str | None = None, weights_dir: str | os.PathLike | None = None,
-                 sleep_tags: list[str] | None = None, timeout_s: float | None = 600.0, connect_timeout_s: float = 10.0):
+                 sleep_tags: list[str] | None = None, timeout_s: float | None = 600.0, connect_timeout_s: float = 10.0,
+                 control_timeout_s: float = 10.0):
         self.http = JsonHttp(base_url, owner="SGLangEngine", token=api_key, timeout_s=timeout_s,
                              connect_timeout_s=connect_timeout_s)
         self.base_url, self.api_key = self.http.base_url, api_key
@@ -85,6 +87,11 @@ class SGLangEngine:
         self.policy_version = 0
         self._rid_counter = itertools.count()
         self._warned_filters = False
+        self._updates = 0  # weight updates finished, and of them with pause=abort: to tell what a call went through
+        self._aborting_updates = 0
+        self._pause = "keep"  # of the streamed update in progress (given with its first bucket)
+        self.control_timeout_s = control_timeout_s
+        self._aborts: set[asyncio.Task] = set()
 
     # ---- Engine protocol -------------------------------------------------------------------------
     async def generate(
@@ -99,30 +106,52 @@ class SGLangEngine:
         }
         if images:
             body["image_data"] = [encode_image(im) for im in images]
+        start_version, updates, aborting = self.policy_version, self._updates, self._aborting_updates
         try:
             data = await self._request("POST", "/generate", json=body)
         except asyncio.CancelledError:
-            await self._abort(rid)
+            self._abort(rid)
             raise
-        return self._parse_output(data, rid)
+        out = self._parse_output(data, rid)
+        if self._updates != updates:  # an update landed meanwhile: its tokens span versions; the oldest anchors
+            out.policy_version = start_version
+        out.preempted = out.finish_reason == FinishReason.ABORT and self._aborting_updates != aborting
+        return out
 
     async def update_weights(self, named_tensors: NamedTensors, version: int | None = None, *,
-                             final: bool = True) -> int:
-        if self.weights_dir is None:
+                             final: bool = True, pause: str | None = None) -> int:
+        """Stage the weights in `weights_dir`, and at the final bucket reload them, with the pause mode of the first
+        bucket mapped onto SGLang's: keep → `/pause_generation {mode: in_place}`, reload without flushing the KV
+        cache, `/continue_generation`; wait → a plain reload (the server holds it until the running requests are
+        done); abort → `abort_all_requests` (they return their tokens so far, which this client marks
+        preempted)."""
+        if self.weights_dir is None or self._weights is None:
             raise EngineError(
                 "SGLangEngine.update_weights needs weights_dir: a folder the SGLang server can read at the same "
                 "path (its /update_weights_from_disk loads safetensors from there)"
             )
+        if pause is not None:
+            self._pause = check_pause(pause)
         new_version = self.policy_version + 1 if version is None else int(version)
         await self._weights.write(named_tensors, final)
         if not final:  # one bucket of several: the server reloads the folder after the last
             return self.policy_version
-        data = await self._request("POST", "/update_weights_from_disk", json={
-            "model_path": str(self.weights_dir), "weight_version": str(new_version),
-        })
+        mode, self._pause = self._pause, "keep"
+        body: dict[str, Any] = {"model_path": str(self.weights_dir), "weight_version": str(new_version)}
+        if mode == "keep":
+            await self._request("POST", "/pause_generation", json={"mode": "in_place"})
+            body["flush_cache"] = False  # in place: the running requests keep their KV
+        elif mode == "abort":
+            self._aborting_updates += 1
+            body["abort_all_requests"] = True
+        try:
+            data = await self._request("POST", "/update_weights_from_disk", json=body)
+        finally:
+            if mode == "keep":
+                await self._request("POST", "/continue_generation", json={})
         if not (isinstance(data, dict) and data.get("success")):
             raise EngineError(f"POST {self.base_url}/update_weights_from_disk did not succeed: {_excerpt(data)}")
-        self.policy_version = new_version
+        self.policy_version, self._updates = new_version, self._updates + 1
         return new_version
 
     async def sleep(self) -> None:
@@ -140,7 +169,7 @@ class SGLangEngine:
 
     async def health(self) -> bool:
         try:
-            await self._request("GET", "/health", expect_json=False)
+            await self._request("GET", "/health", expect_json=False, timeout_s=self.control_timeout_s)
         except EngineError:
             return False
         return True
@@ -202,8 +231,16 @@ class SGLangEngine:
     async def _request(self, method: str, path: str, *, expect_json: bool = True, **kwargs: Any) -> Any:
         return await self.http.request(method, path, expect_json=expect_json, **kwargs)
 
-    async def _abort(self, rid: str) -> None:
-        try:  # shielded: the caller is being cancelled, but the server should stop generating
-            await asyncio.shield(self._request("POST", "/abort_request", json={"rid": rid}, expect_json=False))
+    def _abort(self, rid: str) -> None:
+        """Ask the server to stop generating `rid`, in the background: the caller is being cancelled, maybe
+        because this very server hung, so its cancellation must not wait on it (the abort gets a short limit)."""
+        task = asyncio.get_running_loop().create_task(self._send_abort(rid))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    async def _send_abort(self, rid: str) -> None:
+        try:
+            await self._request("POST", "/abort_request", json={"rid": rid}, expect_json=False,
+                                timeout_s=self.control_timeout_s)
         except (EngineError, asyncio.CancelledError) as e:
             log.warning("SGLang abort of %s failed: %r", rid, e)

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from turnrl.engines.base import EngineError, NamedTensors
+from turnrl.engines.base import EngineError, InvalidRequest, NamedTensors, check_pause
 from turnrl.engines.http import JsonHttp, WeightsFolder, _excerpt
 from turnrl.types import FinishReason, GenerateOutput, SamplingParams
 
@@ -178,7 +178,13 @@ class VLLMEngine:
             raise
 
     async def update_weights(self, named_tensors: NamedTensors, version: int | None = None, *,
-                             final: bool = True) -> int:
+                             final: bool = True, pause: str = "keep") -> int:
+        """Reload between engine steps; the running requests' KV is recomputed under the new weights (vLLM's
+        reset_running_requests), which is pause mode `keep`. `wait` and `abort` need the async engine's
+        pause_generation, which this in-process LLMEngine lacks: they are refused (use the server engine)."""
+        if check_pause(pause) != "keep":
+            raise InvalidRequest(f"the in-process VLLMEngine supports weight_sync.pause=keep only, got {pause!r}; "
+                                 "VLLMServerEngine maps wait and abort onto vLLM's /pause", "pause")
         new_version = self.policy_version + 1 if version is None else int(version)
         items = named_tensors.items() if hasattr(named_tensors, "items") else named_tensors
 
@@ -323,7 +329,7 @@ class VLLMServerEngine:
         api_key: sent as `Authorization: Bearer` (vLLM's `--api-key`).
         weights_dir: a folder both this process and the server can read at this path; `update_weights`
             writes `model.safetensors` there and asks the server to reload from it. That goes through the
-            dev endpoints `/collective_rpc` and `/reset_prefix_cache`, which the server exposes only under
+            dev endpoints `/collective_rpc`, `/pause` and `/resume`, which the server exposes only under
             `VLLM_SERVER_DEV_MODE=1`. None: `update_weights` raises.
         eos_token_ids: extra stop tokens for every request (the model's EOS always stops).
     """
@@ -339,6 +345,9 @@ class VLLMServerEngine:
         self._weights = WeightsFolder(self.weights_dir) if self.weights_dir is not None else None
         self.eos_token_ids = frozenset(eos_token_ids)
         self.policy_version = 0
+        self._updates = 0  # weight updates finished, and of them with pause=abort: to tell what a call went through
+        self._aborting_updates = 0
+        self._pause = "keep"  # of the streamed update in progress (given with its first bucket)
         self._rid_counter = itertools.count()
         self._warned_sleep = False
 
@@ -351,8 +360,13 @@ class VLLMServerEngine:
             raise EngineError(f"request {request_id!r}: empty prompt")
         rid = f"{request_id}#{next(self._rid_counter)}"
         # a cancelled call closes its connection, and vLLM aborts a request whose client went away
+        start_version, updates, aborting = self.policy_version, self._updates, self._aborting_updates
         data = await self._request("POST", "/v1/completions", json=self.completion_body(prompt_ids, params, rid))
-        return self.parse_completion(data, rid)
+        out = self.parse_completion(data, rid)
+        if self._updates != updates:  # an update landed meanwhile: its tokens span versions; the oldest anchors
+            out.policy_version = start_version
+        out.preempted = out.finish_reason == FinishReason.ABORT and self._aborting_updates != aborting
+        return out
 
     def completion_body(self, prompt_ids: list[int], params: SamplingParams, rid: str) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -389,18 +403,29 @@ class VLLMServerEngine:
                               policy_version=self.policy_version)
 
     async def update_weights(self, named_tensors: NamedTensors, version: int | None = None, *,
-                             final: bool = True) -> int:
-        if self.weights_dir is None:
+                             final: bool = True, pause: str | None = None) -> int:
+        """Stage the weights in `weights_dir`; at the final bucket pause the server in the mode of the first bucket
+        (vLLM's `/pause?mode=keep|wait|abort`: keep freezes the running requests with their KV, wait lets them
+        finish, abort returns them with their tokens so far, marked preempted here), reload, and `/resume`."""
+        if self.weights_dir is None or self._weights is None:
             raise EngineError("VLLMServerEngine.update_weights needs weights_dir: a folder the vLLM server can read "
                               "at the same path (it reloads safetensors from there)")
+        if pause is not None:
+            self._pause = check_pause(pause)
         new_version = self.policy_version + 1 if version is None else int(version)
         await self._weights.write(named_tensors, final)
         if not final:  # one bucket of several: the server reloads the folder after the last
             return self.policy_version
-        await self._request("POST", "/collective_rpc", json={
-            "method": "reload_weights", "kwargs": {"weights_path": str(self.weights_dir)}})
-        await self._request("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"})
-        self.policy_version = new_version
+        mode, self._pause = self._pause, "keep"
+        if mode == "abort":
+            self._aborting_updates += 1
+        await self._request("POST", "/pause", params={"mode": mode, "clear_cache": str(mode != "keep").lower()})
+        try:
+            await self._request("POST", "/collective_rpc", json={
+                "method": "reload_weights", "kwargs": {"weights_path": str(self.weights_dir)}})
+        finally:
+            await self._request("POST", "/resume")
+        self.policy_version, self._updates = new_version, self._updates + 1
         return new_version
 
     async def sleep(self) -> None:

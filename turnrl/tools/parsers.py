@@ -1,8 +1,13 @@
 """Tool-call parsers: model text in, `ToolCall`s plus readable errors out.
 
-A parser never raises on model output. A malformed call becomes an entry in `ParseResult.errors`,
-written to be shown to the model (verl drops such calls and ends the episode without feedback).
-Reasoning is removed before parsing, so a call the model only thinks about is never executed.
+A parser never raises on model output, whatever the string. A malformed call becomes an entry in
+`ParseResult.errors`, written to be shown to the model (verl drops such calls and ends the episode without
+feedback). Reasoning is removed before parsing, so a call the model only thinks about is never executed.
+
+JSON is read strictly (`loads_json`): nesting deeper than `MAX_JSON_DEPTH`, integers of more than
+`MAX_INT_DIGITS` digits, numbers out of float range, `NaN` / `Infinity` (which Python's json accepts and
+writes back as invalid JSON) and unpaired surrogates are refused with a message, never an exception, so
+whatever a parser returns can be sent on as JSON and written as UTF-8.
 
     parser = get_parser("hermes")
     result = parser.parse(text)
@@ -14,6 +19,7 @@ Reasoning is removed before parsing, so a call the model only thinks about is ne
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -70,6 +76,95 @@ def _join_content(parts: list[str]) -> str:
     return "\n".join(p.strip() for p in parts if p.strip())
 
 
+# ---- strict JSON -----------------------------------------------------------------------------------
+
+MAX_JSON_DEPTH = 64
+"""Arrays/objects nested deeper are refused (Python's json recurses per level: RecursionError past ~1000)."""
+MAX_INT_DIGITS = 4300
+"""Longer integers are refused (Python's int parsing raises ValueError past 4,300 digits by default)."""
+
+
+class JsonRefused(ValueError):
+    """Text that is not JSON a tool call can carry; the message says why, for the model."""
+
+
+def loads_json(text: str) -> Any:
+    """`json.loads` that refuses what cannot go out again as valid JSON (see the module docstring).
+    Raises JsonRefused, and nothing else, on any string."""
+    depth = _nesting_depth(text, MAX_JSON_DEPTH)
+    if depth > MAX_JSON_DEPTH:
+        raise JsonRefused(f"nesting deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        value = json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_reject_constant)
+    except JsonRefused:
+        raise
+    except json.JSONDecodeError as e:
+        raise JsonRefused(f"{e.msg} at char {e.pos}") from None
+    except (ValueError, RecursionError) as e:  # int limits set lower by the process; a deep stack already
+        raise JsonRefused(f"{type(e).__name__}: {e}") from None
+    _check_strings(value)
+    return value
+
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+(?:"|\\?\Z)', re.DOTALL)
+"""A JSON string, or an unterminated one running to the end: it always matches from a quote, so removing
+strings is linear whatever the text."""
+_NOT_BRACKETS = re.compile(r"[^\[\]{}]+")
+
+
+def _nesting_depth(text: str, limit: int) -> int:
+    """The deepest array/object nesting outside strings; counting stops past `limit`. Linear in the text, and
+    cheap for the usual call: only texts with more than `limit` brackets are looked at."""
+    if text.count("[") + text.count("{") <= limit:
+        return 0
+    depth = deepest = 0
+    for bracket in _NOT_BRACKETS.sub("", _JSON_STRING.sub("", text)):
+        if bracket in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > limit:
+                    break
+        else:
+            depth -= 1
+    return deepest
+
+
+def _parse_int(digits: str) -> int:
+    n = len(digits) - digits.startswith("-")
+    if n > MAX_INT_DIGITS:
+        raise JsonRefused(f"an integer of {n} digits (at most {MAX_INT_DIGITS})")
+    return int(digits)
+
+
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise JsonRefused(f"the number {text[:40]} is out of range")
+    return value
+
+
+def _reject_constant(name: str) -> Any:
+    raise JsonRefused(f"{name} is not JSON (numbers must be finite)")
+
+
+def _check_strings(value: Any) -> None:
+    """Refuse unpaired surrogates (`"\\ud800"` parses, but cannot be written as UTF-8). Depth is bounded."""
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise JsonRefused(f"a string holds an unpaired surrogate ({value[e.start]!r})") from None
+    elif isinstance(value, list):
+        for item in value:
+            _check_strings(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_strings(key)
+            _check_strings(item)
+
+
 # ---- hermes ----------------------------------------------------------------------------------------
 
 
@@ -106,9 +201,9 @@ class HermesParser:
 def _hermes_call(body: str, number: int, default_id: str) -> ToolCall | str:
     where = f"{CALL_OPEN} #{number}"
     try:
-        obj = json.loads(body)
-    except json.JSONDecodeError as e:
-        return f"invalid JSON in {where}: {e.msg} at char {e.pos}"
+        obj = loads_json(body)
+    except JsonRefused as e:
+        return f"invalid JSON in {where}: {e}"
     if not isinstance(obj, dict):
         return f'{where} must hold a JSON object {{"name": ..., "arguments": {{...}}}}, got {_json_kind(obj)}'
     call_id = obj.get("id")
@@ -120,9 +215,9 @@ def _hermes_call(body: str, number: int, default_id: str) -> ToolCall | str:
     arguments = obj.get("arguments", obj.get("parameters"))
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as e:
-            return f'invalid JSON in the "arguments" string of {where}: {e.msg} at char {e.pos}'
+            arguments = loads_json(arguments) if arguments.strip() else {}
+        except JsonRefused as e:
+            return f'invalid JSON in the "arguments" string of {where}: {e}'
     if arguments is None:
         arguments = {}
     if not isinstance(arguments, dict):
@@ -137,9 +232,10 @@ def _json_kind(value: Any) -> str:
 
 # ---- qwen3_coder -----------------------------------------------------------------------------------
 
-_FUNCTION_RE = re.compile(r"<function=([^>\n]*)>(.*?)(?:</function>|(?=<function=)|\Z)", re.DOTALL)
+# names are bounded: unbounded, each of n unclosed `<function=` would scan to the end of the text (n² time)
+_FUNCTION_RE = re.compile(r"<function=([^>\n]{0,256})>(.*?)(?:</function>|(?=<function=)|\Z)", re.DOTALL)
 _PARAMETER_RE = re.compile(
-    r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|\Z)", re.DOTALL
+    r"<parameter=([^>\n]{0,256})>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|\Z)", re.DOTALL
 )
 
 
@@ -205,13 +301,9 @@ class Qwen3CoderParser:
         if (function, key) in self._string_params:
             return value
         try:
-            return json.loads(value, parse_constant=_reject_constant)
-        except ValueError:
+            return loads_json(value)
+        except JsonRefused:  # not JSON (NaN, too deep, too long an integer...): the raw string
             return value
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")  # NaN / Infinity stay strings
 
 
 def _string_parameters(schemas: list[dict[str, Any]]) -> set[tuple[str, str]]:

@@ -18,21 +18,33 @@ What protects the host, from strongest to weakest (`SandboxResult.layers` says w
    signal its supervisor, and after the run every process of that uid is killed. If the Python
    installation is not readable by other users (e.g. a pyenv under /root), the process keeps
    CAP_DAC_READ_SEARCH so it can import the standard library: it can then READ every file on the host.
-4. A fresh temporary work dir (deleted afterwards), HOME/TMPDIR pointing into it, a scrubbed
+4. Landlock (Linux 5.13+ with Landlock enabled; `layers["landlock"]` is its ABI version, else False): the
+   code and everything it starts may write, create, remove, rename or link only beneath the work dir (and
+   write /dev/null), native code included. Reading is not restricted.
+5. An exec filter (seccomp; Linux x86_64 / aarch64; `layers["no_exec"]`): `execve` / `execveat` fail with
+   EPERM, so no other program starts by any route (subprocess, os.system, `_posixsubprocess.fork_exec`,
+   ctypes `system`, posix_spawn). `allow_subprocess` leaves it off.
+6. A fresh temporary work dir (deleted afterwards), HOME/TMPDIR pointing into it, a scrubbed
    environment (no tokens or keys from the parent's env), stdin closed, `python -I` (no PYTHONPATH,
    no user site-packages).
-5. A Python audit hook (`sys.addaudithook`): refuses writes, deletes, renames, chmods and links outside
+7. A Python audit hook (`sys.addaudithook`): refuses writes, deletes, renames, chmods and links outside
    the work dir, starting other programs (os.system, subprocess, exec*, posix_spawn; `allow_subprocess`
-   lifts this), and, when layer 2 is missing, non-Unix sockets, connect/bind/sendto and DNS lookups.
-   The hook is NOT a security boundary: `ctypes`, native extensions, `dir_fd=` relative opens and
-   anything else below the Python layer bypass it. It stops accidents and naive code only.
+   lifts this), the garbage collector's object walks (they would reach the hook), and, when layer 2 is
+   missing, non-Unix sockets, connect/bind/sendto and DNS lookups. Everything it calls is bound when it is
+   installed, so code that replaces `builtins.isinstance`, `os.path.abspath`, `os.lstat`... does not change
+   its answers. It is still NOT a security boundary; what gets past it and which layer contains it:
+   - `_posixsubprocess.fork_exec` and ctypes `system` raise no audit event: layer 5 (without it they run).
+   - native code (ctypes, extensions) and `dir_fd=` relative opens write where the hook does not look:
+     layer 4, and as root layer 3 (but for world-writable places such as /tmp).
+   - ctypes can rewrite the interpreter's memory, the hook included: the same kernel layers.
 
 What this does NOT protect against:
 - Reading files: world-readable ones always; every file when layer 3 keeps CAP_DAC_READ_SEARCH or when
   running as root without layer 3. Keep reference answers and secrets out of reach by other means.
 - Seeing the host's processes and their command lines in /proc (there is no PID or mount namespace).
-- Writes into world-writable directories (/tmp, /dev/shm) by native code (such files outlive the run),
-  and without layer 3 any write native code can make as the parent's user.
+- Without layer 4: writes into world-writable directories (/tmp, /dev/shm) by native code (such files
+  outlive the run), and without layer 3 as well any write native code can make as the parent's user.
+- Without layer 5 (or with `allow_subprocess`): programs started below the audit hook.
 - Filling the disk with many files that are each under the size limit; a CPU-heavy run slowing its
   neighbours (no cgroups); kernel exploits and side channels.
 - Without layer 3 (a non-root parent): code that kills its supervisor (same uid) can leave processes
@@ -111,7 +123,8 @@ class SandboxResult:
     """Whether stdout or stderr was cut to `max_output_chars`."""
     layers: dict[str, Any]
     """Which protections were active: rlimits, netns, no_new_privs, subreaper, uid (None: no privilege
-    drop), read_anywhere, audit_hook, network_hook (sockets blocked by the hook: no netns)."""
+    drop), read_anywhere, landlock (ABI version or False), no_exec, audit_hook, network_hook (sockets
+    blocked by the hook: no netns)."""
 
     def to_text(self, limits: SandboxLimits) -> str:
         """What the model sees: stdout, then stderr under a `[stderr]` line, then a status line."""
