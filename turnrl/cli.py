@@ -6,7 +6,6 @@ import asyncio
 import functools
 import json
 import logging
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -291,19 +290,22 @@ def run_training(cfg: TrainConfig, console: Console | None = None, parallel: Par
 
     console = console or Console()
     if parallel is None:  # a Ray trainer rank (parallel given) runs in the directory its driver chose
-        run_dir = prepare_run(cfg, overwrite=overwrite)
-        if int(os.environ.get("RANK", "0")) == 0:
-            console.print(f"run directory: {run_dir}" + (" (resuming)" if cfg.resume else ""), soft_wrap=True)
+        prepare_run(cfg, overwrite=overwrite)
+    run_dir = Path(cfg.run_dir)
+    said = f"run directory: {run_dir}" + (" (resuming)" if cfg.resume else "")
     if cfg.trainer.launcher == "ray" and parallel is None:
         from turnrl.dist.ray import train_on_ray
 
+        console.print(said, soft_wrap=True)
         return train_on_ray(functools.partial(_train_rank, cfg), cfg.trainer.world_size,
                             address=cfg.engine.ray_address, gpus_per_rank=1.0 if cfg.device.startswith("cuda") else 0.0)
     try:
         trainer, stack = build_trainer(cfg, console=console, parallel=parallel)
     except BaseException:
-        discard_if_empty(Path(cfg.run_dir))  # a run that never started leaves no empty directory behind
+        discard_if_empty(run_dir)  # a run that never started leaves no empty directory behind (nor says it had one)
         raise
+    if trainer.parallel.is_main:
+        console.print(said, soft_wrap=True)
     try:
         history = asyncio.run(trainer.train())
     finally:
