@@ -115,7 +115,7 @@ def test_resume_paths_name_a_run_a_checkpoint_or_a_directory_of_runs(trained, tm
     result = CliRunner().invoke(app, ["train", str(config), "steps=1", "--resume", str(tmp_path / "nope")])
     assert result.exit_code == 2 and "not a checkpoint folder" in result.output
     result = CliRunner().invoke(app, ["train", str(config), "oops"])
-    assert result.exit_code == 2 and "'oops' is not a key=value override" in result.output
+    assert result.exit_code == 2 and "override 'oops': expected dotted.key=value" in result.output
 
 
 # ---- corrupted checkpoints: the newest valid one is chosen, and the skipped one is named ------------------

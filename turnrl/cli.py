@@ -270,7 +270,7 @@ def _resume_path(items: list[str], resume: bool) -> tuple[list[str], str | None]
 
     paths = [item for item in items if "=" not in item]
     if paths and (not resume or len(paths) > 1):
-        raise ConfigError(f"{paths[-1]!r} is not a key=value override" + (
+        raise ConfigError(f"override {paths[-1]!r}: expected dotted.key=value" + (
             "" if resume else " (to continue a run, put --resume before its path: --resume PATH)"))
     return [item for item in items if "=" in item], (paths[0] if paths else None)
 
