@@ -27,7 +27,7 @@ def _setup(tmp_path, rows=12):
 
 
 def _config(tmp_path, data, out, steps, **extra):
-    cfg = {"model": "tiny-qwen3", "train_data": str(data), "output_dir": str(out), "steps": steps,
+    cfg = {"model": "tiny-qwen3", "train_data": str(data), "run_dir": str(out), "steps": steps,
            "prompts_per_step": 2, "seed": 3, "save_every": 1,
            "rollout": {"env": "turnrl.testing", "n": 2, "max_new_tokens": 8, "max_turns": 6,
                        "sanity_check": "disable"},

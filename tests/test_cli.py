@@ -83,6 +83,8 @@ def test_clear_errors(tmp_path, args, message):
 @pytest.mark.parametrize(("content", "message"), [
     ('{"prompt": "ok"}\n{"question": "no prompt"}\n', "row 2: missing field 'prompt'"),
     ('{"prompt": "ok"}\n{not json\n', "line 2: invalid JSON"),
+    ('{"prompt": "ok"}\n\n{"prompt": "x",}\n', "line 3: invalid JSON (Expecting property name enclosed in double "
+                                               "quotes at column 16)"),  # the row's line and column, not the file's
     ('{"prompt": [{"role": "robot", "content": "x"}]}\n', "row 1: prompt[0] must be a message with 'role'"),
     ('{"prompt": "<image> what?", "images": []}\n', "row 1: the prompt has 1 '<image>' placeholders but 'images' has 0"),
     ('{"prompt": "<image> and <image>", "images": ["a.png"]}\n', "2 '<image>' placeholders but 'images' has 1"),
@@ -93,3 +95,34 @@ def test_malformed_rows_name_row_and_field(tmp_path, content, message):
     result = runner.invoke(app, ["rollout", "--model", "tiny-qwen3", "--env", "single_turn", "--data", str(data),
                                  "--out", str(tmp_path / "o.jsonl")])
     assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+
+
+def test_output_into_a_file_is_one_line_per_line(tmp_path):
+    """Logs and console lines written to a file or a pipe are never wrapped at 80 columns (RichHandler's table
+    did, mid-word); in a terminal they keep Rich's layout."""
+    import subprocess
+    import sys
+
+    code = ("import logging; from turnrl.cli import _setup_logging, console; _setup_logging(False); "
+            "logging.getLogger('turnrl.x').warning('warned ' + 'w' * 150); console.print('printed ' + 'p' * 150)")
+    with open(tmp_path / "out.log", "w") as f:
+        subprocess.run([sys.executable, "-c", code], stdout=f, stderr=subprocess.STDOUT, check=True, timeout=120)
+    lines = (tmp_path / "out.log").read_text().splitlines()
+    [warned] = [x for x in lines if "warned" in x]
+    assert warned.endswith("warned " + "w" * 150) and " WARNING " in warned  # time, level, message: one line
+    assert "printed " + "p" * 150 in lines
+
+
+def test_a_run_that_cannot_start_says_why_in_one_line_and_leaves_no_run_behind(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    data = _data(tmp_path, [{"prompt": "hi", "answer": 1}])
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: no-org/no-such-model\ntrain_data: {data}\noutput_dir: {tmp_path / 'runs'}\n"
+                      "rollout: {env: single_turn}\n")
+    result = runner.invoke(app, ["train", str(config)])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and "model 'no-org/no-such-model' is not in the local Hugging Face cache" in said, said
+    assert "run directory" not in said
+    assert list((tmp_path / "runs").iterdir()) == []  # no empty run directory, no link to one

@@ -101,7 +101,7 @@ def test_torchrun_trains_on_two_ranks_and_a_killed_run_resumes_on_one(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     script = Path(sys.executable).with_name("turnrl")  # the console script, as docs/distributed.md runs it
     launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                 "2", str(script), "train", str(config)], env=env,
+                                 "2", str(script), "train", str(config), "--run-dir", str(out)], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _kill_rank_1_after(launcher, out / "checkpoints" / "latest", "step_000002")  # rank 0 is rolling out step 3
@@ -127,7 +127,7 @@ def test_torchrun_trains_on_two_ranks_and_a_killed_run_resumes_on_one(tmp_path):
     _assert_sampled_by(step2, tmp_path / "hf1")
 
     # resume on one rank; an uninterrupted one-process run gives the same losses at every step
-    resumed = runner.invoke(app, ["train", str(config), "resume=true", "trainer.parallel=none",
+    resumed = runner.invoke(app, ["train", str(config), "--resume", str(out), "trainer.parallel=none",
                                   "trainer.world_size=1"])
     assert resumed.exit_code == 0, resumed.output
     assert "written by 2 ranks, now 1" in resumed.output
@@ -151,7 +151,7 @@ def test_export_writes_a_hugging_face_directory_with_tokenizer_and_template(tmp_
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config = _write_config(tmp_path, "one", steps=1, trainer={"save_hf": True})
-    history = run_training(load_config(TrainConfig, config))
+    history = run_training(load_config(TrainConfig, config, [f"run_dir={tmp_path / 'one'}"]))
     assert history and (tmp_path / "one" / "checkpoints" / "latest").read_text() == "step_000001"
     ckpt = tmp_path / "one" / "checkpoints" / "step_000001"
     result = runner.invoke(app, ["export", str(ckpt), str(tmp_path / "hf")])

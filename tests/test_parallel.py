@@ -155,8 +155,7 @@ def test_a_rank_killed_mid_step_resumes_from_the_last_sharded_checkpoint(two_ran
 def test_a_two_rank_checkpoint_resumes_in_one_process(two_ranks, tmp_path):
     run = tmp_path / "resharded"
     shutil.copytree(two_ranks / "run", run)
-    (run / "checkpoints" / "latest").write_text("step_000002")
-    trainer = worker.make_trainer(worker.config(run, 1, resume=True))
+    trainer = worker.make_trainer(worker.config(run, 1, resume=str(run / "checkpoints" / "step_000002")))
     assert trainer.load_checkpoint() and trainer.step == 2
     trainer.step = 3
     loss = trainer.update(worker.fixed_samples(3))["train/loss"]

@@ -228,7 +228,8 @@ def test_trainer_launcher_ray_trains_on_two_actor_ranks(cluster, tmp_path):
 
     config = _write_config(tmp_path, "run", steps=2, trainer={"parallel": "fsdp", "world_size": 2, "launcher": "ray"},
                            engine={"max_batch_size": 1, "distributed": "ray", "ray_workers": 1})
-    history = run_training(load_config(TrainConfig, config))  # rank 0's, returned through the driver
+    history = run_training(load_config(TrainConfig, config, [f"run_dir={tmp_path / 'run'}"]))  # rank 0's, returned
+    # through the driver, which chose the run directory every rank writes into
     steps = [m for m in history if "train/samples" in m]
     assert [m["step"] for m in steps] == [1.0, 2.0] and steps[-1]["train/policy_version"] == 2.0
     ckpt = tmp_path / "run" / "checkpoints" / "step_000002"

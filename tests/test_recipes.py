@@ -31,7 +31,7 @@ def test_gsm8k_tool_agent_recipe_trains(tmp_path):
     run(sys.executable, "examples/gsm8k_tools/prepare_data.py", "--out", str(data), "--train", "8", "--eval", "2")
     out = tmp_path / "run"
     run(TURNRL, "train", "examples/gsm8k_tools/config.yaml", "model=tiny-qwen3", f"train_data={data}/train.jsonl",
-        f"eval_data={data}/eval.jsonl", f"output_dir={out}", "steps=2", "prompts_per_step=2", "rollout.n=2",
+        f"eval_data={data}/eval.jsonl", f"run_dir={out}", "steps=2", "prompts_per_step=2", "rollout.n=2",
         "rollout.max_new_tokens=24", "algo.kl_coef=0.01")
     steps = [m for m in metrics(out) if "train/loss" in m]
     assert [m["step"] for m in steps] == [1.0, 2.0]
@@ -47,7 +47,7 @@ def test_arithmetic_demo_config_runs_one_step_on_smollm2(tmp_path):
     (data / "eval.jsonl").write_text("\n".join(eval_rows[:8]) + "\n")  # keep the slow test short
     out = tmp_path / "run"
     result = run(TURNRL, "train", "examples/arithmetic/config.yaml", f"train_data={data}/train.jsonl",
-                 f"eval_data={data}/eval.jsonl", f"output_dir={out}", "steps=1", "prompts_per_step=4",
+                 f"eval_data={data}/eval.jsonl", f"run_dir={out}", "steps=1", "prompts_per_step=4",
                  "eval_every=0", "eval_sampled_n=0")
     history = metrics(out)
     assert [m["eval/tag"] for m in history if "eval/tag" in m] == ["before", "after"]
@@ -60,7 +60,7 @@ def sft_then_rl(tmp_path: Path, recipe: str, sft_args: list[str], rl_args: list[
     run(TURNRL, "sft", f"examples/{recipe}/sft.yaml", f"output_dir={tmp_path}/sft", *sft_args)
     assert (tmp_path / "sft" / "model" / "config.json").exists()
     run(TURNRL, "train", f"examples/{recipe}/{'config' if recipe == 'gsm8k_tools' else 'rl'}.yaml",
-        f"model={tmp_path}/sft/model", f"output_dir={tmp_path}/rl", *rl_args)
+        f"model={tmp_path}/sft/model", f"run_dir={tmp_path}/rl", *rl_args)  # the run's own directory
     return metrics(tmp_path / "sft"), metrics(tmp_path / "rl")
 
 

@@ -445,3 +445,19 @@ async def test_a_render_mismatch_is_explained_once_and_then_only_counted(qwen3_t
     warnings = [r for r in caplog.records if "re-render" in r.getMessage()]
     assert len(warnings) == 1  # ... one is explained, with whether it matters and the flag that accepts it
     assert "Harmless" in warnings[0].getMessage() and "ignore_strippable" in warnings[0].getMessage()
+
+
+@pytest.mark.parametrize(("returned", "reward", "error"), [
+    (0.5, 0.5, None), (True, 1.0, None), (3, 3.0, None), ({"score": 0.25, "acc": 1.0}, 0.25, None),
+    ("1.0", None, "returned '1.0' (str); expected a finite number"), (float("nan"), None, "returned nan (float)"),
+    (None, None, "returned None (NoneType)"), ({"acc": 1.0}, None, "returned {'acc': 1.0} (dict)"),
+])
+async def test_a_reward_that_is_not_a_finite_number_is_an_error_never_a_poisoned_group(returned, reward, error):
+    from turnrl.rollout import score
+
+    traj = Trajectory(id="t", group_id="g", sample_index=0, prompt_ids=[1])
+    await score(traj, lambda t: returned)
+    assert traj.reward == reward
+    assert (traj.reward_error is None) if error is None else (error in traj.reward_error)
+    if isinstance(returned, dict) and "score" in returned:
+        assert traj.info["reward_extra"] == {"acc": 1.0}  # verl's extra keys are kept beside the score

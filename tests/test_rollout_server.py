@@ -202,6 +202,10 @@ def test_turnrl_serve_imports_the_plugin_and_takes_weight_updates(tmp_path, tiny
         raise result.exception
     assert result.exit_code == 0, result.output
     assert "serve_where_plugin" in multi_turns  # imported by the server's build (build_stack), in this process
+    # the start-up banner: URLs, model, auth mode
+    assert "serving tiny-qwen3 (embedded engine) at http://127.0.0.1:8000\n" in result.output
+    assert "http://127.0.0.1:8000/v1 " in result.output and "POST http://127.0.0.1:8000/rollout (default agent " \
+        "scheduler)" in result.output and "auth: none (loopback only" in result.output
 
     info = seen["info"]
     assert (info["model"], info["agent"], info["agent_loop"]) == ("tiny-qwen3", "scheduler", "scheduler[WhereScheduler]")

@@ -415,7 +415,7 @@ def test_turnrl_train_trains_the_agents_sdk_and_anthropic_agents(tmp_path, modul
     turnrl = str(Path(sys.executable).with_name("turnrl"))
     result = subprocess.run(
         [turnrl, "train", str(EXAMPLES / "config.yaml"), f"rollout.env_config.openai_agent={agent}:run",
-         f"reward.function={agent}:by_length", f"output_dir={out}", "steps=1", "prompts_per_step=2", "rollout.n=2",
+         f"reward.function={agent}:by_length", f"run_dir={out}", "steps=1", "prompts_per_step=2", "rollout.n=2",
          "rollout.max_new_tokens=24"],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -261,3 +261,59 @@ def test_rollout_stats_give_tool_call_and_invalid_call_rates(qwen3_tokenizer):
     assert s["rollout/tool_call_rate"] == pytest.approx(2 / 3)
     assert s["rollout/tool_calls_mean"] == pytest.approx(1.0)
     assert s["rollout/tool_invalid_call_rate"] == pytest.approx(2 / 3)
+
+
+# ---- templates that drop tool schemas (SmolLM2's): injected as the hermes block, or refused ------------------
+
+def test_smollm2s_template_drops_tool_schemas_so_the_hermes_block_carries_them(smol_tokenizer, qwen3_tokenizer,
+                                                                             caplog):
+    from turnrl.render import TOOL_BLOCK, RenderError
+    from turnrl.tools import get_parser
+
+    schemas = ToolSet([add]).schemas
+    user = [{"role": "user", "content": "What is 2+3?"}]
+    raw = smol_tokenizer.apply_chat_template(user, tools=schemas, tokenize=False, add_generation_prompt=True)
+    assert '"add"' not in raw and "Add two integers" not in raw  # the real template drops them, silently
+    r = ChatRenderer(smol_tokenizer)
+    assert not r.renders_tools and ChatRenderer(qwen3_tokenizer).renders_tools
+    with caplog.at_level("WARNING"):
+        r.require_tools("hermes")
+        r.require_tools("hermes")
+    [warning] = [rec.getMessage() for rec in caplog.records]  # said once, at start-up, naming the template
+    assert "smollm2-135m-instruct" in warning
+    assert "does not render the tool schemas" in warning and "hermes" in warning
+    text = r.render_initial(user, schemas)
+    block = TOOL_BLOCK.format(tools=json.dumps(schemas[0], ensure_ascii=False))
+    assert text.startswith(f"<|im_start|>system\n{block}<|im_end|>\n<|im_start|>user\nWhat is 2+3?")
+    system = [{"role": "system", "content": "Be brief."}, *user]  # an own system prompt keeps its text first
+    assert r.render_initial(system, schemas).startswith(f"<|im_start|>system\nBe brief.\n\n{block}<|im_end|>")
+    # the call format the block asks for is what the hermes parser reads
+    parsed = get_parser("hermes", schemas).parse(call("add", a=2, b=3))
+    assert [(c.name, c.arguments) for c in parsed.calls] == [("add", {"a": 2, "b": 3})]
+    with pytest.raises(RenderError, match="only in the hermes format, which --tool-parser qwen3_coder does not "
+                                          "read: use --tool-parser hermes"):
+        r.require_tools("qwen3_coder")
+
+
+def test_a_tool_agent_on_smollm2_sees_its_tools_and_runs_them(smol_tokenizer, tmp_path, caplog):
+    from turnrl.build import build_rollout_manager
+    from turnrl.config import RolloutConfig
+    from turnrl.render import RenderError
+
+    tools = tmp_path / "tools.py"
+    tools.write_text("from turnrl.tools import function_tool\n\n@function_tool\ndef add(a: int, b: int) -> str:\n"
+                     "    \"\"\"Add two integers.\n\n    Args:\n        a: first\n        b: second\n    \"\"\"\n"
+                     "    return str(a + b)\n")
+    engine = ScriptedEngine(smol_tokenizer, scripted(call("add", a=2, b=3), "The answer is 5."))
+    with caplog.at_level("WARNING"):
+        manager = build_rollout_manager(RolloutConfig(tools=[str(tools)], max_new_tokens=64), engine,
+                                        ChatRenderer(smol_tokenizer))
+    assert any("does not render the tool schemas" in rec.getMessage() for rec in caplog.records)  # at start-up
+    [[traj]] = asyncio.run(run_groups(manager, [{"prompt": "What is 2+3?"}]))
+    assert traj.status == RolloutStatus.COMPLETED and tool_texts(traj) == ["5"]
+    prompt = smol_tokenizer.decode(traj.prompt_ids)
+    assert '<tools>\n{"type": "function", "function": {"name": "add"' in prompt and "Add two integers" in prompt
+    assert traj.metrics["render_mismatch"] == 0.0  # the full re-render injects the same block
+    with pytest.raises(RenderError, match="--tool-parser hermes"):
+        build_rollout_manager(RolloutConfig(tools=[str(tools)], tool_parser="qwen3_coder"), engine,
+                              ChatRenderer(smol_tokenizer))

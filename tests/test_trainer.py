@@ -116,7 +116,7 @@ async def test_engine_logprobs_equal_trainer_logprobs_after_a_weight_push(tiny_q
 
 def _config(tmp_path, data, out, steps, **extra):
     cfg = {
-        "model": "tiny-qwen3", "train_data": str(data), "output_dir": str(out), "steps": steps,
+        "model": "tiny-qwen3", "train_data": str(data), "run_dir": str(out), "steps": steps,
         "prompts_per_step": 2, "seed": 5, "save_every": 1,
         "rollout": {"env": "single_turn", "n": 3, "max_new_tokens": 6},
         "engine": {"max_batch_size": 1}, "optim": {"lr": 1e-3, "epochs": 2},
@@ -169,6 +169,41 @@ def test_a_misspelt_key_in_an_optional_section_gets_a_suggestion():
 
     with pytest.raises(ConfigError, match=r"trainer.lora.alpah: unknown key \(did you mean 'alpha'\?\)"):
         load_config(TrainConfig, None, ["model=m", "train_data=x", "trainer.lora.alpah=8"])
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_an_engine_sharing_the_policy_tensors_samples_what_an_engine_with_a_copy_samples(tmp_path):
+    from turnrl.build import build_trainer
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"Say {i}."}) + "\n" for i in range(5)))
+    (tmp_path / "reward.py").write_text("def reward(response):\n    return float(len(response) % 3)\n")
+    trainer, stack = build_trainer(_config(tmp_path, data, tmp_path / "probe", steps=1))
+    try:  # sync mode on the CPU: one copy of the weights, the engine's module over the policy's tensors
+        assert trainer.shares_weights and trainer.engine.model is not trainer.policy
+        assert trainer.engine.model.lm_head.weight is trainer.policy.lm_head.weight
+        assert trainer.engine.model.config._attn_implementation != trainer.policy.config._attn_implementation
+    finally:
+        stack.close()
+    trainer, stack = build_trainer(_config(tmp_path, data, tmp_path / "probe", steps=1,
+                                           trainer={"mode": "async", "max_staleness": 1}))
+    try:  # async: rollouts go on during the update, so the engine has its own copy
+        assert trainer.engine.model.lm_head.weight.data_ptr() != trainer.policy.lm_head.weight.data_ptr()
+        assert not trainer.shares_weights
+    finally:
+        stack.close()
+
+    shared = run_training(_config(tmp_path, data, tmp_path / "shared", steps=3, save_every=0))
+    copied = run_training(_config(tmp_path, data, tmp_path / "copied", steps=3, save_every=0,
+                                  engine={"max_batch_size": 1, "share_weights": False}))
+
+    def sampled(run):  # the last step's trajectories: sampled after two updates
+        rows = [json.loads(x) for x in (tmp_path / run / "trajectories" / "last_step.jsonl").read_text().splitlines()]
+        return sorted((r["id"], tuple(r["response_ids"]), tuple(r["rollout_logprobs"])) for r in rows)
+
+    assert sampled("shared") == sampled("copied")  # the same tokens with the same logprobs, bit for bit
+    losses = [[m["train/loss"] for m in h if "train/loss" in m] for h in (shared, copied)]
+    assert losses[0] == losses[1] and len(losses[0]) == 3
 
 
 def _behaviour_samples(tokenizer, policy, shift: float):

@@ -460,7 +460,7 @@ def test_geo3k_recipe_trains_on_cpu_and_the_viewer_shows_its_images(tmp_path, mo
     recipe_module().write_synthetic(Path("data/geo3k_vlm"), n_train=4, n_eval=2, seed=0, max_turns=3)
     cfg = load_config(TrainConfig, RECIPE / "config_cpu.yaml", [
         "steps=2", "prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=16", "rollout.token_budget=64",
-        "eval_data=null", "output_dir=runs/test"])
+        "eval_data=null", "run_dir=runs/test"])
     history = run_training(cfg, console=Console(file=io.StringIO()))
 
     steps = [h for h in history if "train/samples" in h]

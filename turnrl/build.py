@@ -177,6 +177,8 @@ def build_rollout_manager(
         if len(py_files) + len(configs) != len(cfg.tools):
             raise ConfigError(f"rollout.tools: expected .py function-tool files or .yaml tool configs, got {cfg.tools}")
         tools = ToolAgentSettings.build(ToolSet.from_sources(py_files, configs), cfg.tool_parser, cfg.tool_agent)
+        renderer.require("tool")  # at start-up: a template with no tool role, or one that drops tool schemas
+        renderer.require_tools(cfg.tool_parser)  # (they are injected then, or refused), says so now
     if default_agent == "env_agent" and env_factory is None:
         raise ConfigError("rollout.env is required for the env_agent (or choose rollout.agent=single_turn|tool_agent)")
     # engine None: build_stack builds the manager first (plugins, env, tools fail before weights load), then sets it
@@ -254,12 +256,14 @@ class Stack:
 
 
 def build_stack(model: str, cfg: RolloutConfig | None, engine_cfg: EngineConfig, *, reward: RewardConfig | None = None,
-                server: str | None = None, weights: str | None = None, dtype: str = "float32") -> Stack:
+                server: str | None = None, weights: str | None = None, dtype: str = "float32",
+                engine_model: Callable[[], torch.nn.Module] | None = None) -> Stack:
     """The engine, renderer, rollout and tracer of a run of the policy `model` (a name or directory).
 
     The turns run on `server` (a `turnrl serve` rollout server: turnrl.remote), else on Ray workers
     (`engine_cfg.distributed == "ray"`: turnrl.dist.ray), else in this process (a RolloutManager). Engines load
-    their weights from `weights` (a checkpoint's model directory) when given, else from `model`, in `dtype`.
+    their weights from `weights` (a checkpoint's model directory) when given, else from `model`, in `dtype`;
+    an embedded engine runs the module `engine_model()` gives, when given (the policy's tensors: `build_trainer`).
     `reward` scores each trajectory as it finishes (None: rewards stay as the agent set them)."""
     rollout_cfg = cfg or RolloutConfig()
     renderer, image_processor = build_policy_renderer(model, rollout_cfg)
@@ -272,8 +276,11 @@ def build_stack(model: str, cfg: RolloutConfig | None, engine_cfg: EngineConfig,
                           tracer)
     # plugins, agents, scheduler, tools and env resolve here, before the weights load; the engine comes after
     manager = build_rollout_manager(cfg, None, renderer, reward_fn) if cfg is not None else None
-    engine = load_engine(weights or model, engine_cfg, eos_token_ids=sorted(renderer.end_of_turn_ids),
-                         image_processor=image_processor, dtype=dtype)
+    if engine_model is not None:
+        engine = build_engine(engine_model(), engine_cfg, sorted(renderer.end_of_turn_ids), image_processor)
+    else:
+        engine = load_engine(weights or model, engine_cfg, eos_token_ids=sorted(renderer.end_of_turn_ids),
+                             image_processor=image_processor, dtype=dtype)
     if manager is not None:
         manager.engine = engine
     return Stack(engine, renderer, manager, tracer, (engine.close, *_closers(reward_fn)))
@@ -337,17 +344,24 @@ def build_trainer(cfg: TrainConfig, *, checkpoint: Path | None = None, console: 
     from turnrl.trainer import Trainer
 
     parallel = parallel or Parallel.start(cfg.trainer, cfg.device)  # first: a launch error before anything loads
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
+    _seed_everything(cfg)
     if cfg.rollout.sampling.seed is None:  # seeded samplers make runs (and resumes) reproducible
         cfg.rollout.sampling.seed = cfg.seed
     weights = str(checkpoint) if checkpoint else None
+    # the policy trains (the Trainer moves or shards it onto the devices cfg.device and cfg.trainer say); the
+    # engines sample from a copy of it, or from its very tensors where that is safe (shares_weights)
+    loaded: list[torch.nn.Module] = []
+
+    def policy_view() -> torch.nn.Module:  # called by build_stack once the cheap checks passed
+        loaded.append(load_model(weights or cfg.model, dtype=DTYPES[cfg.dtype]).eval())
+        return sharing_view(loaded[0])
+
     if parallel.is_main:
         train_rows = load_rows(cfg.train_data)
         eval_rows = load_rows(cfg.eval_data) if cfg.eval_data else []
         stack = build_stack(cfg.model, cfg.rollout, cfg.engine, reward=cfg.reward, server=cfg.rollout_server,
-                            weights=weights, dtype=cfg.dtype)
+                            weights=weights, dtype=cfg.dtype,
+                            engine_model=policy_view if shares_weights(cfg) else None)
         if cfg.engine.kind != "embedded" and not cfg.rollout_server:  # a dead server fails here, not per trajectory
             from turnrl.engines import check_servers
 
@@ -358,9 +372,7 @@ def build_trainer(cfg: TrainConfig, *, checkpoint: Path | None = None, console: 
                 raise
     else:
         train_rows, eval_rows, stack = [], [], Stack(None, None, None, TrajectoryTracer(None))
-    # the engines hold their own copy of the weights; this one trains (the Trainer moves or shards it onto the
-    # devices cfg.device and cfg.trainer say)
-    policy = load_model(weights or cfg.model, dtype=DTYPES[cfg.dtype]).eval()
+    policy = loaded[0] if loaded else load_model(weights or cfg.model, dtype=DTYPES[cfg.dtype]).eval()
     if checkpoint and cfg.rollout_server and stack.engine is not None:  # the server loaded its own weights
         asyncio.run(stack.engine.update_weights(policy.state_dict()))
     trainer = Trainer(cfg, policy, stack.engine, stack.rollout, train_rows, eval_rows, console, stack.tracer,
@@ -423,3 +435,25 @@ def _seed_everything(cfg: TrainConfig) -> None:
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
+
+
+def shares_weights(cfg: TrainConfig) -> bool:
+    """Whether the engine may sample from the policy's own tensors (`engine.share_weights`). Safe only when
+    nothing samples while the optimizer writes them and the engine would hold the same tensors anyway: sync
+    mode (every step's groups have finished before its update starts, and the next are admitted after the
+    weight push: turnrl.buffer with K = 0), one embedded engine in this process, whole fp weights on the CPU
+    (no FSDP shards, no LoRA whose engine weights are merged, no device the engine is not on)."""
+    e, t = cfg.engine, cfg.trainer
+    return (e.share_weights and e.kind == "embedded" and e.distributed == "none" and e.replicas == 1
+            and cfg.rollout_server is None and t.mode == "sync" and t.parallel == "none" and t.lora is None
+            and cfg.device == "cpu")
+
+
+def sharing_view(model: torch.nn.Module) -> torch.nn.Module:
+    """A second module over the same parameter tensors: its own config and module objects (the
+    trainer switches the policy's attention to packed sequences and its mode to train; the engine's stay),
+    not a second copy of the weights."""
+    import copy
+
+    memo: dict[int, Any] = {id(p): p for p in model.parameters()}  # buffers (rotary tables) are small: copies
+    return copy.deepcopy(model, memo)

@@ -6,20 +6,32 @@ Face directories for everything else (evaluation, vLLM, transformers).
                             any world size loads it (DCP reshards on load)
         rng/rank_00000.pt   python / numpy / torch (and CUDA) RNG state of each rank
         trainer_state.pt    step, scheduler, sampler (data position), history, world size, the config (rank 0)
-        model/              Hugging Face directory: config, tokenizer/processor, chat template and, with
-                            trainer.save_hf, the weights (LoRA merged in)
-    checkpoints/latest      the newest complete checkpoint's name (written last)
+        model/              Hugging Face directory: config, tokenizer/processor, chat template and, per
+                            trainer.save_hf (default: the run's final checkpoint only), the weights (LoRA merged)
+        manifest.json       every file above with its size and sha256 (written last, by rank 0)
+    checkpoints/latest      the newest complete checkpoint's name
+
+Writes are atomic: every rank writes into `checkpoints/.tmp-step_000012/`, rank 0 adds the manifest and
+renames the folder into place, then points `latest` at it. A crash at any moment leaves the previous
+checkpoints as they were. `select_checkpoint(RUN_DIR)` picks the newest checkpoint whose files match its
+manifest and says which newer ones it skipped and why (truncated, missing or corrupted files, a `latest`
+naming a folder that is gone): what `--resume` and `turnrl eval` use.
 
 `export_checkpoint(CKPT, OUT_DIR)` writes a Hugging Face directory from `state/` in one process, whatever
-world size wrote it (what `turnrl export` runs).
+world size wrote it; `load_checkpoint_model(CKPT)` gives the policy of a checkpoint, from `model/` when its
+weights are there, else from `state/`.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
+import os
 import random
+import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +45,10 @@ from turnrl.weights import weight_buckets, weight_sources
 
 HF_SHARD_BYTES = 4 * 2**30  # safetensors files of a Hugging Face directory (transformers' own default is 5 GB)
 WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json")
+MANIFEST = "manifest.json"
+REQUIRED = ("trainer_state.pt", "state/.metadata", "rng/rank_00000.pt")
+"""Files every checkpoint has (what a checkpoint from before manifests is checked for)."""
+_STEP = re.compile(r"step_(\d+)$")
 
 
 def _state_options(loading: bool = False):
@@ -59,9 +75,12 @@ class _TrainingState:
         return {"model": self._trainable(model_sd), "optim": optim_sd}
 
     def _trainable(self, model_sd: dict[str, Any]) -> dict[str, Any]:
-        # ignore_frozen_params misses the second name of a tied frozen weight (a LoRA run's lm_head)
-        frozen = {n for n, p in self.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
-        return {k: v for k, v in model_sd.items() if k not in frozen}
+        # ignore_frozen_params misses the second name of a tied frozen weight (a LoRA run's lm_head); a tied
+        # weight is kept once, under its first name (loading it fills both: they are one tensor)
+        every = self.model.named_parameters(remove_duplicate=False)
+        first = {n for n, _ in self.model.named_parameters()}
+        skip = {n for n, p in every if not p.requires_grad or n not in first}
+        return {k: v for k, v in model_sd.items() if k not in skip}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
@@ -171,3 +190,126 @@ def _model_to_fill(ckpt: Path, cfg) -> nn.Module:
     config = AutoConfig.from_pretrained(ckpt / "model")
     cls = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
     return cls.from_config(config, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Atomic writes, manifests, and choosing the checkpoint to resume
+# ---------------------------------------------------------------------------------------------------
+def staging_dir(path: Path) -> Path:
+    """Where every rank writes the checkpoint `path` before it is published (`publish_checkpoint`)."""
+    return path.parent / f".tmp-{path.name}"
+
+
+def publish_checkpoint(staged: Path, path: Path) -> None:
+    """Rank 0, once every rank wrote into `staged`: the manifest, then one rename into place, then `latest`.
+    A checkpoint of the same step from an earlier continuation of the run is replaced."""
+    write_manifest(staged)
+    if path.exists():
+        old = path.parent / f".old-{path.name}"
+        shutil.rmtree(old, ignore_errors=True)
+        path.rename(old)
+        staged.rename(path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        staged.rename(path)
+    _write_atomically(path.parent / "latest", path.name)
+
+
+def write_manifest(path: Path) -> None:
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name != MANIFEST)
+    entries = {str(p.relative_to(path)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    _write_atomically(path / MANIFEST, json.dumps({"files": entries}, indent=1))
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def checkpoint_problem(path: Path, *, verify: bool = True) -> str | None:
+    """Why the checkpoint folder `path` cannot be resumed from, or None: a missing or empty folder, files of
+    its manifest missing, truncated or (with `verify`) not matching their checksum. A checkpoint from before
+    manifests is checked for its required files only."""
+    if not path.is_dir():
+        return "does not exist"
+    if not any(path.iterdir()):
+        return "is empty"
+    if not (path / MANIFEST).exists():
+        missing = [f for f in REQUIRED if not (path / f).is_file() or (path / f).stat().st_size == 0]
+        return f"{missing[0]} is missing or empty (and there is no {MANIFEST})" if missing else None
+    try:
+        entries = json.loads((path / MANIFEST).read_text())["files"]
+    except (ValueError, KeyError) as e:
+        return f"{MANIFEST} is unreadable ({e})"
+    for name, entry in entries.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != entry["bytes"]:
+            return f"{name} has {f.stat().st_size} of its {entry['bytes']} bytes (truncated or overwritten)"
+    for name, entry in entries.items() if verify else ():
+        if _sha256(path / name) != entry["sha256"]:
+            return f"{name} does not match its checksum (corrupted)"
+    return None
+
+
+def checkpoint_step(path: Path) -> int | None:
+    match = _STEP.match(path.name)
+    return int(match.group(1)) if match else None
+
+
+def select_checkpoint(run_dir: Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint of the run in `run_dir` that can be resumed from (None: there is none), and a
+    note for each newer one it skipped and why (also a `latest` naming a folder that does not exist)."""
+    root = Path(run_dir) / "checkpoints"
+    steps = {p: step for p in root.glob("step_*") if (step := checkpoint_step(p)) is not None} if root.is_dir() else {}
+    found = sorted(steps, key=steps.__getitem__, reverse=True)
+    notes = []
+    latest = root / "latest"
+    if latest.is_file() and not (root / latest.read_text().strip()).is_dir():
+        notes.append(f"latest names {latest.read_text().strip()!r}, which does not exist")
+    for path in found:
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path, notes
+        notes.append(f"skipped {path.name}: {problem}")
+    return None, notes
+
+
+def supersede_newer(path: Path) -> list[str]:
+    """A run resumes from the checkpoint `path`: the newer checkpoints of its run (skipped as broken, or from
+    a continuation given up by resuming an earlier one) move into `checkpoints/superseded/`, so that the
+    newest checkpoint is always this continuation's, and `latest` names `path`. Returns what moved."""
+    root, step = path.parent, checkpoint_step(path) or 0
+    newer = sorted(p for p in root.glob("step_*") if (checkpoint_step(p) or -1) > step)
+    if newer:
+        aside = root / "superseded" / time.strftime("%Y%m%d-%H%M%S")
+        aside.mkdir(parents=True, exist_ok=True)
+        for p in newer:
+            p.rename(aside / p.name)
+    _write_atomically(root / "latest", path.name)
+    return [p.name for p in newer]
+
+
+def has_hf_weights(model_dir: Path) -> bool:
+    return any(any(model_dir.glob(p)) for p in WEIGHT_FILES)
+
+
+def load_checkpoint_model(checkpoint: str | Path) -> nn.Module:
+    """The policy of a checkpoint (LoRA merged): its Hugging Face weights when it has them, else made from its
+    sharded state in this process (intermediate checkpoints keep only what resuming needs)."""
+    from turnrl.models import load_model
+
+    ckpt = Path(checkpoint)
+    if has_hf_weights(ckpt / "model"):
+        return load_model(str(ckpt / "model"))
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="turnrl-export-") as tmp:
+        return load_model(str(export_checkpoint(ckpt, tmp)))

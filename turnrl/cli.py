@@ -6,6 +6,7 @@ import asyncio
 import functools
 import json
 import logging
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from turnrl.parallel import Parallel
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Multi-turn agentic RL for LLMs and VLMs.")
-console = Console()
+console = Console(soft_wrap=not sys.stdout.isatty())  # into a file or a pipe: one line per line, never wrapped
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -28,10 +29,13 @@ def _setup_logging(verbose: bool) -> None:
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING, format="%(message)s",
-        handlers=[RichHandler(console=console, show_path=False, rich_tracebacks=False)], force=True,
-    )
+    if console.is_terminal:
+        handler: logging.Handler = RichHandler(console=console, show_path=False, rich_tracebacks=False)
+        fmt = "%(message)s"
+    else:  # a file or a pipe: plain records (Rich's columns would wrap each at 80 characters)
+        handler, fmt = logging.StreamHandler(console.file), "%(asctime)s %(levelname)s %(message)s"
+    handler.setFormatter(logging.Formatter(fmt))
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, handlers=[handler], force=True)
 
 
 def _fail(message: str, code: int = 2) -> NoReturn:
@@ -223,43 +227,87 @@ def _progress() -> Progress:
 def train(
     config: Annotated[Path, typer.Argument(help="Training config YAML (turnrl.config.TrainConfig).")],
     overrides: Annotated[list[str] | None, typer.Argument(help="Dotted key=value overrides.")] = None,
+    run_dir: Annotated[Path | None, Opt(help="This run's directory (default: a new OUTPUT_DIR/<timestamp>); it must "
+                                             "be empty unless --resume or --overwrite.")] = None,
+    resume: Annotated[bool, Opt("--resume", help="Continue a run from its newest valid checkpoint: `--resume` alone "
+                                                 "continues the newest run under output_dir (or --run-dir); "
+                                                 "`--resume PATH` the run directory or checkpoint at PATH.")] = False,
+    overwrite: Annotated[bool, Opt("--overwrite", help="Replace the run in --run-dir (its checkpoints, metrics and "
+                                                       "trajectories are deleted first).")] = False,
     scheduler: Annotated[str | None, Opt(help="ms-swift-style scheduler by name (overrides rollout.scheduler).")] = None,
     plugin: Annotated[list[str], Opt(help="Python file imported at start-up (repeatable; extends rollout.plugins).")] = [],
     verbose: Annotated[bool, Opt("--verbose", "-v")] = False,
 ) -> None:
-    """Train a policy with GRPO on multi-turn rollouts. Under torchrun each process is one trainer rank
-    (trainer.parallel: fsdp); with trainer.launcher: ray it starts the ranks itself (docs/distributed.md)."""
+    """Train a policy with GRPO on multi-turn rollouts. Each run writes its own directory (printed at start):
+    OUTPUT_DIR/<timestamp>, or --run-dir; `turnrl train CONFIG --resume [PATH]` continues one. Under torchrun
+    each process is one trainer rank (trainer.parallel: fsdp; every rank needs the same --run-dir); with
+    trainer.launcher: ray it starts the ranks itself (docs/distributed.md)."""
     _setup_logging(verbose)
     from turnrl.config import ConfigError, TrainConfig, load_config
     from turnrl.parallel import check_launch
+    from turnrl.runs import prepare_run
 
     try:
-        cfg = load_config(TrainConfig, config, overrides or [])
+        overrides, resume_path = _resume_path(overrides or [], resume)
+        cfg = load_config(TrainConfig, config, overrides)
         if scheduler is not None:
             cfg.rollout.scheduler = scheduler
         if plugin:
             cfg.rollout.plugins = [*cfg.rollout.plugins, *plugin]
+        if run_dir is not None:
+            cfg.run_dir = str(run_dir)
+        if resume:
+            cfg.resume = resume_path or True
         check_launch(cfg.trainer)  # torchrun's ranks against trainer.world_size / parallel / launcher
+        prepare_run(cfg, overwrite=overwrite)  # refuses a non-empty run directory before anything loads
     except ConfigError as e:
         _fail(str(e))
     _guarded(verbose, lambda: run_training(cfg, console=console))
 
 
-def run_training(cfg: TrainConfig, console: Console | None = None, parallel: Parallel | None = None,
-                 ) -> list[dict[str, float]]:
-    """`turnrl train`: build the trainer (turnrl.build), train, close; returns the metrics history (rank 0's
-    is the one logged). This process is one trainer rank: `parallel`, else as torchrun's environment says (one
-    process without it). With `trainer.launcher: ray` and no `parallel` it starts the ranks as Ray actors
-    (each runs this function with its own `parallel`) and returns rank 0's history."""
-    from turnrl.build import build_trainer
-    from turnrl.plots import plot_curves
+def _resume_path(items: list[str], resume: bool) -> tuple[list[str], str | None]:
+    """`--resume PATH`: the one positional argument that is not a key=value override is the PATH."""
+    from turnrl.config import ConfigError
 
+    paths = [item for item in items if "=" not in item]
+    if paths and (not resume or len(paths) > 1):
+        raise ConfigError(f"override {paths[-1]!r}: expected dotted.key=value" + (
+            "" if resume else " (to continue a run, put --resume before its path: --resume PATH)"))
+    return [item for item in items if "=" in item], (paths[0] if paths else None)
+
+
+def run_training(cfg: TrainConfig, console: Console | None = None, parallel: Parallel | None = None, *,
+                 overwrite: bool = False) -> list[dict[str, float]]:
+    """`turnrl train`: choose the run directory (turnrl.runs.prepare_run: a ConfigError for a non-empty one
+    without resume or `overwrite`), build the trainer (turnrl.build), train, close; returns the metrics history
+    (rank 0's is the one logged). This process is one trainer rank: `parallel`, else as torchrun's environment
+    says (one process without it). With `trainer.launcher: ray` and no `parallel` it starts the ranks as Ray
+    actors (each runs this function with its own `parallel`, in the run directory chosen here) and returns rank
+    0's history."""
+    from turnrl.build import build_trainer
+    from turnrl.observe import peak_rss_gb
+    from turnrl.plots import plot_curves
+    from turnrl.runs import discard_if_empty, prepare_run
+
+    console = console or Console()
+    if parallel is None:  # a Ray trainer rank (parallel given) runs in the directory its driver chose
+        prepare_run(cfg, overwrite=overwrite)
+    assert cfg.run_dir is not None  # prepare_run set it (here or in the driver)
+    run_dir = Path(cfg.run_dir)
+    said = f"run directory: {run_dir}" + (" (resuming)" if cfg.resume else "")
     if cfg.trainer.launcher == "ray" and parallel is None:
         from turnrl.dist.ray import train_on_ray
 
+        console.print(said, soft_wrap=True)
         return train_on_ray(functools.partial(_train_rank, cfg), cfg.trainer.world_size,
                             address=cfg.engine.ray_address, gpus_per_rank=1.0 if cfg.device.startswith("cuda") else 0.0)
-    trainer, stack = build_trainer(cfg, console=console, parallel=parallel)
+    try:
+        trainer, stack = build_trainer(cfg, console=console, parallel=parallel)
+    except BaseException:
+        discard_if_empty(run_dir)  # a run that never started leaves no empty directory behind (nor says it had one)
+        raise
+    if trainer.parallel.is_main:
+        console.print(said, soft_wrap=True)
     try:
         history = asyncio.run(trainer.train())
     finally:
@@ -268,7 +316,10 @@ def run_training(cfg: TrainConfig, console: Console | None = None, parallel: Par
     if trainer.parallel.is_main:
         plot_curves(history, trainer.out / "curves.png")
         trainer.console.print(f"wrote {trainer.out / 'curves.png'}, {trainer.out / 'metrics.jsonl'}, "
-                              f"{trainer.out / 'trajectories'}")
+                              f"{trainer.out / 'trajectories'}, {trainer.out / 'checkpoints'}", soft_wrap=True)
+        peak = peak_rss_gb()
+        if peak is not None:
+            trainer.console.print(f"peak memory: {peak:.2f} GB resident (this process's maximum RSS)")
     return history
 
 
@@ -328,7 +379,7 @@ def _train_rank(cfg: TrainConfig, rank: int, world_size: int, init_method: str) 
 
 @app.command(name="export")
 def export_command(
-    checkpoint: Annotated[Path, typer.Argument(help="A training checkpoint: OUTPUT_DIR/checkpoints/step_NNNNNN.")],
+    checkpoint: Annotated[Path, typer.Argument(help="A training checkpoint: RUN/checkpoints/step_NNNNNN.")],
     out_dir: Annotated[Path, typer.Argument(help="Where to write the Hugging Face directory.")],
     verbose: Annotated[bool, Opt("--verbose", "-v")] = False,
 ) -> None:
@@ -346,43 +397,74 @@ def export_command(
 def evaluate(
     config: Annotated[Path, typer.Argument(help="Training config YAML; evaluates its model on eval_data.")],
     overrides: Annotated[list[str] | None, typer.Argument(help="Dotted key=value overrides.")] = None,
-    checkpoint: Annotated[Path | None, Opt(help="Checkpoint directory to evaluate instead of the base model.")] = None,
-    out: Annotated[Path | None, Opt(help="Write the evaluation trajectories here.")] = None,
+    checkpoint: Annotated[Path | None, Opt(help="Evaluate this instead of the base model: a checkpoint folder "
+                                                "(RUN/checkpoints/step_N), a run directory (its newest valid "
+                                                "checkpoint) or a directory of runs (the newest run's).")] = None,
+    out: Annotated[Path | None, Opt(help="Trajectory JSONL of the greedy pass (the sampled pass goes beside it as "
+                                         "NAME-sampled.jsonl); default: RUN/eval/step_N.jsonl for a checkpoint, "
+                                         "OUTPUT_DIR/eval/base.jsonl for the base model.")] = None,
+    greedy: Annotated[bool, Opt("--greedy/--no-greedy", help="Greedy decoding (temperature 0), eval_n samples "
+                                                             "per problem.")] = True,
+    sampled_n: Annotated[int | None, Opt(help="Also sample this many answers per problem at the rollout's "
+                                              "temperature (rollout.sampling); default: the config's "
+                                              "eval_sampled_n; 0 = off.")] = None,
     verbose: Annotated[bool, Opt("--verbose", "-v")] = False,
 ) -> None:
-    """Greedy evaluation on the held-out set of a training config."""
+    """Evaluate a policy on the held-out set of a training config (eval_data), as training does before and after:
+    greedy decoding and, with --sampled-n N (or eval_sampled_n in the config), N sampled answers per problem.
+    Prints the scores and where the trajectories went."""
     _setup_logging(verbose)
     from turnrl.config import ConfigError, TrainConfig, load_config
 
     try:
         cfg = load_config(TrainConfig, config, overrides or [])
+        if not cfg.eval_data:
+            raise ConfigError(f"{config}: eval_data is not set (the held-out rows to evaluate on)")
+        if not greedy and not (cfg.eval_sampled_n if sampled_n is None else sampled_n):
+            raise ConfigError("--no-greedy leaves nothing to evaluate: add --sampled-n N")
     except ConfigError as e:
         _fail(str(e))
-    _guarded(verbose, lambda: run_evaluation(cfg, checkpoint=checkpoint, out=out, console=console))
+    _guarded(verbose, lambda: run_evaluation(cfg, checkpoint=checkpoint, out=out, console=console, greedy=greedy,
+                                             sampled_n=sampled_n))
 
 
 def run_evaluation(cfg: TrainConfig, checkpoint: Path | None = None, out: Path | None = None,
-                   console: Console | None = None) -> dict[str, float]:
-    """`turnrl eval`: the trainer's evaluation of `checkpoint` (else the base model) on `eval_data`."""
+                   console: Console | None = None, *, greedy: bool = True,
+                   sampled_n: int | None = None) -> dict[str, float]:
+    """`turnrl eval`: the trainer's evaluation of `checkpoint` (a checkpoint folder, run directory or directory
+    of runs: turnrl.runs.find_checkpoint; None = the base model) on `eval_data`, written to `out`."""
+    import tempfile
+
     import torch
 
     from turnrl.build import build_trainer
+    from turnrl.checkpoint import export_checkpoint, has_hf_weights
     from turnrl.parallel import Parallel
-    from turnrl.trainer import format_step_line
+    from turnrl.runs import find_checkpoint
+    from turnrl.trainer import format_step_line, sampled_path
 
-    if not cfg.eval_data:
-        raise SystemExit("eval_data is not set in the config")
+    console = console or Console()
+    ckpt = None
+    if checkpoint is not None:
+        ckpt, notes = find_checkpoint(checkpoint)
+        console.print(f"evaluating {ckpt}" + (f" ({'; '.join(notes)})" if notes else ""), soft_wrap=True)
+    if out is None:
+        out = ckpt.parent.parent / "eval" / f"{ckpt.name}.jsonl" if ckpt else Path(cfg.output_dir) / "eval" / "base.jsonl"
     # evaluation is rollouts only: one process, whatever trainer.parallel / world_size / launcher the config has
     one = Parallel(device=torch.device(cfg.device))
-    trainer, stack = build_trainer(cfg, checkpoint=checkpoint / "model" if checkpoint else None, console=console,
-                                   parallel=one)
-    if out is not None:
-        trainer.out = out.parent
+    with tempfile.TemporaryDirectory(prefix="turnrl-eval-") as tmp:
+        model_dir = None
+        if ckpt is not None:  # a checkpoint without Hugging Face weights (all but a run's last): from its state
+            model_dir = ckpt / "model" if has_hf_weights(ckpt / "model") else export_checkpoint(ckpt, tmp)
+        trainer, stack = build_trainer(cfg, checkpoint=model_dir, console=console, parallel=one)
     try:
-        metrics = asyncio.run(trainer.evaluate("cli"))
+        metrics = asyncio.run(trainer.evaluate("cli", greedy=greedy, sampled_n=sampled_n, out=out))
     finally:
         stack.close()
-    trainer.console.print(format_step_line(metrics, 0))
+    console.print(format_step_line(metrics, 0), soft_wrap=True)
+    passes = [(out, "eval/trajectories"), (sampled_path(out), "eval/sampled_trajectories")]
+    console.print("wrote " + ", ".join(f"{p} ({metrics[k]:.0f} trajectories)" for p, k in passes if k in metrics),
+                  soft_wrap=True)
     return metrics
 
 
@@ -493,6 +575,7 @@ def serve(
         stack = build_stack(model, rollout, engine_cfg)
     except (ValueError, FileNotFoundError, ModuleNotFoundError, AttributeError, ImportError, EngineError) as e:
         _fail(str(e))
+    console.print(_serving_banner(model, engine, url, host, port, token, stack.rollout), soft_wrap=True)
     assert stack.engine is not None and stack.renderer is not None  # built in this process
     try:
         run_server(stack.engine, stack.renderer.tokenizer, stack.rollout, model_name=model, host=host, port=port,
@@ -501,6 +584,22 @@ def serve(
                    max_body_mb=max_body_mb, session_ttl_s=session_ttl_s or None)
     finally:
         stack.close()
+
+
+def _serving_banner(model: str, engine: str, urls: list[str], host: str, port: int, token: str | None,
+                    rollout: Any) -> str:
+    """What `turnrl serve` prints at start-up: where, what, and who may call it."""
+    base = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    where = "embedded engine" if engine == "embedded" else f"{engine} engine at {', '.join(urls)}"
+    lines = [f"serving {model} ({where}) at {base}",
+             f"  OpenAI chat completions and Responses, Anthropic Messages: {base}/v1 (one recorded session per "
+             f"conversation: {base}/sessions/<id>/v1)",
+             f"  token level: POST {base}/generate, /update_weights; health: GET {base}/health"]
+    if rollout is not None:
+        lines.append(f"  rollouts: POST {base}/rollout (default agent {getattr(rollout, 'default_agent', '?')})")
+    lines.append("  auth: a bearer token is required (Authorization: Bearer <token>, or X-Api-Key)" if token else
+                 "  auth: none (loopback only; --token or TURNRL_SERVE_TOKEN to require one)")
+    return "\n".join(lines)
 
 
 def _server_rollout_config(path: Path | None, flags: dict[str, Any], plugins: list[str], tools: list[str],

@@ -43,10 +43,14 @@ class EngineConfig(Strict):
     replicas: int = Field(1, ge=1)
     """Engine replicas behind the router (each a separate engine)."""
     urls: list[str] = []
+    """Server URLs for kind sglang/http/vllm-server (one replica each)."""
     weights_dir: str | None = None
     """A folder the trainer and the servers share: server engines (sglang, vllm server) load pushed weights
     from there (`update_weights_from_disk`); one sub-folder per replica."""
-    """Server URLs for kind sglang/http/vllm-server (one replica each)."""
+    share_weights: bool = True
+    """Training: the embedded engine samples from the policy's own tensors instead of a copy (one copy of the
+    weights in memory), where that is safe: one embedded engine in this process, trainer.mode sync (no rollout
+    runs during an update), one process without FSDP or LoRA, the policy on the CPU. Elsewhere it has a copy."""
     distributed: Literal["none", "ray"] = "none"
     """ray: each replica is a Ray actor and rollouts run in `ray_workers` Ray workers (turnrl.dist.ray)."""
     ray_workers: int = Field(1, ge=1)
@@ -107,6 +111,7 @@ class RolloutConfig(Strict):
     max_traces_per_step: int = Field(16, ge=0)
     """Trajectories traced per training step, eval pass or `turnrl rollout`; all are still written to JSONL."""
     sampling: SamplingConfig = SamplingConfig()
+    """How rollouts sample (the training distribution; evaluation's greedy pass uses temperature 0)."""
 
 
 class AlgoConfig(Strict):
@@ -125,6 +130,7 @@ class AlgoConfig(Strict):
     kl_coef: float = Field(0.0, ge=0)
     """KL-to-reference loss coefficient; 0 loads no reference model."""
     kl_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    """Estimator of the KL term (Schulman's k1, k2, k3; low_var_kl = k3 with verl's clamps: algos.kl_penalty)."""
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
     """How per-token losses become one number (see algos.aggregate_loss)."""
     norm_constant: float | None = None
@@ -137,19 +143,24 @@ class AlgoConfig(Strict):
     is_mode: Literal["none", "truncate", "mask"] = "truncate"
     """Importance-sampling correction against the engine's logprobs: TIS, MIS, or none."""
     is_level: Literal["token", "sequence"] = "token"
+    """Importance weights per token, or one per trajectory (the geometric mean of its token ratios)."""
     is_threshold: float = Field(2.0, gt=1)
+    """TIS truncates importance weights at this value; MIS masks those outside [1/threshold, threshold]."""
     train_on: list[Literal["completed", "truncated", "aborted", "failed"]] = ["completed", "truncated"]
     """Trajectory statuses that enter the loss (failed ones never should)."""
 
 
 class OptimConfig(Strict):
     lr: float = Field(1e-6, gt=0)
+    """AdamW learning rate (after warm-up)."""
     lr_scale: dict[str, float] = {}
     """Learning-rate multipliers by parameter name: a parameter whose name contains a key trains at lr × its value
     (the first key that matches), e.g. {vision_tower: 50, multi_modal_projector: 50} for a VLM whose vision
     side starts random (ms-swift's vit_lr / aligner_lr)."""
     weight_decay: float = Field(0.0, ge=0)
+    """AdamW decoupled weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW moment coefficients."""
     grad_clip: float | None = 1.0
     """Max gradient norm; None disables."""
     warmup_steps: int = Field(0, ge=0)
@@ -192,9 +203,11 @@ class TrainerConfig(Strict):
     cpu_offload: bool = False
     """fsdp: keep the sharded parameters, gradients and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy);
     the optimizer step runs on the CPU. Trades step time for device memory."""
-    save_hf: bool = True
-    """Write the policy as a Hugging Face directory (checkpoint/model) at every checkpoint, beside the sharded
-    state. false: only config and tokenizer go there; the weights come from the sharded state by `turnrl export`."""
+    save_hf: bool | Literal["final"] = "final"
+    """Write the policy's weights into the checkpoint's Hugging Face directory (checkpoint/model) beside the
+    sharded state: "final" = only in the run's last checkpoint (the others keep only what resuming needs: the
+    weights are in the sharded state once), true = in every checkpoint, false = never. Config and tokenizer
+    always go there; `turnrl eval` and `turnrl.checkpoint.export_checkpoint` make the weights from the state."""
     lora: LoraConfig | None = None
     """Train LoRA adapters (peft) instead of every weight; None = full fine-tuning."""
     mode: Literal["sync", "async"] = "sync"
@@ -247,7 +260,9 @@ class JudgeConfig(Strict):
     normalize: bool = True
     """false: the reward is the raw score."""
     max_new_tokens: int = Field(256, ge=1)
+    """Tokens of one verdict (its reasoning and the score)."""
     temperature: float = Field(0.0, ge=0)
+    """The judge's sampling temperature (0 = greedy: the same verdict for the same prompt)."""
     max_concurrency: int = Field(16, ge=1)
     """Judge calls in flight at once (the engine batches them)."""
     timeout_s: float | None = Field(60.0, gt=0)
@@ -257,6 +272,7 @@ class JudgeConfig(Strict):
     cache_path: str | None = None
     """A JSONL file that keeps verdicts across runs."""
     chat_template_kwargs: dict[str, Any] = {}
+    """Passed to the judge's chat template, e.g. {enable_thinking: false}."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """The embedded judge's weights."""
 
@@ -287,13 +303,20 @@ class TrainConfig(Strict):
     """JSONL or parquet rows with a `prompt` (and any columns the env / reward use)."""
     eval_data: str | None = None
     """Held-out rows evaluated with greedy decoding before training, every eval_every steps and at the end."""
-    output_dir: str = "runs/latest"
-    """Checkpoints, metrics.jsonl, trajectories and plots go here."""
+    output_dir: str = "runs/train"
+    """Where the runs of this config go: each `turnrl train` writes a new run directory
+    `<output_dir>/<YYYYmmdd-HHMMSS>` (unless `run_dir` is set), so a run never overwrites another."""
+    run_dir: str | None = None
+    """This run's own directory (checkpoints/, metrics.jsonl, trajectories/, curves.png, config.yaml;
+    `turnrl train --run-dir`). It must be empty unless the run resumes (`resume`) or overwrites
+    (`turnrl train --overwrite`). None = a new timestamped directory under output_dir."""
     steps: int = Field(20, ge=1)
     """Training steps (one rollout batch and its updates each)."""
     prompts_per_step: int = Field(8, ge=1)
     """Prompts per step; each gets rollout.n samples."""
     seed: int = 0
+    """Seed of data order, initial RNG and (unless rollout.sampling.seed is set) the samplers: a run and its
+    resume are reproducible."""
     shuffle: bool = True
     """Reshuffle the training rows each epoch over the data (deterministic by seed)."""
     eval_every: int = Field(0, ge=0)
@@ -304,8 +327,10 @@ class TrainConfig(Strict):
     """Also evaluate the sampling policy: this many samples per eval prompt at the rollout's temperature."""
     save_every: int = Field(0, ge=0)
     """Checkpoint every K steps (0 = only at the end)."""
-    resume: bool = False
-    """Continue from the latest checkpoint in output_dir (same data order, RNG, optimizer)."""
+    resume: bool | str = False
+    """Continue a run (same data order, RNG, optimizer; `turnrl train --resume [PATH]`): true = the newest run
+    under output_dir (or run_dir when set); a path = that run directory or checkpoint folder. The newest
+    checkpoint whose files match its manifest is used; newer broken ones are skipped and named."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Training and engine dtype (fp32 on CPU: bf16 is ~25x slower without hardware support)."""
     device: str = "cpu"
@@ -316,12 +341,19 @@ class TrainConfig(Strict):
     own rollout settings and engine; rollout.n, rollout.sampling and the reward stay here, and the weights are
     pushed to its engine after each step. Token: TURNRL_SERVE_TOKEN. None = roll out in this process."""
     rollout: RolloutConfig = RolloutConfig()
+    """How trajectories are run: env, agent, tools, turn and token limits, sampling."""
     engine: EngineConfig = EngineConfig()
+    """What generates: the embedded engine, vLLM, SGLang or HTTP servers; replicas, Ray."""
     algo: AlgoConfig = AlgoConfig()
+    """The RL objective: advantages, clipping, KL, importance sampling, loss aggregation."""
     optim: OptimConfig = OptimConfig()
+    """The optimizer and how an update is batched (epochs, mini- and micro-batches)."""
     reward: RewardConfig = RewardConfig()
+    """The reward function applied to each finished trajectory (docs/rewards.md)."""
     trainer: TrainerConfig = TrainerConfig()
+    """Sync or async training, FSDP, LoRA, what checkpoints hold."""
     weight_sync: WeightSyncConfig = WeightSyncConfig()
+    """How new weights reach the engines after each step."""
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:

@@ -11,12 +11,14 @@ Metric names are flat strings, `group/name`, so they can go to MLflow or a log l
 - tool agents: `rollout/tool_call_rate` (trajectories with at least one tool call, well-formed or not),
   `rollout/tool_calls_mean` (call attempts per trajectory), `rollout/tool_invalid_call_rate` (attempts that
   failed: malformed, unknown tool, bad arguments, the tool raised or timed out, skipped)
+- `memory/peak_rss_gb` (training steps): the most resident memory this process has held so far (`peak_rss_gb`)
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -26,6 +28,17 @@ from typing import IO, Any
 from rich.table import Table
 
 from turnrl.types import RolloutStatus, Trajectory
+
+
+def peak_rss_gb() -> float | None:
+    """The largest resident set size this process has had, in GB (10^9 bytes; what `/usr/bin/time -v` reports as
+    "Maximum resident set size"); None where the OS does not say."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak * (1 if sys.platform == "darwin" else 1024) / 1e9  # bytes on macOS, KiB on Linux
 
 
 @dataclass

@@ -20,6 +20,12 @@ probing it once, at start-up (`ChatRenderer.profile`, logged and listed in docs/
 - `unsupported`: the template renders nothing for that role (Phi-3.5 has no tool role; gemma-2 refuses
   it): a RenderError names the template and the role, never a silently lost tool result.
 
+Tool schemas: the probe also checks that the template renders the tools it is given. Many do not (SmolLM2's
+drops them: the model would never see its tools). Those get the schemas the documented way instead, as the
+Hermes / Qwen2.5 system-prompt block (`TOOL_BLOCK`: `<tools>` JSON lines, calls as `<tool_call>` JSON, what
+`--tool-parser hermes` reads), said once at start-up (`require_tools`); with another tool-call format the
+renderer refuses (RenderError) rather than drop them.
+
 Turn-boundary repair: templates close an assistant turn with more than the stop token the model emits
 (Qwen and ChatML add a newline after `<|im_end|>`). The closing text is read off the template itself (what
 follows the dummy assistant content, before the next message; an end-of-conversation trailer such as
@@ -35,8 +41,10 @@ model was conditioned on.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import hashlib
+import json
 import logging
 import re
 import unicodedata
@@ -53,8 +61,16 @@ DUMMY_SYSTEM = "You are a helpful assistant."
 DUMMY_USER = "Hello."
 DUMMY_MARK = "TURNRL_DUMMY_ASSISTANT_REPLY"
 PROBE_MARK = "TURNRL_PROBE_OBSERVATION"
-DUMMY_TOOL = {"type": "function", "function": {"name": "turnrl_probe", "description": "Probe.", "parameters": {
+DUMMY_TOOL: dict[str, Any] = {"type": "function", "function": {"name": "turnrl_probe", "description": "Probe.", "parameters": {
     "type": "object", "properties": {"x": {"type": "string", "description": "x"}}, "required": ["x"]}}}
+TOOL_BLOCK = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function "
+    "signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\nFor each function call, return a "
+    "json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
+"""The system-prompt tool block of the Hermes / Qwen2.5 templates, one JSON schema per line: what turnrl puts
+into the prompt for templates that drop the tools they are given (the format `--tool-parser hermes` reads)."""
+INJECTED_TOOL_FORMAT = "hermes"
 
 
 class SanityMode(StrEnum):
@@ -150,11 +166,17 @@ class ChatRenderer:
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.template_name = _template_name(tokenizer)
         self.reasoning_markers = _markers_of(tokenizer.chat_template)
+        self.renders_tools, self._system_ok = self._probe_tool_schemas()
+        """Whether the template shows the model the tool schemas it is given; if not, TOOL_BLOCK does."""
+        self.tool_parser = INJECTED_TOOL_FORMAT
+        """The tool-call format the model is asked for (`require_tools`); injected blocks need hermes."""
+        self._told_tools = True  # the probes below render DUMMY_TOOL: nothing to tell the user about yet
         self.profiles: dict[bool, TemplateProfile] = {False: self._probe(None), True: self._probe([DUMMY_TOOL])}
         """The template's behaviour without tools (False) and with tools offered (True)."""
         usable = [p for p in self.profiles.values() if p.error is None]
         if not usable:
             raise RenderError(f"{self.template_name} cannot be rendered append-only: {self.profiles[False].error}")
+        self._told_tools = False
         self.profile = usable[0]
         """The profile of conversations without tools (with tools, for templates that need them)."""
         self.closing_ids: list[int] = self.encode(self.profile.closing)
@@ -168,10 +190,62 @@ class ChatRenderer:
     def render_text(
         self, messages: list[Message], tools: list[dict] | None = None, *, add_generation_prompt: bool
     ) -> str:
+        if tools and not self.renders_tools:  # the template would drop them: the documented block instead
+            messages, tools = self._with_tool_block(messages, tools), None
         return self.tokenizer.apply_chat_template(
             messages, tools=tools or None, tokenize=False,
             add_generation_prompt=add_generation_prompt, **self.chat_template_kwargs,
         )
+
+    def _with_tool_block(self, messages: list[Message], tools: list[dict]) -> list[Message]:
+        if self.tool_parser != INJECTED_TOOL_FORMAT:
+            raise RenderError(self._tools_refused())
+        if not self._told_tools:
+            self._told_tools = True
+            log.warning("%s", self._tools_injected())
+        return with_tool_block(messages, tools, system=self._system_ok)
+
+    def require_tools(self, tool_parser: str) -> None:
+        """At start-up, for an agent that offers tools parsed as `tool_parser`: says (a warning, once) that the
+        schemas go into the system prompt when the template drops them, or raises a RenderError when they
+        cannot (an injected block is in the hermes format; another parser would not read the calls it asks for)."""
+        self.tool_parser = tool_parser
+        if self.renders_tools:
+            return
+        if tool_parser != INJECTED_TOOL_FORMAT:
+            raise RenderError(self._tools_refused())
+        if not self._told_tools:
+            self._told_tools = True
+            log.warning("%s", self._tools_injected())
+
+    def _tools_injected(self) -> str:
+        return (f"{self.template_name} does not render the tool schemas it is given, so the model would never see "
+                "its tools; turnrl puts them into the system prompt instead, as the hermes tool block (<tools> with "
+                "one JSON schema per line, calls asked as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>, "
+                "what --tool-parser hermes reads; docs/templates.md)")
+
+    def _tools_refused(self) -> str:
+        return (f"{self.template_name} does not render the tool schemas it is given, and turnrl can put them into "
+                f"the system prompt only in the hermes format, which --tool-parser {self.tool_parser} does not read: "
+                "use --tool-parser hermes (rollout.tool_parser), or a model whose chat template renders tools")
+
+    def _probe_tool_schemas(self) -> tuple[bool, bool]:
+        """(does the template render the tools it is given, does it accept a system message), from raw renders."""
+        def raw(messages: list[Message], tools: list[dict] | None) -> str:
+            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                      add_generation_prompt=True, **self.chat_template_kwargs)
+
+        user: list[Message] = [{"role": "user", "content": DUMMY_USER}]
+        system_ok = False  # gemma-2 refuses a system message: an injected block goes into the first user turn
+        for tools in (None, [DUMMY_TOOL]):  # (Hermes' tool_use templates render only with tools)
+            with contextlib.suppress(Exception):
+                raw([{"role": "system", "content": DUMMY_SYSTEM}, *user], tools)
+                system_ok = True
+        try:
+            renders = DUMMY_TOOL["function"]["name"] in raw(user, [DUMMY_TOOL])
+        except Exception:  # the template raises when given tools: it cannot render them
+            renders = False
+        return renders, system_ok
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -181,7 +255,9 @@ class ChatRenderer:
 
     def describe(self) -> str:
         """One line per probed variant: the strategies, closings, pre-fill and stop tokens (docs/templates.md)."""
-        lines = [f"{self.template_name}: stop tokens {[self.decode([t]) for t in sorted(self.end_of_turn_ids)]}"]
+        lines = [f"{self.template_name}: stop tokens {[self.decode([t]) for t in sorted(self.end_of_turn_ids)]}, "
+                 + ("tool schemas rendered by the template" if self.renders_tools
+                    else "tool schemas not rendered by the template (injected as the hermes block)")]
         for tools, p in self.profiles.items():
             where = "with tools" if tools else "without tools"
             if p.error is not None:
@@ -580,6 +656,28 @@ def _template_name(tokenizer: Any) -> str:
 def _markers_of(template: Any) -> tuple[tuple[str, str], ...]:
     source = template if isinstance(template, str) else " ".join(map(str, dict(template).values()))
     return tuple(m for m in REASONING_MARKERS if m[0] in source or m[1] in source)
+
+
+def with_tool_block(messages: list[Message], tools: list[dict], *, system: bool = True) -> list[Message]:
+    """`messages` with TOOL_BLOCK for `tools` at the end of the system message (a new one when there is none;
+    the first user message when the template refuses system messages)."""
+    block = TOOL_BLOCK.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+    messages = list(messages)
+    at = 0 if messages and messages[0].get("role") == "system" else None
+    if at is None and system:
+        return [{"role": "system", "content": block}, *messages]
+    if at is None:
+        at = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
+        if at is None:
+            return [{"role": "user", "content": block}, *messages]
+    content, after = messages[at].get("content"), messages[at]["role"] == "system"  # a user turn: before it
+    if isinstance(content, list):  # content parts (a VLM's): the block as one more text part
+        part = {"type": "text", "text": "\n\n" + block if after else block + "\n\n"}
+        joined: Any = [*content, part] if after else [part, *content]
+    else:
+        joined = f"{content or ''}\n\n{block}" if after else f"{block}\n\n{content or ''}"
+    messages[at] = {**messages[at], "content": joined}
+    return messages
 
 
 def _calls_for(messages: list[Message]) -> list[dict]:

@@ -30,6 +30,8 @@ import dataclasses
 import functools
 import itertools
 import logging
+import math
+import numbers
 import time
 import weakref
 import zlib
@@ -773,14 +775,29 @@ async def run_groups(
 
 async def score(traj: Trajectory, reward_fn: RewardFn | None) -> None:
     """Set `traj.reward` with `reward_fn` (sync or async), unless the agent set one. A raising reward
-    function leaves the reward None and records `reward_error`: a crash is never scored 0.0."""
+    function, or one returning anything but a finite number (a bool counts as 0/1; verl's `{"score": x, ...}`
+    gives x, its other keys go to `info["reward_extra"]`), leaves the reward None and records `reward_error`:
+    a crash is never scored 0.0, and a NaN or a string never reaches the group's advantages."""
     if reward_fn is None or traj.reward is not None:
         return
     try:
-        traj.reward = await _maybe_await(reward_fn(traj))
+        value = await _maybe_await(reward_fn(traj))
+        if isinstance(value, dict) and "score" in value:
+            traj.info["reward_extra"] = {k: v for k, v in value.items() if k != "score"}
+            value = value["score"]
+        traj.reward = _finite_reward(value)
     except Exception as e:
         traj.reward_error = f"{type(e).__name__}: {e}"
-        log.warning("reward function raised on %s: %r", traj.id, e)
+        log.warning("reward function failed on %s: %s", traj.id, traj.reward_error)
+
+
+def _finite_reward(value: Any) -> float:
+    if isinstance(value, numbers.Real) and math.isfinite(float(value)):  # bools and numpy scalars too
+        return float(value)
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a 0-d numpy array or torch tensor
+        return _finite_reward(value.item())
+    raise ValueError(f"the reward function returned {value!r:.60} ({type(value).__name__}); expected a finite "
+                     "number (or verl's {'score': number, ...})")
 
 
 Producer = Callable[[Callable[[Trajectory], None]], Awaitable[None]]

@@ -367,9 +367,9 @@ class SFTTrainer(Trainer):
                                     denominator=denominator)
         return loss, {"train/loss": float(loss.detach()), "train/nll": float(-logp_N.detach().mean())}
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, final: bool = True) -> Path:
         """The Trainer's checkpoint, and `output_dir/model` linked to its model directory."""
-        path = super().save_checkpoint()
+        path = super().save_checkpoint(final)
         if self.parallel.is_main:
             link = self.out / "model"
             if link.is_symlink():

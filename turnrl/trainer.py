@@ -36,28 +36,47 @@ What is kept from GRPO/PPO and what is not (see turnrl.algos for the formulas):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
+import ctypes
 import dataclasses
 import json
 import logging
 import math
 import random
+import shutil
+import sys
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from rich.console import Console
+from rich.progress import Progress
 
 from turnrl import algos
 from turnrl.buffer import Group, TrajectoryBuffer, produce
-from turnrl.checkpoint import load_rng, load_training_state, save_rng, save_training_state, write_hf
+from turnrl.checkpoint import (
+    checkpoint_problem,
+    checkpoint_step,
+    load_rng,
+    load_training_state,
+    publish_checkpoint,
+    save_rng,
+    save_training_state,
+    select_checkpoint,
+    staging_dir,
+    supersede_newer,
+    write_hf,
+)
 from turnrl.config import TrainConfig
 from turnrl.lora import apply_lora
 from turnrl.models import DTYPES
-from turnrl.observe import RolloutStats, TrajectoryWriter
+from turnrl.observe import RolloutStats, TrajectoryWriter, peak_rss_gb
 from turnrl.packing import (
     PackedRow,
     pack_sequences,
@@ -177,10 +196,16 @@ class Trainer:
         self.parallel = parallel or Parallel.start(cfg.trainer, cfg.device)
         self.train_rows, self.eval_rows = train_rows, eval_rows
         self.console = console or Console()
-        self.out = Path(cfg.output_dir)
+        self.out = Path(cfg.run_dir or cfg.output_dir)
+        """The run directory (`turnrl train` sets cfg.run_dir: turnrl.runs); without one, output_dir itself."""
         self.out.mkdir(parents=True, exist_ok=True)
         self.policy, self.reference = self._prepare(policy)
         self.device = self.parallel.device
+        self.shares_weights = _same_tensors(getattr(engine, "model", None), self.policy)
+        """The engine samples from the policy's own tensors (turnrl.build.shares_weights), not a copy."""
+        if self.shares_weights and cfg.trainer.mode != "sync":
+            raise ValueError("an engine over the policy's own tensors needs trainer.mode sync: in async mode it would "
+                             "sample from weights the optimizer is writing (engine.share_weights: false)")
         self.uses_kl = cfg.algo.kl_coef > 0
         o = cfg.optim
         # fused: one kernel over all parameters instead of a Python loop over each (~4x faster step on CPU)
@@ -197,6 +222,8 @@ class Trainer:
         self.step = 0
         self.history: list[dict[str, float]] = []
         self.tracer = tracer if tracer is not None else TrajectoryTracer(None)
+        self._progress: Progress | None = None
+        """The training progress bar while it shows (evaluation passes add their own bar to it)."""
         self.watchdog = getattr(rollout, "watchdog", None) or Watchdog(cfg.rollout.watchdog_s)
         """Fails the run when no trajectory, engine call, env call or training phase progresses for watchdog_s."""
 
@@ -222,25 +249,26 @@ class Trainer:
     # ---- the loop ---------------------------------------------------------------------------------
     async def train(self) -> list[dict[str, float]]:
         self.tracer.log_params(self.cfg.model_dump())
+        if self.parallel.is_main:  # the resolved config, every key: what this run is (and marks its directory)
+            (self.out / "config.yaml").write_text(yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
         if self.cfg.resume and self.load_checkpoint():
             await self.sync_weights()
         if self.step == 0:
             await self._evaluate_on_main("before")
         producer = self._start_producer()
-        from rich.progress import Progress
-
         try:
-            with Progress(console=self.console, transient=False, disable=not self.parallel.is_main) as progress:
-                task = progress.add_task("training", total=self.cfg.steps, completed=self.step)
+            with Progress(console=self.console, transient=False, disable=not self.parallel.is_main) as self._progress:
+                task = self._progress.add_task("training", total=self.cfg.steps, completed=self.step)
                 while self.step < self.cfg.steps:
                     self.step += 1
                     self._log(await self.train_step())
                     if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.step < self.cfg.steps:
                         await self._evaluate_on_main(f"step{self.step}")
                     if self.cfg.save_every and self.step % self.cfg.save_every == 0:
-                        self.save_checkpoint()
-                    progress.update(task, completed=self.step)
+                        self.save_checkpoint(final=False)
+                    self._progress.update(task, completed=self.step)
         finally:
+            self._progress = None
             await _stop(producer)
         await self._evaluate_on_main("after")
         self.save_checkpoint()
@@ -275,7 +303,8 @@ class Trainer:
         return {"step": float(self.step), **metrics, **update, **sync, "train/samples": float(len(samples)),
                 "train/is_fallback": float(sum(s.rollout_logprobs is None for s in samples)),
                 "time/rollout_s": t_wait, "time/update_s": t_update,
-                "time/step_s": self._last_step_end - t0, "train/lr": self.scheduler.get_last_lr()[0]}
+                "time/step_s": self._last_step_end - t0, "train/lr": self.scheduler.get_last_lr()[0],
+                **({"memory/peak_rss_gb": peak} if (peak := peak_rss_gb()) is not None else {})}
 
     async def _next_batch(self) -> tuple[list[TrainSample], dict[str, float]]:
         """This step's samples, and what their rollouts measured: rank 0 takes them from the buffer (the producer
@@ -314,10 +343,18 @@ class Trainer:
 
     async def _update_beside_rollouts(self, samples: list[TrainSample]) -> dict[str, float]:
         """async mode: the update runs in a worker thread, so the event loop (rollouts, envs, tools) goes on;
-        sync mode: in place (no rollout could start meanwhile anyway). Watched either way, in its own thread."""
+        sync mode: in place (no rollout could start meanwhile anyway). Watched either way, in its own thread. An
+        engine over the policy's own tensors (turnrl.build.shares_weights: sync mode only) sleeps meanwhile: its KV
+        cache gives the update room."""
         if self.cfg.trainer.mode == "async":
             return await asyncio.to_thread(self._watched_update, samples)
-        return self._watched_update(samples)
+        if not self.shares_weights:
+            return self._watched_update(samples)
+        await self.engine.sleep()
+        try:
+            return self._watched_update(samples)
+        finally:
+            await self.engine.wake_up()
 
     def _watched_update(self, samples: list[TrainSample]) -> dict[str, float]:
         with self.watchdog.phase("trainer.update", f"step {self.step}, {len(samples)} samples"):
@@ -356,6 +393,7 @@ class Trainer:
             for mb in _split(order, cfg.optim.mini_batches):
                 self._optimizer_step(samples, mb, old, temperature, tally)
         self.policy.eval()
+        release_freed_memory()
         return tally.summary(self.parallel, time.perf_counter() - t0)
 
     def _optimizer_step(self, samples: list[TrainSample], mb: list[int], old: dict | None, temperature: float,
@@ -488,31 +526,59 @@ class Trainer:
         return metrics
 
     # ---- evaluation, logging, checkpoints -----------------------------------------------------------
-    async def evaluate(self, tag: str) -> dict[str, Any]:
-        """Greedy on the held-out rows (and the sampling policy too when `eval_sampled_n` > 0)."""
-        greedy = SamplingParams(temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens)
-        metrics: dict[str, Any] = {"step": float(self.step), "eval/tag": tag,
-                   **await self._eval_pass(f"{tag}", greedy, self.cfg.eval_n, "eval/")}
-        if self.cfg.eval_sampled_n:
+    async def evaluate(self, tag: str, *, greedy: bool = True, sampled_n: int | None = None,
+                       out: Path | None = None) -> dict[str, Any]:
+        """The held-out rows: greedy decoding (temperature 0, `eval_n` samples per row) and, when `sampled_n`
+        (default `eval_sampled_n`) > 0, the sampling policy (rollout.sampling: the training temperature) with
+        that many samples per row. Trajectories go to `out` (greedy; default trajectories/eval_{tag}.jsonl)
+        and `sampled_path(out)`."""
+        sampled_n = self.cfg.eval_sampled_n if sampled_n is None else sampled_n
+        path = out or self.out / "trajectories" / f"eval_{tag}.jsonl"
+        metrics: dict[str, Any] = {"step": float(self.step), "eval/tag": tag}
+        if greedy:
+            params = SamplingParams(temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens)
+            metrics.update(await self._eval_pass(tag, params, self.cfg.eval_n, "eval/", path))
+        if sampled_n:
             assert self.rollout is not None  # evaluation runs on rank 0, where the rollout is
-            metrics.update(await self._eval_pass(f"{tag}-sampled", self.rollout.sampling, self.cfg.eval_sampled_n,
-                                                 "eval/sampled_"))
+            metrics.update(await self._eval_pass(f"{tag}-sampled", self.rollout.sampling, sampled_n, "eval/sampled_",
+                                                 sampled_path(path)))
         return metrics
 
-    async def _eval_pass(self, tag: str, sampling: SamplingParams, n: int, prefix: str) -> dict[str, float]:
+    async def _eval_pass(self, tag: str, sampling: SamplingParams, n: int, prefix: str,
+                         path: Path) -> dict[str, float]:
         stats = RolloutStats()
         assert self.rollout is not None  # evaluation runs on rank 0, where the rollout is
-        with TrajectoryWriter(self.out / "trajectories" / f"eval_{tag}.jsonl") as writer:
+        mode = "greedy" if sampling.temperature == 0 else f"sampled at T={sampling.temperature:g}"
+        with TrajectoryWriter(path) as writer, self._task(f"eval {tag} ({mode})", len(self.eval_rows) * n) as advance:
             async for traj in self.rollout.stream(self.eval_rows, n, id_prefix=f"eval-{tag}-", sampling=sampling):
                 stats.add(traj)
                 self.tracer.export(traj, self.step, "eval")
                 writer.write(traj)
+                advance()
         s = stats.summary()
         tools = {f"{prefix}{k.removeprefix('rollout/')}": v for k, v in s.items() if k.startswith("rollout/tool_")}
         return {f"{prefix}reward_mean": s.get("rollout/reward_mean", float("nan")),
                 f"{prefix}success": sum(r > 0 for r in stats.rewards) / max(len(stats.rewards), 1),
                 f"{prefix}turns_mean": s["rollout/turns_mean"], f"{prefix}trajectories": float(stats.count),
                 f"{prefix}model_tokens_mean": s["rollout/model_tokens_mean"], **tools}
+
+    @contextlib.contextmanager
+    def _task(self, description: str, total: int) -> Iterator[Callable[[], None]]:
+        """A progress bar for `description` (on the training one while it shows, else its own); yields advance.
+        Into a file or a pipe, where no bar is drawn, a line says what started."""
+        if not self.console.is_terminal:
+            self.console.print(f"{description}: {total} trajectories")
+        if self._progress is not None:
+            bar: Progress = self._progress
+            task = bar.add_task(description, total=total)
+            try:
+                yield lambda: bar.advance(task)
+            finally:
+                bar.remove_task(task)
+            return
+        with Progress(console=self.console, transient=True) as progress:
+            task = progress.add_task(description, total=total)
+            yield lambda: progress.advance(task)
 
     def _log(self, metrics: dict[str, Any]) -> None:
         self.history.append(metrics)
@@ -527,36 +593,52 @@ class Trainer:
         """The console line of a step's or an evaluation's metrics (turnrl.sft prints its own step lines)."""
         return format_step_line(metrics, self.cfg.steps)
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, final: bool = True) -> Path:
         """Sharded state that resumes exactly (every rank writes its part) and a Hugging Face model dir
-        (turnrl.checkpoint); `latest` names it once it is complete."""
+        (turnrl.checkpoint), written into a staging folder and renamed into place once complete (with its
+        manifest), then named by `latest`. `final`: the run's last checkpoint (trainer.save_hf="final" gives
+        it the Hugging Face weights; the others keep only what resuming needs)."""
         path = self.out / "checkpoints" / f"step_{self.step:06d}"
-        save_rng(path, self.parallel.rank)
-        save_training_state(path, self.policy, self.optimizer)
-        write_hf(self.policy, path / "model", self.parallel, DTYPES[self.cfg.dtype], weights=self.cfg.trainer.save_hf)
+        staged = staging_dir(path)
         if self.parallel.is_main:
-            self._save_tokenizer(path / "model")
+            shutil.rmtree(staged, ignore_errors=True)  # left by a run that died while saving
+            staged.mkdir(parents=True)
+        self.parallel.barrier()
+        save_rng(staged, self.parallel.rank)
+        save_training_state(staged, self.policy, self.optimizer)
+        save_hf = self.cfg.trainer.save_hf
+        write_hf(self.policy, staged / "model", self.parallel, DTYPES[self.cfg.dtype],
+                 weights=save_hf is True or (save_hf == "final" and final))
+        if self.parallel.is_main:
+            self._save_tokenizer(staged / "model")
             torch.save({"step": self.step, "scheduler": self.scheduler.state_dict(),
                         "sampler": self.sampler.state_dict(), "history": self.history,
                         "buffer": self.buffer.state_dict(),
                         "world_size": self.parallel.world_size, "config": self.cfg.model_dump()},
-                       path / "trainer_state.pt")
-        self.parallel.barrier()  # every rank's files are written before `latest` points here
+                       staged / "trainer_state.pt")
+        self.parallel.barrier()  # every rank's files are written before the checkpoint is published
         if self.parallel.is_main:
-            (self.out / "checkpoints" / "latest").write_text(path.name)
+            publish_checkpoint(staged, path)
+        self.parallel.barrier()
         return path
 
     def _save_tokenizer(self, where: Path) -> None:
         save_tokenizer(getattr(self.rollout, "renderer", None), where)
 
     def load_checkpoint(self) -> bool:
-        """Restore weights, optimizer, scheduler, data position, RNG and history from the latest checkpoint,
-        whatever world size wrote it."""
-        latest = self.out / "checkpoints" / "latest"
-        if not latest.exists():
-            log.warning("resume: no checkpoint in %s; starting from scratch", self.out)
+        """Restore weights, optimizer, scheduler, data position, RNG and history from the checkpoint to resume
+        (`resume_point`), whatever world size wrote it."""
+        choice: Path | ValueError | None = None
+        if self.parallel.is_main:  # rank 0 reads and checks the checkpoints; the other ranks take its choice
+            try:
+                choice = self.resume_point()
+            except ValueError as e:
+                choice = e
+        path = self.parallel.broadcast_object(choice)
+        if isinstance(path, ValueError):
+            raise path
+        if path is None:
             return False
-        path = self.out / "checkpoints" / latest.read_text().strip()
         state = torch.load(path / "trainer_state.pt", weights_only=False)
         saved_lora = state["config"]["trainer"]["lora"]
         lora = self.cfg.trainer.lora
@@ -572,10 +654,44 @@ class Trainer:
         if self.parallel.is_main:  # what was logged after the checkpoint is done again: never log a step twice
             for name in ("metrics.jsonl", "groups.jsonl"):
                 _truncate_after(self.out / name, self.step)
-        if self.parallel.is_main:
+            moved = supersede_newer(path) if path.parent.resolve() == (self.out / "checkpoints").resolve() else []
             self.console.print(f"resumed from {path} (step {self.step}, written by {state['world_size']} ranks, "
-                               f"now {self.parallel.world_size})")
+                               f"now {self.parallel.world_size})"
+                               + (f"; moved the newer {', '.join(moved)} to checkpoints/superseded/" if moved else ""),
+                               soft_wrap=True)
         return True
+
+    def resume_point(self) -> Path | None:
+        """The checkpoint `cfg.resume` names (a checkpoint folder), else the newest valid one of this run;
+        the newer ones skipped (broken, incomplete) are named in one line. None: nothing to resume."""
+        if isinstance(self.cfg.resume, str) and checkpoint_step(Path(self.cfg.resume)) is not None:
+            path = Path(self.cfg.resume)
+            problem = checkpoint_problem(path)
+            if problem is not None:
+                raise ValueError(f"resume: checkpoint {path} {problem}")
+            return path
+        found, notes = select_checkpoint(self.out)
+        if found is None:
+            log.warning("resume: no valid checkpoint in %s%s; starting from scratch", self.out,
+                        f" ({'; '.join(notes)})" if notes else "")
+        elif notes:
+            self.console.print(f"[yellow]resume:[/] {'; '.join(notes)}; resuming from {found.name}", soft_wrap=True)
+        return found
+
+
+def _same_tensors(engine_model: torch.nn.Module | None, policy: torch.nn.Module) -> bool:
+    if not isinstance(engine_model, torch.nn.Module):
+        return False
+    return next(engine_model.parameters()) is next(policy.parameters())
+
+
+def release_freed_memory() -> None:
+    """Hand the memory freed after an update (activations, logits) back to the OS. glibc keeps freed
+    blocks in its heap, where fragmentation stops it from reusing them for other sizes, so without this the
+    resident size of a CPU run creeps up by a step's activations every few steps (the demo: +2 GB in 7 steps)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):  # not glibc (musl): nothing to trim
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def param_groups(model: torch.nn.Module, lr: float, scales: dict[str, float]) -> list[dict[str, Any]]:
@@ -685,14 +801,22 @@ def _split(order: list[int], parts: int) -> list[list[int]]:
     return [order[i : i + size] for i in range(0, len(order), size)]
 
 
+def sampled_path(path: Path) -> Path:
+    """Where the sampled evaluation pass goes beside the greedy one's `path`: eval.jsonl -> eval-sampled.jsonl."""
+    return path.with_name(f"{path.stem}-sampled{path.suffix}")
+
+
 def format_step_line(m: dict[str, Any], total: int) -> str:
-    if "eval/reward_mean" in m:
-        line = (f"[bold cyan]eval {m['eval/tag']}[/]: greedy reward {m['eval/reward_mean']:.3f}  success "
-                f"{m['eval/success']:.0%}  turns {m['eval/turns_mean']:.2f}")
+    if "eval/tag" in m:
+        passes = []
+        if "eval/reward_mean" in m:
+            passes.append(f"greedy reward {m['eval/reward_mean']:.3f}  success {m['eval/success']:.0%}  turns "
+                          f"{m['eval/turns_mean']:.2f}  ({m['eval/trajectories']:.0f} trajectories)")
         if "eval/sampled_reward_mean" in m:
-            line += (f"  |  sampled reward {m['eval/sampled_reward_mean']:.3f}  success {m['eval/sampled_success']:.0%}"
-                     f"  turns {m['eval/sampled_turns_mean']:.2f}")
-        return line + f"  ({m['eval/trajectories']:.0f} held-out prompts)"
+            passes.append(f"sampled reward {m['eval/sampled_reward_mean']:.3f}  success {m['eval/sampled_success']:.0%}"
+                          f"  turns {m['eval/sampled_turns_mean']:.2f}  ({m['eval/sampled_trajectories']:.0f} "
+                          "trajectories)")
+        return f"[bold cyan]eval {m['eval/tag']}[/]: " + "  |  ".join(passes)
     reasons = Counter({k.split("/")[-1]: v for k, v in m.items() if k.startswith("rollout/reason/")})
     reason_text = " ".join(f"{k} {v:.0%}" for k, v in reasons.most_common(3))
     loss = f"loss {m['train/loss']:.4f}" if "train/loss" in m else "no trainable samples"
