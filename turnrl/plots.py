@@ -43,12 +43,7 @@ def plot_curves(history: list[dict[str, Any]], out: str | Path) -> Path | None:
         ax.set_xlabel("step")
         ax.legend()
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return _save(fig, out)
 
 
 def plot_tool_rates(ax: Any, train: list[dict[str, Any]], evals: list[dict[str, Any]], offset: float = 0.0) -> None:
@@ -101,12 +96,7 @@ def plot_sft_curves(history: list[dict[str, Any]], out: str | Path) -> Path | No
         ax.set_ylim(-0.05, 1.05)
         ax.legend()
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return _save(fig, out)
 
 
 def plot_sft_then_rl(sft: list[dict[str, Any]], rl: list[dict[str, Any]], out: str | Path,
@@ -141,6 +131,12 @@ def plot_sft_then_rl(sft: list[dict[str, Any]], rl: list[dict[str, Any]], out: s
     if tools:
         plot_tool_rates(axes[2], rl_train, [m for m in evals if "eval/tool_call_rate" in m])
         axes[2].axvline(sft_steps, color="grey", linestyle=":")
+    return _save(fig, out)
+
+
+def _save(fig: Any, out: str | Path) -> Path:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
