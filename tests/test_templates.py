@@ -60,8 +60,13 @@ def zoo():
 def matrix(zoo):
     from template_matrix import matrix as run
 
-    logging.getLogger("turnrl").setLevel(logging.ERROR)  # a matrix of expected sanity-check warnings
-    return {(c.family, c.scenario): c for c in run()}
+    logger = logging.getLogger("turnrl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # a matrix of expected sanity-check warnings
+    try:
+        return {(c.family, c.scenario): c for c in run()}
+    finally:
+        logger.setLevel(level)  # later tests assert on turnrl's warnings
 
 
 def expected(family: str, scenario: str) -> str:
