@@ -5,6 +5,9 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -239,3 +242,26 @@ def test_mismatch_is_reported_per_staleness_and_the_anchor_is_chosen(tiny_qwen3,
     else:  # anchored at behaviour: the ratio itself is e^0.1 and no importance weights are applied
         assert metrics["train/ratio_mean"] == pytest.approx(math.exp(0.1), rel=1e-3)
         assert "train/is_weight_mean" not in metrics
+
+
+PROBE = """
+import os, sys, torch
+from turnrl.trainer import map_large_allocations
+def rss_mb():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+if sys.argv[1] == "on":
+    map_large_allocations()
+x = torch.ones(4 << 20); del x  # 16 MiB freed: glibc raises its mmap threshold above it
+a = torch.ones(2 << 20)         # 8 MiB: from the heap, unless large blocks get their own pages
+b = torch.ones(1024)            # a small block above it keeps the heap from shrinking at its top
+before = rss_mb(); del a
+print(round(before - rss_mb()))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_large_cpu_tensors_give_their_memory_back_when_freed():
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    freed = {mode: int(subprocess.run([sys.executable, "-c", PROBE, mode], env=env, capture_output=True, text=True,
+                                      check=True).stdout) for mode in ("off", "on")}
+    assert freed == {"off": 0, "on": 8}  # MiB returned to the OS by freeing the 8 MiB tensor

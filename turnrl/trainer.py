@@ -43,6 +43,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import random
 import shutil
 import sys
@@ -207,6 +208,8 @@ class Trainer:
             raise ValueError("an engine over the policy's own tensors needs trainer.mode sync: in async mode it would "
                              "sample from weights the optimizer is writing (engine.share_weights: false)")
         self.uses_kl = cfg.algo.kl_coef > 0
+        if self.device.type == "cpu":
+            map_large_allocations()
         o = cfg.optim
         # fused: one kernel over all parameters instead of a Python loop over each (~4x faster step on CPU)
         self.optimizer = torch.optim.AdamW(param_groups(self.policy, o.lr, o.lr_scale), lr=o.lr,
@@ -683,6 +686,20 @@ def _same_tensors(engine_model: torch.nn.Module | None, policy: torch.nn.Module)
     if not isinstance(engine_model, torch.nn.Module):
         return False
     return next(engine_model.parameters()) is next(policy.parameters())
+
+
+MMAP_THRESHOLD_BYTES = 1 << 20
+
+
+def map_large_allocations() -> None:
+    """Allocations of 1 MiB and more (activations, logits, gradients on the CPU) get their own pages, returned
+    to the OS when freed. glibc otherwise raises its mmap threshold to the largest block freed so far, after
+    which such tensors come from the heap and its fragments stay resident: the demo's peak RSS was 4.57 GB
+    after 4 steps with the default and 3.56 GB with this, at the same step time (`MALLOC_MMAP_THRESHOLD_`
+    in the environment does the same; an explicit value there wins)."""
+    if sys.platform.startswith("linux") and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        with contextlib.suppress(OSError, AttributeError):  # not glibc (musl): its allocator differs
+            ctypes.CDLL("libc.so.6").mallopt(-3, MMAP_THRESHOLD_BYTES)  # -3: M_MMAP_THRESHOLD
 
 
 def release_freed_memory() -> None:
