@@ -191,3 +191,15 @@ def test_agent_scheduler_and_reward_specs_go_through_the_loader(tmp_path):
     with pytest.raises(AttributeError, match=r"agent '.*user_code.py:nope': .* it defines MySched, my_agent, "
                                              r"my_reward"):
         load_agent(f"{user}:nope")
+
+
+def test_a_partial_builtin_model_folder_is_replaced_by_a_complete_one(tmp_path, monkeypatch):
+    from turnrl import models
+
+    monkeypatch.setenv("TURNRL_CACHE_DIR", str(tmp_path))
+    partial = tmp_path / "models" / "tiny-qwen3"
+    partial.mkdir(parents=True)
+    (partial / "tokenizer.json").write_text("{}")  # a folder with a tokenizer and no model (the CI cache had one)
+    path = Path(models.resolve_model("tiny-qwen3"))
+    assert (path / "config.json").exists() and (path / "model.safetensors").exists()
+    assert not [p for p in (tmp_path / "models").iterdir() if p.name.startswith(".")]  # nothing left aside

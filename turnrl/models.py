@@ -201,12 +201,27 @@ def _materialised(name: str) -> Path:
         BUILTIN_MODELS[name](tmp)
         try:
             tmp.rename(target)
-        except OSError:  # another process won the race; its copy is identical
+        except OSError:  # another process won the race (its copy is identical), or target holds a partial copy
             if not (target / "config.json").exists():
-                raise
+                _replace_partial(target, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _replace_partial(target: Path, built: Path) -> None:
+    """`target` exists without the model's config.json (files written into it by hand, or left by a tool that
+    saved a tokenizer there): set it aside and put the complete copy `built` in its place."""
+    stale = target.with_name(f".stale-{target.name}-{os.getpid()}")
+    log.warning("%s held an incomplete built-in model (%s); replacing it", target,
+                ", ".join(sorted(f.name for f in target.iterdir())[:8]))
+    target.rename(stale)
+    try:
+        built.rename(target)
+    except OSError:  # a concurrent builder placed its complete copy first
+        if not (target / "config.json").exists():
+            raise
+    shutil.rmtree(stale, ignore_errors=True)
 
 
 def load_tokenizer(name_or_path: str):
