@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -203,3 +205,33 @@ def test_a_partial_builtin_model_folder_is_replaced_by_a_complete_one(tmp_path, 
     path = Path(models.resolve_model("tiny-qwen3"))
     assert (path / "config.json").exists() and (path / "model.safetensors").exists()
     assert not [p for p in (tmp_path / "models").iterdir() if p.name.startswith(".")]  # nothing left aside
+
+
+RANKS_RESOLVE = """
+import json, sys
+from pathlib import Path
+import torch.distributed as dist
+from turnrl.models import resolve_model
+import time
+dist.init_process_group("gloo")
+if dist.get_rank() == 0:
+    time.sleep(3)  # rank 1 reaches the empty cache first
+path = Path(resolve_model("tiny-qwen3"))
+print(json.dumps({"rank": dist.get_rank(), "complete": (path / "config.json").exists()
+                  and (path / "model.safetensors").exists()}))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_two_ranks_on_a_cold_cache_both_get_the_complete_builtin_model(tmp_path):
+    # transformers' save_pretrained writes nothing on ranks other than 0: a rank 1 that built the model itself
+    # used to publish a folder without config.json or weights, which the other rank then failed to load
+    script = tmp_path / "resolve.py"
+    script.write_text(RANKS_RESOLVE)
+    env = {**os.environ, "TURNRL_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    results = sorted(json.loads(line)["complete"] for line in out.stdout.splitlines() if line.startswith("{"))
+    assert results == [True, True]

@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -195,6 +196,8 @@ def _materialised(name: str) -> Path:
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    if _distributed_rank() > 0:  # transformers' save_pretrained writes nothing on ranks other than 0
+        return _built_by_rank_0(target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
         log.info("materialising built-in model %s into %s (once)", name, target)
@@ -209,9 +212,28 @@ def _materialised(name: str) -> Path:
     return target
 
 
+def _distributed_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _built_by_rank_0(target: Path, timeout_s: float = 600.0) -> Path:
+    """A built-in model on a trainer rank other than 0: rank 0 builds it into the shared cache (the same
+    folder on one node; on several nodes, build it once per node beforehand or name a model directory)."""
+    deadline = time.monotonic() + timeout_s
+    while not (target / "config.json").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{target}: rank 0 did not build this built-in model within {timeout_s:.0f} s (on "
+                               "several nodes the cache is not shared: build it once per node, e.g. `turnrl rollout "
+                               "--model NAME ...`, or set model to a directory)")
+        time.sleep(0.5)
+    return target
+
+
 def _replace_partial(target: Path, built: Path) -> None:
-    """`target` exists without the model's config.json (files written into it by hand, or left by a tool that
-    saved a tokenizer there): set it aside and put the complete copy `built` in its place."""
+    """`target` exists without the model's config.json (a partial copy, e.g. one published by a trainer rank
+    other than 0 before ranks waited for rank 0): set it aside and put the complete copy `built` in its place."""
     stale = target.with_name(f".stale-{target.name}-{os.getpid()}")
     log.warning("%s held an incomplete built-in model (%s); replacing it", target,
                 ", ".join(sorted(f.name for f in target.iterdir())[:8]))
