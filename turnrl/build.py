@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
-import yaml
 
 from turnrl.config import (
     ConfigError,
@@ -63,15 +62,9 @@ def rollout_limits(cfg: RolloutConfig) -> RolloutLimits:
 
 def env_config(cfg: RolloutConfig) -> dict[str, Any]:
     """--custom-config YAML, then `env_config` on top; `max_turns` defaults to the driver's."""
-    merged: dict[str, Any] = {}
-    if cfg.custom_config:
-        path = Path(cfg.custom_config)
-        if not path.exists():
-            raise ConfigError(f"custom config {path} does not exist")
-        loaded = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"custom config {path}: expected a mapping, got {type(loaded).__name__}")
-        merged.update(loaded)
+    from turnrl.config import load_custom_config
+
+    merged = load_custom_config(cfg.custom_config)  # the one reader of that file (errors name it)
     merged.update(cfg.env_config)
     merged.setdefault("max_turns", cfg.max_turns)
     return merged

@@ -408,15 +408,19 @@ def load_custom_config(path: str | Path | None) -> dict[str, Any]:
     """The mapping of a `--custom-config` YAML ({} without one)."""
     if path is None:
         return {}
-    path = Path(path)
+    return read_yaml_mapping(Path(path), "custom config")
+
+
+def read_yaml_mapping(path: Path, what: str) -> dict[str, Any]:
+    """A YAML file that must hold a mapping; errors name `what` and the file."""
     if not path.exists():
-        raise ConfigError(f"custom config {path} does not exist")
+        raise ConfigError(f"{what} {path} does not exist")
     try:
         loaded = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"custom config {path}: invalid YAML: {e}") from None
+        raise ConfigError(f"{what} {path}: invalid YAML: {e}") from None
     if not isinstance(loaded, dict):
-        raise ConfigError(f"custom config {path}: expected a mapping, got {type(loaded).__name__}")
+        raise ConfigError(f"{what} {path}: expected a mapping at the top level, got {type(loaded).__name__}")
     return loaded
 
 
@@ -453,17 +457,8 @@ def effective_rollout_config(cfg: RolloutConfig, custom: dict[str, Any] | None =
 
 
 def load_config(cls: type[C], path: str | Path | None = None, overrides: Sequence[str] = ()) -> C:
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.exists():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path}: invalid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {path}: expected a mapping at the top level, got {type(data).__name__}")
+    path = Path(path) if path is not None else None
+    data = read_yaml_mapping(path, "config file") if path is not None else {}
     for item in overrides:
         apply_override(data, item)
     try:
