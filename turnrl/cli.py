@@ -7,7 +7,8 @@ import functools
 import json
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
@@ -43,6 +44,18 @@ def _fail(message: str, code: int = 2) -> NoReturn:
 
     console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+@contextmanager
+def _bad_input(*errors: type[BaseException]) -> Iterator[None]:
+    """Inside: one of `errors` ends the command as bad input, exit 2 and its message (a pydantic error of the
+    flags' config names each bad flag), never a traceback."""
+    from pydantic import ValidationError
+
+    try:
+        yield
+    except errors as e:
+        _fail(_flag_errors(e) if isinstance(e, ValidationError) else str(e))
 
 
 T = TypeVar("T")
@@ -93,16 +106,14 @@ def rollout(
     out: Annotated[Path, Opt(help="Output trajectory JSONL (docs/trajectory-format.md).")],
     env: Annotated[str | None, Opt(help="Environment: built-in name, dotted module, or .py file with build_env.")] = None,
     n: Annotated[int, Opt(help="Samples per prompt.")] = 1,
-    max_turns: Annotated[int | None, Opt(help="Model turns per trajectory (default 4, or the --custom-config "
-                                              "YAML's max_turns).")] = None,
+    max_turns: Annotated[int | None, Opt(help="Model turns per trajectory (default 4, or --custom-config's).")] = None,
     max_new_tokens: Annotated[int, Opt(help="Tokens per model turn.")] = 256,
     token_budget: Annotated[int | None, Opt(help="Tokens after the prompt for the whole trajectory.")] = None,
     custom_config: Annotated[Path | None, Opt(help="YAML passed to build_env as `config`.")] = None,
     temperature: Annotated[float, Opt(help="Sampling temperature (0 = greedy).")] = 1.0,
     top_p: Annotated[float, Opt(help="Nucleus sampling mass.")] = 1.0,
     seed: Annotated[int | None, Opt(help="Seed of the samplers (reproducible trajectories).")] = None,
-    agent: Annotated[str | None, Opt(help="Default agent for rows without agent_name (env_agent; tool_agent with "
-                                          "--tools and no --env).")] = None,
+    agent: Annotated[str | None, Opt(help="Agent of rows without agent_name (default env_agent; tool_agent: --tools).")] = None,
     agents: Annotated[list[str], Opt("--agent-path", help="Extra agent loop: [name=]file.py:function.")] = [],
     tools: Annotated[list[str], Opt(help="Function-tool .py file or tool-config .yaml (repeatable).")] = [],
     tool_parser: Annotated[str, Opt(help="Tool-call format (hermes, qwen3_coder).")] = "hermes",
@@ -112,11 +123,9 @@ def rollout(
     chat_template_kwargs: Annotated[str | None, Opt(help='JSON, e.g. \'{"enable_thinking": false}\'.')] = None,
     sanity_check: Annotated[str, Opt(help="strict | ignore_strippable | disable.")] = "strict",
     concurrency: Annotated[int, Opt(help="Trajectories in flight.")] = 64,
-    env_timeout: Annotated[float | None, Opt(help="Seconds one env step may take (FAILED/timeout past it; "
-                                                  "0 = no limit).")] = 60.0,
+    env_timeout: Annotated[float | None, Opt(help="Seconds an env step may take (then FAILED; 0 = no limit).")] = 60.0,
     env_retries: Annotated[int, Opt(help="Extra attempts of a failing env step.")] = 0,
-    watchdog: Annotated[float, Opt(help="Seconds without progress of any trajectory, engine or env call before "
-                                        "the run fails naming what was stuck (0 = off).")] = 600.0,
+    watchdog: Annotated[float, Opt(help="Seconds of no progress before the run fails naming what hung (0 = off).")] = 600.0,
     max_batch_size: Annotated[int, Opt(help="Rows decoded together by the embedded engine.")] = 16,
     ray_workers: Annotated[int, Opt(help="Rollout workers on Ray, the engine a Ray actor (0 = all in this process).")] = 0,
     limit: Annotated[int | None, Opt(help="Use only the first N rows.")] = None,
@@ -132,18 +141,10 @@ def rollout(
     if server and (env or scheduler or plugin or tools or agents or ray_workers):
         _fail("--env, --scheduler, --plugin, --tools, --agent-path and --ray-workers configure where the turns run; "
               "with --server the rollout server runs them: pass these to `turnrl serve` instead")
-    from pydantic import ValidationError
+    from turnrl.config import EngineConfig, RolloutConfig, SamplingConfig, effective_rollout_config
+    from turnrl.data import load_rows
 
-    from turnrl.config import (
-        ConfigError,
-        EngineConfig,
-        RolloutConfig,
-        SamplingConfig,
-        effective_rollout_config,
-    )
-    from turnrl.data import DataError, load_rows
-
-    try:
+    with _bad_input(ValueError, FileNotFoundError):  # ConfigError, DataError and pydantic's errors among them
         given = {k: v for k, v in {"max_turns": max_turns, "agent": agent}.items() if v is not None}
         cfg = effective_rollout_config(RolloutConfig(
             env=env, custom_config=str(custom_config) if custom_config else None, agents=agents,
@@ -158,10 +159,6 @@ def rollout(
         rows = load_rows(data)[:limit]
         engine_cfg = EngineConfig(max_batch_size=max_batch_size, distributed="ray" if ray_workers else "none",
                                   ray_workers=max(ray_workers, 1))
-    except ValidationError as e:
-        _fail(_flag_errors(e))
-    except (ConfigError, DataError, ValueError, FileNotFoundError) as e:
-        _fail(str(e))
     _guarded(verbose, lambda: asyncio.run(_rollout(model, cfg, engine_cfg, rows, out, reward, server=server)))
 
 
@@ -247,7 +244,7 @@ def train(
     from turnrl.parallel import check_launch
     from turnrl.runs import prepare_run
 
-    try:
+    with _bad_input(ConfigError):
         overrides, resume_path = _resume_path(overrides or [], resume)
         cfg = load_config(TrainConfig, config, overrides)
         if scheduler is not None:
@@ -260,8 +257,6 @@ def train(
             cfg.resume = resume_path or True
         check_launch(cfg.trainer)  # torchrun's ranks against trainer.world_size / parallel / launcher
         prepare_run(cfg, overwrite=overwrite)  # refuses a non-empty run directory before anything loads
-    except ConfigError as e:
-        _fail(str(e))
     _guarded(verbose, lambda: run_training(cfg, console=console))
 
 
@@ -336,25 +331,20 @@ def sft(
     _setup_logging(verbose)
     from turnrl.config import ConfigError, SFTConfig, load_config
 
-    try:
+    with _bad_input(ConfigError):
         cfg = load_config(SFTConfig, config, overrides or [])
         if filter_ is not None:
             cfg.sft.filter = filter_
-    except ConfigError as e:
-        _fail(str(e))
     run_sft(cfg, console=console)
 
 
 def run_sft(cfg: Any, console: Console | None = None) -> list[dict[str, float]]:
     """`turnrl sft`: build the SFT trainer (turnrl.build), train, close; returns the metrics history."""
     from turnrl.build import build_sft
-    from turnrl.data import DataError
     from turnrl.plots import plot_sft_curves
 
-    try:
+    with _bad_input(ValueError, FileNotFoundError):  # DataError among them
         trainer, stack = build_sft(cfg, console=console)
-    except (DataError, ValueError, FileNotFoundError) as e:
-        _fail(str(e))
     r = trainer.report
     trainer.console.print(f"sft: {r['samples']} samples from {r['rows']} rows of {cfg.train_data} "
                           f"({r['filtered_out']} filtered out, skipped: {r['skipped'] or 'none'}), "
@@ -416,14 +406,12 @@ def evaluate(
     _setup_logging(verbose)
     from turnrl.config import ConfigError, TrainConfig, load_config
 
-    try:
+    with _bad_input(ConfigError):
         cfg = load_config(TrainConfig, config, overrides or [])
         if not cfg.eval_data:
             raise ConfigError(f"{config}: eval_data is not set (the held-out rows to evaluate on)")
         if not greedy and not (cfg.eval_sampled_n if sampled_n is None else sampled_n):
             raise ConfigError("--no-greedy leaves nothing to evaluate: add --sampled-n N")
-    except ConfigError as e:
-        _fail(str(e))
     _guarded(verbose, lambda: run_evaluation(cfg, checkpoint=checkpoint, out=out, console=console, greedy=greedy,
                                              sampled_n=sampled_n))
 
@@ -481,10 +469,8 @@ def view(
     if not path.exists():
         _fail(f"{path} does not exist")
     if html is not None:
-        try:
+        with _bad_input(IndexError):
             write_html(path, html, model=model, index=index)
-        except IndexError as e:
-            _fail(str(e))
         console.print(f"wrote {html}")
         return
     print_trajectories(path, console, index=index, model=model)
@@ -511,10 +497,8 @@ def replay_command(
     row = next((r for r in rows if r.get("id") == trajectory_id), None)
     if row is None:
         _fail(f"{path}: no trajectory with id {trajectory_id!r} ({len(rows)} trajectories in the file)")
-    try:
+    with _bad_input(ValueError, FileNotFoundError, ImportError):
         report = asyncio.run(run_replay(Trajectory.from_json(row), model, run_dir))
-    except (ValueError, FileNotFoundError, ImportError) as e:
-        _fail(str(e))
     console.print(report_table(report))
     console.print(verdict(report), soft_wrap=True)
     if not report.tokens_equal:
@@ -553,12 +537,12 @@ def serve(
     which runs whole trajectories here and streams them to `turnrl.remote.RemoteRollout`."""
     _setup_logging(verbose)
     from turnrl.build import build_stack
-    from turnrl.config import ConfigError, EngineConfig
+    from turnrl.config import EngineConfig
     from turnrl.engines.base import EngineError
     from turnrl.serve import BindError, check_bind, run_server
     from turnrl.types import SamplingParams
 
-    try:
+    with _bad_input(BindError, ValueError):  # ConfigError among them
         check_bind(host, token)
         if max_body_mb <= 0 or session_ttl_s < 0:
             raise ValueError(f"--max-body-mb must be > 0 (got {max_body_mb}) and --session-ttl-s >= 0 (got {session_ttl_s})")
@@ -569,12 +553,8 @@ def serve(
         rollout = _server_rollout_config(rollout_config, flags, plugin, tools,
                                          kwargs if chat_template_kwargs is not None else None)
         engine_cfg = EngineConfig(kind=engine, urls=url, max_batch_size=max_batch_size)
-    except (BindError, ConfigError, ValueError) as e:
-        _fail(str(e))
-    try:  # the rollout configuration (plugins, scheduler, env...) resolves before the model loads
-        stack = build_stack(model, rollout, engine_cfg)
-    except (ValueError, FileNotFoundError, ModuleNotFoundError, AttributeError, ImportError, EngineError) as e:
-        _fail(str(e))
+    with _bad_input(ValueError, FileNotFoundError, ImportError, AttributeError, EngineError):
+        stack = build_stack(model, rollout, engine_cfg)  # the rollout's plugins, scheduler, env... before the model
     console.print(_serving_banner(model, engine, url, host, port, token, stack.rollout), soft_wrap=True)
     assert stack.engine is not None and stack.renderer is not None  # built in this process
     try:
