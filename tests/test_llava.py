@@ -139,3 +139,47 @@ def test_lr_scale_makes_optimizer_groups_and_refuses_a_name_that_matches_nothing
     assert len(scaled) == sum(1 for n, _ in model.named_parameters() if "vision_tower" in n or "projector" in n)
     with pytest.raises(ValueError, match=r"\['vit'\] match no trainable parameter"):
         param_groups(model, 1e-5, {"vit": 2})
+
+
+def test_optim_freeze_trains_only_the_vision_side_and_its_checkpoint_exports_from_state(tmp_path):
+    """LLaVA's first stage (ms-swift's freeze_llm): the language model stays the base's, bit for bit, in the
+    trained model and in a Hugging Face directory exported from the sharded state, which leaves it out."""
+    from safetensors.torch import load_file
+
+    from turnrl.checkpoint import export_checkpoint
+    from turnrl.cli import run_sft
+    from turnrl.config import SFTConfig
+
+    rows = []
+    for k, colour in enumerate(["red", "blue", "green", "black"]):
+        picture(colour, (64, 64)).save(tmp_path / f"{k}.png")
+        rows.append({"images": [f"{k}.png"], "messages": [{"role": "user", "content": "<image>Which colour?"},
+                                                          {"role": "assistant", "content": colour}]})
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = SFTConfig.model_validate({
+        "model": "tiny-llava", "train_data": str(tmp_path / "sft.jsonl"), "output_dir": str(tmp_path / "run"),
+        "steps": 2, "sft": {"batch_size": 4}, "optim": {"lr": 1e-2, "freeze": ["language_model", "lm_head"]}})
+    history = run_sft(cfg)
+    assert [m["train/loss"] for m in history if "train/loss" in m]
+    base = load_model("tiny-llava").state_dict()
+    ckpt = max((tmp_path / "run" / "checkpoints").glob("step_*"))
+    exported = export_checkpoint(ckpt, tmp_path / "export")
+    for trained in (load_model(str(tmp_path / "run" / "model")).state_dict(),
+                    load_model(str(exported)).state_dict()):
+        lm = [k for k in base if "language_model" in k or k.startswith("lm_head")]
+        vision = [k for k in base if "vision_tower" in k or "multi_modal_projector" in k]
+        assert lm and vision
+        assert all(torch.equal(trained[k], base[k]) for k in lm)
+        assert not all(torch.equal(trained[k], base[k]) for k in vision)
+    state_keys = {k for f in exported.glob("*.safetensors") for k in load_file(f)}
+    assert any("language_model" in k for k in state_keys)  # the export is a whole model
+
+
+def test_optim_freeze_refuses_a_name_that_matches_nothing_and_freezing_everything():
+    from turnrl.models import freeze
+
+    model = load_model("tiny-llava")
+    with pytest.raises(ValueError, match=r"optim.freeze: \['llm'\] match no parameter"):
+        freeze(model, ["llm"])
+    with pytest.raises(ValueError, match="nothing would train"):
+        freeze(model, ["model", "lm_head"])

@@ -161,13 +161,14 @@ def write_hf(model: nn.Module, where: Path, parallel: Parallel, dtype: torch.dty
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     """Write a Hugging Face directory (safetensors, config, tokenizer/processor, chat template) from a
     checkpoint's sharded state, in this one process; LoRA adapters are merged into the base weights."""
-    from turnrl.config import TrainConfig
+    from turnrl.config import SFTConfig, TrainConfig
 
     ckpt, out = Path(checkpoint), Path(out_dir)
     if not (ckpt / "trainer_state.pt").exists():
         raise FileNotFoundError(f"{ckpt} is not a turnrl checkpoint (no trainer_state.pt); expected a folder like "
                                 "runs/NAME/checkpoints/step_000010")
-    cfg = TrainConfig.model_validate(torch.load(ckpt / "trainer_state.pt", weights_only=False)["config"])
+    saved = torch.load(ckpt / "trainer_state.pt", weights_only=False)["config"]
+    cfg = (SFTConfig if "sft" in saved else TrainConfig).model_validate(saved)  # `turnrl sft` or `turnrl train`'s
     model = _model_to_fill(ckpt, cfg)
     load_training_state(ckpt, model, optimizer=None)
     out.mkdir(parents=True, exist_ok=True)
@@ -180,13 +181,17 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
 
 def _model_to_fill(ckpt: Path, cfg) -> nn.Module:
     """The architecture the state loads into: the base model with fresh adapters (LoRA: only the adapters are
-    in the state), else the checkpoint's config with fresh weights (all of them are in the state)."""
+    in the state), the base model with the same parameters frozen (optim.freeze: those are not in the state),
+    else the checkpoint's config with fresh weights (all of them are in the state)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from turnrl.models import load_model
+    from turnrl.models import freeze, load_model
 
-    if cfg.trainer.lora is not None:
-        return lora.apply_lora(load_model(cfg.model), cfg.trainer.lora)
+    if cfg.trainer.lora is not None or cfg.optim.freeze:
+        model = load_model(cfg.model)
+        model = lora.apply_lora(model, cfg.trainer.lora) if cfg.trainer.lora is not None else model
+        freeze(model, cfg.optim.freeze)
+        return model
     config = AutoConfig.from_pretrained(ckpt / "model")
     cls = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
     return cls.from_config(config, dtype=torch.float32)

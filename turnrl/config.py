@@ -157,6 +157,11 @@ class OptimConfig(Strict):
     """Learning-rate multipliers by parameter name: a parameter whose name contains a key trains at lr × its value
     (the first key that matches), e.g. {vision_tower: 50, multi_modal_projector: 50} for a VLM whose vision
     side starts random (ms-swift's vit_lr / aligner_lr)."""
+    freeze: list[str] = []
+    """Parameters that do not train: every one whose name contains one of these (ms-swift's freeze_llm /
+    freeze_vit / freeze_aligner), e.g. [language_model] to align a VLM's vision tower and projector to a
+    language model kept as it is (LLaVA's first stage). They get no gradients or optimizer state and are not in
+    the checkpoint's sharded state (they come from `model`, as a LoRA run's base does)."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW decoupled weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)

@@ -266,3 +266,19 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: st
 def is_vision_model(model_or_config) -> bool:
     config = getattr(model_or_config, "config", model_or_config)
     return hasattr(config, "vision_config")
+
+
+def freeze(model: torch.nn.Module, keys: list[str]) -> None:
+    """Stop training every parameter whose name contains one of `keys` (optim.freeze); a key that names no
+    parameter, or keys that leave nothing to train, are errors."""
+    if not keys:
+        return
+    named = list(model.named_parameters(remove_duplicate=False))  # a tied lm_head is named too
+    unused = sorted(k for k in keys if not any(k in name for name, _ in named))
+    if unused:
+        raise ValueError(f"optim.freeze: {unused} match no parameter name of {type(model).__name__}")
+    for name, p in named:
+        if any(k in name for k in keys):
+            p.requires_grad_(False)
+    if not any(p.requires_grad for _, p in named):
+        raise ValueError(f"optim.freeze: {keys} freeze every parameter of {type(model).__name__}: nothing would train")

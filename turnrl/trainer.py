@@ -76,7 +76,7 @@ from turnrl.checkpoint import (
 )
 from turnrl.config import TrainConfig
 from turnrl.lora import apply_lora
-from turnrl.models import DTYPES
+from turnrl.models import DTYPES, freeze
 from turnrl.observe import RolloutStats, TrajectoryWriter, peak_rss_gb
 from turnrl.packing import (
     PackedRow,
@@ -242,6 +242,7 @@ class Trainer:
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if cfg.trainer.lora is not None:
             policy = apply_lora(policy, cfg.trainer.lora)
+        freeze(policy, cfg.optim.freeze)
         compute = None if cfg.dtype == "float32" else DTYPES[cfg.dtype]
         models = [m for m in (policy, reference) if m is not None]
         for m in models:
