@@ -244,3 +244,28 @@ def test_every_family_reports_its_strategy_and_stop_tokens(renderer_of):
         assert f"chat template of {family.name}" in text and "observations" in text
         stops = {r.tokenizer.convert_tokens_to_ids(s) for s in family.stops}
         assert stops <= r.end_of_turn_ids, (family.name, r.describe())
+
+
+@pytest.mark.parametrize("name", ["SmolLM2", "SmolLM3"])  # (Phi-3.5 drops calls too, but has no tool role)
+def test_structured_tool_calls_the_template_drops_are_written_as_hermes_text(renderer_of, name):
+    """SmolLM2's template ignores `tool_calls`: a client's history (OpenAI messages) rendered as an empty
+    assistant turn before the tool result, the call lost. They become the hermes text the model writes."""
+    from template_matrix import TOOLS
+
+    r = renderer_of(name)
+    assert not r.renders_tool_calls
+    call = {"id": "call_1", "type": "function", "function": {"name": "calc", "arguments": '{"expression": "2+2"}'}}
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                TOOL_4]
+    text = r.render_text(messages, TOOLS, add_generation_prompt=True)
+    assert '<tool_call>\n{"name": "calc", "arguments": {"expression": "2+2"}}\n</tool_call>' in text
+    assert text.index("</tool_call>") < text.index("4", text.index("</tool_call>"))
+    raw = {"role": "assistant", "content": '<tool_call>\n{"name": "calc", "arguments": {}}\n</tool_call>',
+           "tool_calls": [call]}  # the model's own text beside the parsed calls: not repeated
+    again = r.render_text([messages[0], raw, TOOL_4], TOOLS, add_generation_prompt=True)
+    assert again.split("2+2?", 1)[1].count("<tool_call>") == 1
+
+
+def test_templates_that_render_tool_calls_are_left_to_render_them(renderer_of):
+    for name in ("Qwen3 (no thinking)", "Llama-3.1", "gemma-4"):
+        assert renderer_of(name).renders_tool_calls, name

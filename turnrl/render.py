@@ -168,6 +168,10 @@ class ChatRenderer:
         self.reasoning_markers = _markers_of(tokenizer.chat_template)
         self.renders_tools, self._system_ok = self._probe_tool_schemas()
         """Whether the template shows the model the tool schemas it is given; if not, TOOL_BLOCK does."""
+        self.renders_tool_calls = self._probe_tool_calls()
+        """Whether the template shows an assistant message's structured `tool_calls`; if not (SmolLM2's drops
+        them: a client's history would show an empty turn before each tool result), they are written into its
+        content as hermes `<tool_call>` JSON, the format TOOL_BLOCK asks for."""
         self.tool_parser = INJECTED_TOOL_FORMAT
         """The tool-call format the model is asked for (`require_tools`); injected blocks need hermes."""
         self._told_tools = True  # the probes below render DUMMY_TOOL: nothing to tell the user about yet
@@ -192,6 +196,8 @@ class ChatRenderer:
     ) -> str:
         if tools and not self.renders_tools:  # the template would drop them: the documented block instead
             messages, tools = self._with_tool_block(messages, tools), None
+        if not self.renders_tool_calls and any(m.get("tool_calls") for m in messages):
+            messages = self._with_calls_as_text(messages)
         return self.tokenizer.apply_chat_template(
             messages, tools=tools or None, tokenize=False,
             add_generation_prompt=add_generation_prompt, **self.chat_template_kwargs,
@@ -204,6 +210,14 @@ class ChatRenderer:
             self._told_tools = True
             log.warning("%s", self._tools_injected())
         return with_tool_block(messages, tools, system=self._system_ok)
+
+    def _with_calls_as_text(self, messages: list[Message]) -> list[Message]:
+        if self.tool_parser != INJECTED_TOOL_FORMAT:
+            raise RenderError(f"{self.template_name} does not render an assistant message's tool_calls, and turnrl "
+                              f"can write them into its text only in the hermes format, which --tool-parser "
+                              f"{self.tool_parser} does not read: use --tool-parser hermes or a template that "
+                              "renders tool calls")
+        return [calls_as_text(m) if m.get("role") == "assistant" and m.get("tool_calls") else m for m in messages]
 
     def require_tools(self, tool_parser: str) -> None:
         """At start-up, for an agent that offers tools parsed as `tool_parser`: says (a warning, once) that the
@@ -246,6 +260,22 @@ class ChatRenderer:
         except Exception:  # the template raises when given tools: it cannot render them
             renders = False
         return renders, system_ok
+
+    def _probe_tool_calls(self) -> bool:
+        """Does the template render an assistant message's structured tool calls (from raw renders)."""
+        call = {"id": "turnrl_call_0", "type": "function", "function": {"name": DUMMY_TOOL["function"]["name"],
+                                                                          "arguments": {"x": "1"}}}
+        messages: list[Message] = [{"role": "user", "content": DUMMY_USER},
+                                   {"role": "assistant", "content": "", "tool_calls": [call]},
+                                   {"role": "tool", "tool_call_id": "turnrl_call_0", "content": PROBE_MARK}]
+        for tools in ([DUMMY_TOOL], None):
+            try:
+                text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                          add_generation_prompt=False, **self.chat_template_kwargs)
+            except Exception:  # a template that refuses this shape: try the next
+                continue
+            return DUMMY_TOOL["function"]["name"] in text
+        return True  # the template refuses tool calls outright: its own error says so, nothing to rewrite
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -678,6 +708,27 @@ def with_tool_block(messages: list[Message], tools: list[dict], *, system: bool 
         joined = f"{content or ''}\n\n{block}" if after else f"{block}\n\n{content or ''}"
     messages[at] = {**messages[at], "content": joined}
     return messages
+
+
+def calls_as_text(message: Message) -> Message:
+    """An assistant message with its structured `tool_calls` written into its content as hermes `<tool_call>`
+    JSON (what the model writes and `--tool-parser hermes` reads); calls already in the text are not repeated."""
+    content = message.get("content") or ""
+    rest = {k: v for k, v in message.items() if k != "tool_calls"}
+    if isinstance(content, str) and "<tool_call>" in content:
+        return rest
+    blocks = []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function", call)
+        arguments = function.get("arguments") or {}
+        if isinstance(arguments, str):
+            with contextlib.suppress(ValueError):
+                arguments = json.loads(arguments)
+        blocks.append("<tool_call>\n" + json.dumps({"name": function.get("name"), "arguments": arguments},
+                                                   ensure_ascii=False) + "\n</tool_call>")
+    if isinstance(content, list):  # content parts: the calls as one more text part
+        return {**rest, "content": [*content, {"type": "text", "text": "\n".join(blocks)}]}
+    return {**rest, "content": "\n".join([content, *blocks] if content else blocks)}
 
 
 def _calls_for(messages: list[Message]) -> list[dict]:
