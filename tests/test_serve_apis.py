@@ -19,7 +19,7 @@ import pytest
 from test_serve import QUESTION, RecordingEngine, calculator_script
 
 from turnrl.engines.embedded import EmbeddedEngine
-from turnrl.proxy import ChatProxy
+from turnrl.proxy import ChatProxy, ReplyStream
 from turnrl.render import ChatRenderer
 from turnrl.serve import ServerThread, create_app
 from turnrl.types import RolloutStatus, SegmentSource, TerminationReason, Trajectory
@@ -489,3 +489,79 @@ def test_the_training_gateway_serves_only_the_sessions_it_opened(qwen3_tokenizer
         assert served.sessions() == [] and not served.engine.calls
     finally:
         served.stop()
+
+
+# ---- stop strings ----------------------------------------------------------------------------------------
+REACT_REPLY = "Thought: check.\nObservation: sunny"  # Qwen3 tokens: Thought : ␣check .\n Observ ation : ␣sunny
+
+
+@pytest.mark.parametrize(("stop", "text", "kept"), [
+    (["Observation:", "Calling tools:"], "Thought: check.\n", 7),  # smolagents' stops: three tokens, the 7th ends it
+    (["\n"], "Thought: check.", 4),  # inside the token ".\n"
+])
+def test_stop_strings_of_any_length_end_the_reply_before_them(qwen3_tokenizer, stop, text, kept):
+    """OpenAI's semantics: the reply stops before the stop string, finish_reason stop; the recorded completion is
+    the engine's tokens (and logprobs) through the one that completed it; Anthropic reports the string."""
+    served = Served(qwen3_tokenizer, script=lambda rid, turn, prompt: REACT_REPLY)
+    try:
+        hello = [{"role": "user", "content": "weather?"}]
+        client = openai.OpenAI(base_url=f"{served.url}/sessions/s1/v1", api_key="k", max_retries=0)
+        choice = client.chat.completions.create(model="m", messages=hello, stop=stop).choices[0]
+        assert (choice.message.content, choice.finish_reason) == (text, "stop")
+        streamed = client.chat.completions.create(model="m", messages=hello, stop=stop, stream=True)
+        deltas = [c.choices[0].delta.content or "" for c in streamed if c.choices]
+        assert "".join(deltas) == text
+        claude = anthropic.Anthropic(base_url=f"{served.url}/sessions/s2", api_key="k", max_retries=0)
+        message = claude.messages.create(model="m", max_tokens=64, messages=hello, stop_sequences=stop)
+        assert (message.content[0].text, message.stop_reason, message.stop_sequence) == (
+            text, "stop_sequence", stop[0])
+        for session in ("s1", "s2"):
+            for call in served.proxy.session(session).calls:
+                whole = served.engine.outputs[0]
+                assert call.completion_ids == whole.token_ids[:kept] and call.logprobs == whole.logprobs[:kept]
+                assert call.stop == stop[0] and call.finish_reason == "stop"
+        [traj] = served.trajectories("s2")
+        assert traj.response_ids == served.engine.outputs[0].token_ids[:kept]
+        assert traj.segments[0].loss_mask == [1] * kept
+    finally:
+        served.stop()
+
+
+def test_a_stream_holds_back_what_may_begin_a_stop_string(qwen3_tokenizer):
+    """Token by token, no chunk carries text of the stop string, even its first part ("Observ")."""
+    served = Served(qwen3_tokenizer, script=lambda rid, turn, prompt: REACT_REPLY)
+    chunks: list[str] = []
+    stream = ReplyStream(served.proxy, None, None, lambda kind, delta: chunks.append(delta), ["Observation:"])
+    try:
+        for token in qwen3_tokenizer(REACT_REPLY, add_special_tokens=False)["input_ids"]:
+            stream.push(token)
+            assert "Obs" not in "".join(chunks)
+        assert "".join(chunks) == "Thought: check."  # the trailing newline waits for the end, as the reply strips
+    finally:
+        served.stop()
+
+
+async def test_the_embedded_engine_stops_as_soon_as_a_stop_string_appears(tiny_qwen3, qwen3_tokenizer):
+    """A real engine: the call ends at the stop string (far fewer tokens generated than max_tokens), and its
+    recorded tokens are the greedy continuation up to the token that completed it."""
+    renderer = ChatRenderer(qwen3_tokenizer)
+    engine = EmbeddedEngine(tiny_qwen3, eos_token_ids=sorted(renderer.end_of_turn_ids))
+    proxy = ChatProxy(engine, renderer)
+    hello = [{"role": "user", "content": "Tell me a story."}]
+    try:
+        free = await proxy.chat_completion("free", {"messages": hello, "temperature": 0, "max_tokens": 64})
+        ids = proxy.session("free").calls[0].completion_ids
+        assert len(ids) == 64, "the tiny model must not end its turn by itself here"
+        stop = renderer.decode(ids[10:13])  # three tokens from the middle
+        assert free["choices"][0]["message"]["content"].count(stop) >= 1
+        before = engine.stats["generated_tokens"]
+        answer = await proxy.chat_completion("stopped", {"messages": hello, "temperature": 0, "max_tokens": 64,
+                                                         "stop": [stop]})
+        [call] = proxy.session("stopped").calls
+        whole = renderer.decode(ids)
+        assert answer["choices"][0]["message"]["content"] == whole[: whole.index(stop)]
+        assert answer["choices"][0]["finish_reason"] == "stop"
+        assert call.completion_ids == ids[: len(call.completion_ids)] and len(call.completion_ids) <= 13
+        assert engine.stats["generated_tokens"] - before <= len(call.completion_ids) + 2
+    finally:
+        engine.close()

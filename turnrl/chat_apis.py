@@ -13,7 +13,8 @@ back, so one recording path (exact token ids, continuation, trajectories) serves
     Anthropic Messages (`POST /v1/messages`)
         `system` -> a system message; `text` blocks -> content; assistant `tool_use` blocks -> `tool_calls`;
         user `tool_result` blocks -> `tool` messages (before the user's text); `thinking` blocks -> reasoning.
-        Reply -> `thinking`, `text` and `tool_use` blocks; stop_reason end_turn / tool_use / max_tokens.
+        Reply -> `thinking`, `text` and `tool_use` blocks; stop_reason end_turn / tool_use / max_tokens /
+        stop_sequence (with `stop_sequence`, the string matched).
 
 Anything a text model cannot take (image or document parts, server-side tools) is refused with a 400 naming the
 field. Streams (`stream: true`) follow each API's own event protocol: OpenAI chat `chat.completion.chunk`s with
@@ -274,7 +275,9 @@ def _anthropic_tool_choice(choice: Any) -> Any:
         "type": "function", "function": {"name": choice.get("name")}}
 
 
-def _stop_reason(finish: str) -> str:
+def _stop_reason(call: RecordedCall, finish: str) -> str:
+    if call.stop is not None and finish == "stop":
+        return "stop_sequence"
     return {"tool_calls": "tool_use", "length": "max_tokens"}.get(finish, "end_turn")
 
 
@@ -298,7 +301,8 @@ def anthropic_blocks(reply: Message) -> list[dict[str, Any]]:
 
 def anthropic_body(call: RecordedCall, finish: str, model: str, message_id: str) -> dict[str, Any]:
     return {"id": message_id, "type": "message", "role": "assistant", "model": model,
-            "content": anthropic_blocks(call.reply), "stop_reason": _stop_reason(finish), "stop_sequence": None,
+            "content": anthropic_blocks(call.reply), "stop_reason": _stop_reason(call, finish),
+            "stop_sequence": call.stop,
             "usage": anthropic_usage(call)}
 
 
@@ -478,7 +482,8 @@ class AnthropicEvents:
         out += self._stop()
         usage = anthropic_usage(call)
         out += _sse("message_delta", {"type": "message_delta", "usage": usage,
-                                      "delta": {"stop_reason": _stop_reason(finish), "stop_sequence": None}})
+                                      "delta": {"stop_reason": _stop_reason(call, finish),
+                                                "stop_sequence": call.stop}})
         return out + _sse("message_stop", {"type": "message_stop"})
 
     def error(self, status: int, message: str, kind: str, param: str | None) -> str:

@@ -38,7 +38,13 @@ Replies: tool calls are parsed from the completion text (`tool_parser`, hermes b
 the text the model wrote (the parse errors are kept in the trajectory's turn notes). `tool_choice: "none"`
 turns parsing off; "required" or a named tool is treated as "auto" (decoding is not constrained). Refused with a
 400 that names the field: a request field of the wrong type or range, `n > 1`, non-text content parts (this is a
-text model), multi-token `stop` strings; a prompt longer than the engine's context is refused by the engine.
+text model); a prompt longer than the engine's context is refused by the engine.
+
+Stop strings (`stop`, Anthropic's `stop_sequences`; `StopWatch`) are matched in the decoded completion, across
+tokens and inside one. An engine that streams tokens ends the call as soon as one appears; another's output is
+cut afterwards. The reply is the text before the stop string (finish_reason stop); the recorded completion runs
+through the token that completed it, so the tokens are exactly those sampled and a continuation's prompt holds
+them (the model sees the stop string it wrote).
 
 Streaming (`complete(..., on_delta=)`, `ReplyStream`): the reply's text is sent as it is generated, decoded
 incrementally from the sampled token ids (an engine with `generate(on_token=)`, as EmbeddedEngine, streams
@@ -139,6 +145,9 @@ class RecordedCall:
     """When the engine call started (ns since the epoch), for the turn's trace span."""
     notes: dict[str, Any] = field(default_factory=dict)
     """Tool-call parse errors, request sampling fields that were ignored, the API and session rule, ..."""
+    stop: str | None = None
+    """The request's stop string that ended the reply: `completion_ids` runs through the token that completed
+    it, `reply` holds the text before it (OpenAI's and Anthropic's semantics)."""
 
 
 @dataclass
@@ -339,14 +348,19 @@ class ChatProxy:
         # tokenising a long conversation takes a while: off the event loop, which serves every other request
         prompt_ids, base_len, delta_sources = await asyncio.to_thread(self._prompt, session, chat.messages, chat.tools)
         params, notes = await asyncio.to_thread(self._sampling, session, chat.sampling)
-        stream = ReplyStream(self, chat.tools, chat.tool_choice, on_delta) if on_delta else None
+        stop_strings = chat.sampling.get("stop") or []
+        stops = StopWatch(self.renderer, stop_strings)
+        stream = ReplyStream(self, chat.tools, chat.tool_choice, on_delta, stop_strings) if on_delta else None
         if on_delta:
             on_delta("start", len(prompt_ids))
         t0, start_ns = time.perf_counter(), time.time_ns()
-        out = await self._generate(session, prompt_ids, params, stream)
-        reply, finish, parse_notes = self._reply(out, chat.tools, chat.tool_choice, len(session.calls))
+        out = await self._generate(session, prompt_ids, params, stream, stops)
+        out, stopped = stops.cut(out)
+        text = stopped.text if stopped else self.renderer.assistant_text(out.token_ids)
+        reply, finish, parse_notes = self._reply(text, out.finish_reason, chat.tools, chat.tool_choice,
+                                                 len(session.calls))
         if stream is not None:
-            reply = stream.finish(out.token_ids, reply)
+            reply = stream.finish(text, reply)
         call = RecordedCall(
             index=len(session.calls), prompt_ids=list(prompt_ids), completion_ids=list(out.token_ids),
             logprobs=list(out.logprobs), finish_reason=out.finish_reason, policy_version=out.policy_version,
@@ -354,7 +368,8 @@ class ChatProxy:
             messages=copy.deepcopy(chat.messages), tools=copy.deepcopy(chat.tools), reply=reply, base_len=base_len,
             delta_sources=delta_sources,
             cached_prompt_tokens=out.cached_prompt_tokens, gen_time_s=time.perf_counter() - t0, start_ns=start_ns,
-            notes={**notes, **parse_notes},
+            notes={**notes, **parse_notes, **({"stop": stopped.stop} if stopped else {})},
+            stop=stopped.stop if stopped else None,
         )
         session.calls.append(call)
         session.last_active = time.time()
@@ -363,8 +378,10 @@ class ChatProxy:
         return call, finish
 
     async def _generate(self, session: Session, prompt_ids: list[int], params: SamplingParams,
-                        stream: ReplyStream | None) -> GenerateOutput:
-        if stream is None or not self._streams:
+                        stream: ReplyStream | None, stops: StopWatch) -> GenerateOutput:
+        """The engine's output; an engine that streams tokens (`generate(on_token=)`) streams them to `stream`
+        and ends the call as soon as `stops` sees a stop string, others are cut afterwards (`StopWatch.cut`)."""
+        if not self._streams or (stream is None and not stops.stops):
             out = await _on_loop(session.loop, self.engine.generate(prompt_ids, params, request_id=session.id))
             if stream is not None:  # an engine without token streaming: the text follows the whole output
                 for token in out.token_ids:
@@ -372,8 +389,10 @@ class ChatProxy:
             return out
         loop = asyncio.get_running_loop()
 
-        def on_token(token: int) -> None:  # called on the session's loop, which may be another thread's
-            loop.call_soon_threadsafe(stream.push, token)
+        def on_token(token: int) -> bool:  # called on the session's loop, which may be another thread's
+            if stream is not None:
+                loop.call_soon_threadsafe(stream.push, token)
+            return stops.push(token)
 
         engine: Any = self.engine  # an engine that streams (self._streams): EmbeddedEngine's on_token
         out = await _on_loop(session.loop, engine.generate(prompt_ids, params, request_id=session.id,
@@ -421,29 +440,23 @@ class ChatProxy:
         cap = session.max_new_tokens or base.max_new_tokens
         wanted = asked.get("max_tokens")
         fields["max_new_tokens"] = min(cap, wanted) if wanted else cap
-        stops = set(base.stop_token_ids) | self.renderer.end_of_turn_ids | self._stop_token_ids(asked.get("stop"))
+        stops = set(base.stop_token_ids) | self.renderer.end_of_turn_ids | self._one_token_stops(asked.get("stop"))
         fields["stop_token_ids"] = tuple(sorted(stops))
         try:
             return dataclasses.replace(base, **fields), notes
         except (TypeError, ValueError) as e:
             raise ChatRequestError(f"bad sampling fields: {e}") from None
 
-    def _stop_token_ids(self, stop: list[str] | None) -> set[int]:
-        """Stop strings, each of which must be one token (this proxy stops on token ids only)."""
-        ids = set()
-        for text in stop or ():
-            encoded = self.renderer.encode(text)
-            if len(encoded) != 1:
-                raise ChatRequestError(f"stop string {text!r} is {len(encoded)} tokens; this server stops on token ids, "
-                                       "so each stop string must be exactly one token", param="stop")
-            ids.add(encoded[0])
-        return ids
+    def _one_token_stops(self, stop: list[str] | None) -> set[int]:
+        """The token ids of the stop strings that are one token: the engine stops on them itself (an engine
+        without token streaming too); every stop string is also matched in the decoded text (StopWatch)."""
+        encoded = [self.renderer.encode(text) for text in stop or ()]
+        return {ids[0] for ids in encoded if len(ids) == 1}
 
-    def _reply(self, out: GenerateOutput, tools: list[dict] | None, tool_choice: Any, index: int
+    def _reply(self, text: str, finish_reason: FinishReason, tools: list[dict] | None, tool_choice: Any, index: int
                ) -> tuple[Message, str, dict[str, Any]]:
-        """The assistant message, the OpenAI finish_reason, and notes (parse errors)."""
-        text = self.renderer.assistant_text(out.token_ids)
-        finish = "stop" if out.finish_reason == FinishReason.STOP else "length"  # abort: the reply is cut short
+        """The assistant message of the completion's `text`, the OpenAI finish_reason, and notes (parse errors)."""
+        finish = "stop" if finish_reason == FinishReason.STOP else "length"  # abort: the reply is cut short
         if tools and tool_choice != "none":
             parsed = get_parser(self.tool_parser, tools).parse(text)
             reasoning: str | None = parsed.reasoning
@@ -715,33 +728,98 @@ class IncrementalDecoder:
         return text[len(before):]
 
 
+def find_stop(text: str, stops: list[str], start: int = 0) -> tuple[int, str] | None:
+    """(position, stop string) of the earliest stop string in `text[start:]`, if any."""
+    found = [(at, stop) for stop in stops if (at := text.find(stop, start)) >= 0]
+    return min(found) if found else None
+
+
+def partial_tail(text: str, markers: list[str]) -> int:
+    """The length of the longest tail of `text` that is a proper beginning of one of `markers` (text that may
+    still become a marker, so it is held back)."""
+    return max((k for m in markers for k in range(1, len(m)) if text.endswith(m[:k])), default=0)
+
+
+@dataclass
+class StopMatch:
+    """Where a stop string ended a completion."""
+
+    stop: str
+    tokens: int
+    """Completion tokens kept: through the one whose text completed the stop string."""
+    text: str
+    """The reply text: the completion's decoded text before the stop string."""
+
+
+class StopWatch:
+    """Watches a completion's decoded text for the request's stop strings (OpenAI `stop`, Anthropic
+    `stop_sequences`), token by token, as vLLM does: a stop string may span tokens or end inside one (".\n" holds
+    "\n"). `push` says when one has appeared (the engine then ends the call); `cut` trims the engine's output to
+    the token that completed it, so the recorded tokens are exactly what the model produced up to there."""
+
+    def __init__(self, renderer: ChatRenderer, stops: list[str]):
+        self.stops, self.end_of_turn_ids = stops, renderer.end_of_turn_ids
+        self.decoder = IncrementalDecoder(renderer.decode)
+        self.text, self.pushed = "", 0
+        self.match: StopMatch | None = None
+
+    def push(self, token: int) -> bool:
+        """Take the next completion token; True once a stop string has appeared."""
+        if self.match is not None or not self.stops:
+            return self.match is not None
+        self.pushed += 1
+        if token in self.end_of_turn_ids:
+            return False
+        start = max(0, len(self.text) - max(map(len, self.stops)) + 1)
+        self.text += self.decoder.push(token)
+        found = find_stop(self.text, self.stops, start)
+        if found is not None:
+            self.match = StopMatch(found[1], self.pushed, self.text[: found[0]])
+        return self.match is not None
+
+    def cut(self, out: GenerateOutput) -> tuple[GenerateOutput, StopMatch | None]:
+        """`out` through the token that completed a stop string (finish_reason stop), and the match; `out` as it
+        is when no stop string appeared. Tokens not yet pushed (an engine without token streaming) are pushed."""
+        for token in out.token_ids[self.pushed:]:
+            if self.push(token):
+                break
+        if self.match is None:
+            return out, None
+        n = self.match.tokens
+        versions = out.token_versions[:n] if out.token_versions is not None else None
+        return dataclasses.replace(out, token_ids=out.token_ids[:n], logprobs=out.logprobs[:n],
+                                   finish_reason=FinishReason.STOP, token_versions=versions), self.match
+
+
 class ReplyStream:
     """One reply streamed as it is generated, as `on_delta(kind, text)` calls (kind "reasoning" or "content").
 
     The text is decoded incrementally from the sampled token ids (IncrementalDecoder) and routed by the
     reasoning markers (turnrl.reasoning); text that may be the start of a marker is held until it is not; at a
     tool call (`<tool_call>`, when the request has tools) streaming stops, since calls are parsed from the whole
-    text as without streaming. Leading and trailing whitespace is held as the reply strips it. `finish`
-    sends what the reply adds to the streamed text and returns the reply as the client assembled it: that is
-    what is recorded, so the client's echo of it continues the recorded tokens."""
+    text as without streaming. Text that may be the start of one of the request's `stops` is held too, and the
+    text ends where a stop string begins. Leading and trailing whitespace is held as the reply strips it.
+    `finish` sends what the reply adds to the streamed text and returns the reply as the client assembled it:
+    that is what is recorded, so the client's echo of it continues the recorded tokens."""
 
     def __init__(self, proxy: ChatProxy, tools: list[dict] | None, tool_choice: Any,
-                 on_delta: Callable[[str, str], None]):
-        self.renderer, self.on_delta = proxy.renderer, on_delta
+                 on_delta: Callable[[str, str], None], stops: list[str] | None = None):
+        self.renderer, self.on_delta, self.stops = proxy.renderer, on_delta, stops or []
         self.tool_mode = bool(tools) and tool_choice != "none"
         self.decoder = IncrementalDecoder(self.renderer.decode)
-        self.pushed, self.text, self.pos, self.phase = 0, "", 0, "content"
+        self.text, self.pos, self.phase = "", 0, "content"
         self.raw = {"reasoning": "", "content": ""}
         self.sent = {"reasoning": "", "content": ""}
-        self.done = False
+        self.done = self.stopped = False
 
     def push(self, token: int) -> None:
-        if self.done:
+        if self.done or self.stopped or token in self.renderer.end_of_turn_ids:
             return
-        self.pushed += 1
-        if token not in self.renderer.end_of_turn_ids:
-            self.text += self.decoder.push(token)
-            self._route(final=False)
+        self.text += self.decoder.push(token)
+        found = find_stop(self.text, self.stops)
+        if found is not None:  # the reply ends before it; later tokens are cut from the recorded call
+            self.text, self.stopped = self.text[: found[0]], True
+        self._route(final=False)
 
     def _markers(self) -> dict[str, str]:
         """marker -> the phase it switches to."""
@@ -758,8 +836,7 @@ class ReplyStream:
             rest, markers = self.text[self.pos:], self._markers()
             found = min(((rest.find(m), m) for m in markers if m in rest), default=None)
             if found is None:
-                hold = 0 if final else max((k for m in markers for k in range(1, len(m)) if rest.endswith(m[:k])),
-                                           default=0)
+                hold = 0 if final else min(len(rest), partial_tail(self.text, [*markers, *self.stops]))
                 self._emit(rest[: len(rest) - hold])
                 self.pos += len(rest) - hold
                 return
@@ -781,13 +858,10 @@ class ReplyStream:
             self.sent[kind] = target
             self.on_delta(kind, delta)
 
-    def finish(self, token_ids: list[int], reply: Message) -> Message:
-        """Send the rest of `reply` (the parsed whole output) and return the reply as streamed."""
-        for token in token_ids[self.pushed:]:
-            self.push(token)
-        full = self.renderer.assistant_text(token_ids)
-        if full.startswith(self.text):
-            self.text = full
+    def finish(self, text: str, reply: Message) -> Message:
+        """Send the rest of `reply` (parsed from the completion's whole `text`) and return the reply as streamed."""
+        if text.startswith(self.text):
+            self.text = text
         self._route(final=True)
         self.done = True
         out = dict(reply)
