@@ -565,3 +565,41 @@ async def test_the_embedded_engine_stops_as_soon_as_a_stop_string_appears(tiny_q
         assert engine.stats["generated_tokens"] - before <= len(call.completion_ids) + 2
     finally:
         engine.close()
+
+
+# ---- the other endpoints standard clients call -------------------------------------------------------------
+def test_models_retrieve_and_count_tokens_for_both_sdks(served):
+    for base in (served.url, f"{served.url}/sessions/m1"):
+        assert openai.OpenAI(base_url=f"{base}/v1", api_key="k").models.retrieve("policy").id == "policy"
+        claude = anthropic.Anthropic(base_url=base, api_key="k", max_retries=0)
+        assert claude.models.retrieve("policy").id == "policy"
+        hello = [{"role": "user", "content": "Hi"}]
+        counted = claude.messages.count_tokens(model="m", messages=hello, system="Be brief.")
+        expected = served.proxy.renderer.initial_ids([{"role": "system", "content": "Be brief."}, *hello])
+        assert counted.input_tokens == len(expected)
+    error = httpx.post(f"{served.url}/v1/messages/count_tokens", json={"messages": []})
+    assert error.status_code == 400 and error.json()["type"] == "error"  # Anthropic's shape
+    assert served.sessions() == []  # counting opens no session
+
+
+def test_legacy_text_completions_raw_prompt_stop_and_stream(qwen3_tokenizer):
+    """`completions.create`: the prompt's own tokens (no chat template), OpenAI's fields; nothing is recorded."""
+    served = Served(qwen3_tokenizer, script=lambda rid, turn, prompt: REACT_REPLY)
+    try:
+        client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="k", max_retries=0)
+        done = client.completions.create(model="m", prompt="Question: weather?\n", max_tokens=32,
+                                         stop=["Observation:"], logprobs=0)
+        assert served.engine.calls[0].prompt_ids == qwen3_tokenizer("Question: weather?\n")["input_ids"]
+        [choice] = done.choices
+        assert (choice.text, choice.finish_reason) == ("Thought: check.\n", "stop")
+        assert choice.logprobs.token_logprobs == served.engine.outputs[0].logprobs[:7]
+        assert done.usage.completion_tokens == 7
+        chunks = list(client.completions.create(model="m", prompt=["Hi"], max_tokens=32, stream=True,
+                                                stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == REACT_REPLY
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(served.engine.outputs[1].token_ids)
+        assert served.sessions() == []
+        with pytest.raises(openai.BadRequestError, match="echo"):
+            client.completions.create(model="m", prompt="Hi", echo=True)
+    finally:
+        served.stop()

@@ -40,7 +40,7 @@ from turnrl.proxy import (
     metadata_reward,
     sampling_fields,
 )
-from turnrl.types import Message
+from turnrl.types import FinishReason, GenerateOutput, Message
 
 
 def _id(prefix: str) -> str:
@@ -488,3 +488,76 @@ class AnthropicEvents:
 
     def error(self, status: int, message: str, kind: str, param: str | None) -> str:
         return _sse("error", {"type": "error", "error": {"type": kind, "message": message}})
+
+
+# ---------------------------------------------------------------------------------------------------
+# OpenAI legacy text completions (`POST /v1/completions`): raw text in and out, not recorded
+# ---------------------------------------------------------------------------------------------------
+def completion_request(body: dict[str, Any]) -> tuple[str, dict[str, Any], bool]:
+    """(prompt, sampling fields, logprobs wanted) of a `completions.create` body; ChatRequestError names the
+    first field this server cannot serve."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise ChatRequestError("prompt must be a non-empty string (or a list of one string)", param="prompt")
+    for name, allowed in (("n", 1), ("best_of", 1), ("echo", False), ("suffix", None)):
+        if body.get(name) not in (None, allowed):
+            raise ChatRequestError(f"{name}={body[name]!r} is not supported here", param=name)
+    logprobs = body.get("logprobs")
+    if logprobs not in (None, 0) and not (isinstance(logprobs, int) and not isinstance(logprobs, bool)):
+        raise ChatRequestError(f"logprobs must be an integer 0..5, got {logprobs!r}", param="logprobs")
+    if logprobs:
+        raise ChatRequestError("logprobs > 0 (top alternatives) is not available: the engine returns the logprob of "
+                               "the sampled token only; send logprobs=0", param="logprobs")
+    names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
+             "max_tokens": "max_tokens"}
+    sampling = {"max_tokens": 16, **sampling_fields(body, names, "stop")}  # 16: OpenAI's default here
+    return prompt, sampling, logprobs is not None
+
+
+def completion_logprobs(out: GenerateOutput, decode: Any) -> dict[str, Any]:
+    tokens = [decode([t]) for t in out.token_ids]
+    offsets = [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": list(out.logprobs), "top_logprobs": None, "text_offset": offsets}
+
+
+def completion_usage(prompt_tokens: int, out: GenerateOutput) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": len(out.token_ids),
+            "total_tokens": prompt_tokens + len(out.token_ids)}
+
+
+def completion_finish(out: GenerateOutput) -> str:
+    return "stop" if out.finish_reason == FinishReason.STOP else "length"
+
+
+def completion_body(out: GenerateOutput, text: str, prompt_tokens: int, model: str,
+                    logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    return {"id": _id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": completion_finish(out)}],
+            "usage": completion_usage(prompt_tokens, out)}
+
+
+class CompletionEvents:
+    """OpenAI text-completion chunks: the text as it is generated, the finish chunk, usage with
+    `stream_options.include_usage`, `data: [DONE]`."""
+
+    def __init__(self, model: str, include_usage: bool):
+        self.model, self.include_usage, self.id, self.created = model, include_usage, _id("cmpl"), int(time.time())
+
+    def _chunk(self, text: str | None, finish: str | None = None, **extra: Any) -> str:
+        choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+        return _sse(None, {"id": self.id, "object": "text_completion", "created": self.created,
+                           "model": self.model, "choices": choices, **extra})
+
+    def delta(self, text: str) -> str:
+        return self._chunk(text)
+
+    def finish(self, out: GenerateOutput, prompt_tokens: int) -> str:
+        done = self._chunk("", completion_finish(out))
+        if self.include_usage:
+            done += self._chunk(None, usage=completion_usage(prompt_tokens, out))
+        return done + "data: [DONE]\n\n"
+
+    def error(self, status: int, message: str, kind: str, param: str | None) -> str:
+        return _sse(None, {"error": {"message": message, "type": kind, "param": param, "code": status}})

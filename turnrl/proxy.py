@@ -354,7 +354,7 @@ class ChatProxy:
         if on_delta:
             on_delta("start", len(prompt_ids))
         t0, start_ns = time.perf_counter(), time.time_ns()
-        out = await self._generate(session, prompt_ids, params, stream, stops)
+        out = await self._generate(session, prompt_ids, params, stream.push if stream else None, stops)
         out, stopped = stops.cut(out)
         text = stopped.text if stopped else self.renderer.assistant_text(out.token_ids)
         reply, finish, parse_notes = self._reply(text, out.finish_reason, chat.tools, chat.tool_choice,
@@ -377,21 +377,47 @@ class ChatProxy:
             self.set_reward(session.id, chat.reward)
         return call, finish
 
+    async def text_completion(self, prompt_ids: list[int], sampling: dict[str, Any],
+                              on_text: Callable[[str], None] | None = None) -> tuple[GenerateOutput, str, StopMatch | None]:
+        """A legacy text completion of `prompt_ids` (no chat template, no session, nothing recorded): (the output
+        cut at a stop string, its text, the stop match). `on_text` gets the text as it is generated."""
+        session = Session(id=f"cmpl-{uuid.uuid4().hex}")
+        params, _ = await asyncio.to_thread(self._sampling, session, sampling)  # it ends at an end-of-turn token
+        stops = StopWatch(self.renderer, sampling.get("stop") or [])
+        stream = TextStream(self.renderer, stops.stops, on_text) if on_text else None
+        try:
+            out = await self._generate(session, prompt_ids, params, stream.push if stream else None, stops)
+        finally:
+            await self.engine.release(session.id)
+        out, stopped = stops.cut(out)
+        text = stopped.text if stopped else self.renderer.assistant_text(out.token_ids)
+        if stream is not None:
+            stream.finish(text)
+        return out, text, stopped
+
+    def count_tokens(self, chat: ChatCall) -> int:
+        """Prompt tokens of a conversation rendered afresh with the chat template (Anthropic's count_tokens)."""
+        try:
+            return len(self.renderer.initial_ids([_for_template(m) for m in chat.messages], chat.tools))
+        except Exception as e:  # a template error is the request's fault (bad roles, bad tools)
+            raise ChatRequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
+                                   param="messages") from e
+
     async def _generate(self, session: Session, prompt_ids: list[int], params: SamplingParams,
-                        stream: ReplyStream | None, stops: StopWatch) -> GenerateOutput:
+                        stream: Callable[[int], None] | None, stops: StopWatch) -> GenerateOutput:
         """The engine's output; an engine that streams tokens (`generate(on_token=)`) streams them to `stream`
         and ends the call as soon as `stops` sees a stop string, others are cut afterwards (`StopWatch.cut`)."""
         if not self._streams or (stream is None and not stops.stops):
             out = await _on_loop(session.loop, self.engine.generate(prompt_ids, params, request_id=session.id))
             if stream is not None:  # an engine without token streaming: the text follows the whole output
                 for token in out.token_ids:
-                    stream.push(token)
+                    stream(token)
             return out
         loop = asyncio.get_running_loop()
 
         def on_token(token: int) -> bool:  # called on the session's loop, which may be another thread's
             if stream is not None:
-                loop.call_soon_threadsafe(stream.push, token)
+                loop.call_soon_threadsafe(stream, token)
             return stops.push(token)
 
         engine: Any = self.engine  # an engine that streams (self._streams): EmbeddedEngine's on_token
@@ -789,6 +815,36 @@ class StopWatch:
         versions = out.token_versions[:n] if out.token_versions is not None else None
         return dataclasses.replace(out, token_ids=out.token_ids[:n], logprobs=out.logprobs[:n],
                                    finish_reason=FinishReason.STOP, token_versions=versions), self.match
+
+
+class TextStream:
+    """A legacy text completion streamed as `on_text(text)` calls: decoded incrementally, holding back text that
+    may begin a stop string, ending where one begins."""
+
+    def __init__(self, renderer: ChatRenderer, stops: list[str], on_text: Callable[[str], None]):
+        self.decoder, self.end_of_turn_ids = IncrementalDecoder(renderer.decode), renderer.end_of_turn_ids
+        self.stops, self.on_text = stops, on_text
+        self.text, self.sent, self.stopped = "", 0, False
+
+    def push(self, token: int) -> None:
+        if self.stopped or token in self.end_of_turn_ids:
+            return
+        self.text += self.decoder.push(token)
+        found = find_stop(self.text, self.stops)
+        if found is not None:
+            self.text, self.stopped = self.text[: found[0]], True
+        self._send(len(self.text) - (0 if self.stopped else partial_tail(self.text, self.stops)))
+
+    def _send(self, upto: int) -> None:
+        if upto > self.sent:
+            self.on_text(self.text[self.sent: upto])
+            self.sent = upto
+
+    def finish(self, text: str) -> None:
+        """Send what `text` (the whole completion's) adds to what was sent."""
+        if text.startswith(self.text[: self.sent]):
+            self.text = text
+            self._send(len(text))
 
 
 class ReplyStream:

@@ -17,7 +17,9 @@ The chat APIs (turnrl/proxy.py records exact tokens; turnrl/chat_apis.py convert
 APIs), at the root and per session, streaming with `stream: true` (docs/serving.md):
     POST /v1/chat/completions, /v1/responses, /v1/messages       the session rule names the episode
     POST /sessions/{id}/v1/chat/completions, .../responses, .../messages
-    GET  /v1/models, /sessions/{id}/v1/models
+    GET  /v1/models, /sessions/{id}/v1/models, /v1/models/{model}, /sessions/{id}/v1/models/{model}
+    POST /v1/messages/count_tokens, /sessions/{id}/v1/messages/count_tokens   -> {"input_tokens": N}
+    POST /v1/completions                      legacy text completions: the raw prompt's tokens, not recorded
     GET  /sessions                            -> {sessions: [{id, status, calls, reward, ...}]}, open and finished
     GET  /sessions/{id}, DELETE /sessions/{id}, GET /sessions/{id}/trajectories
     POST /sessions/{id}/reward                {"reward": number | [one per call], "done": true}
@@ -66,10 +68,14 @@ from typing import Any
 from turnrl.chat_apis import (
     AnthropicEvents,
     ChatEvents,
+    CompletionEvents,
     ResponsesEvents,
     anthropic_body,
     call_from_anthropic,
     call_from_responses,
+    completion_body,
+    completion_logprobs,
+    completion_request,
     responses_body,
 )
 from turnrl.engines.base import Engine, EngineError, InvalidRequest
@@ -150,6 +156,10 @@ def create_app(engine: Engine, proxy: ChatProxy | None = None, *, token: str | N
     async def models():
         return _models(model_name)
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        return _model(model_id)
+
     if token_level:
         _add_token_routes(app, engine)
     if proxy is not None:
@@ -161,11 +171,13 @@ def create_app(engine: Engine, proxy: ChatProxy | None = None, *, token: str | N
 
 def _url_forms(token_level: bool, sessions: bool, rollout: bool) -> list[str]:
     """The URL forms this server answers, for 404s."""
-    forms = ["GET /health", "GET /v1/models"]
+    forms = ["GET /health", "GET /v1/models", "GET /v1/models/<model>"]
     if sessions:
         forms += ["POST /v1/chat/completions", "POST /v1/responses", "POST /v1/messages",
+                  "POST /v1/messages/count_tokens", "POST /v1/completions",
                   "POST /sessions/<id>/v1/chat/completions", "POST /sessions/<id>/v1/responses",
-                  "POST /sessions/<id>/v1/messages", "GET /sessions/<id>/v1/models", "GET /sessions",
+                  "POST /sessions/<id>/v1/messages", "POST /sessions/<id>/v1/messages/count_tokens",
+                  "GET /sessions/<id>/v1/models", "GET /sessions/<id>/v1/models/<model>", "GET /sessions",
                   "GET /sessions/<id>", "DELETE /sessions/<id>", "GET /sessions/<id>/trajectories",
                   "POST /sessions/<id>/reward"]
     if token_level:
@@ -183,7 +195,7 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
 
 
 def _is_anthropic(path: str) -> bool:
-    return path.rstrip("/").endswith("/v1/messages")
+    return path.rstrip("/").endswith(("/v1/messages", "/v1/messages/count_tokens"))
 
 
 def error_body(path: str, status: int, message: str, kind: str, param: str | None = None,
@@ -483,6 +495,14 @@ def _add_api_routes(app: Any, engine: Engine, proxy: ChatProxy, model_name: str,
     for api, suffix in _API_SUFFIXES.items():
         app.post(f"/v1{suffix}")(_bind(serve_call, api))
 
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        return await _count_tokens(proxy, request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _text_completion(proxy, model_name, request)
+
     @app.get("/sessions")
     async def sessions():
         await _reap(proxy, engine)
@@ -503,17 +523,21 @@ def _add_api_routes(app: Any, engine: Engine, proxy: ChatProxy, model_name: str,
         return await _session_action(form, session_id, request, proxy, engine, model_name)
 
 
+_MODEL_FORM = "/v1/models/<model>"
 _API_SUFFIXES = {"chat": "/chat/completions", "responses": "/responses", "messages": "/messages"}
 _API_FORMS = {"/v1" + suffix: api for api, suffix in _API_SUFFIXES.items()}
-_SESSION_FORMS = {**{form: "POST" for form in _API_FORMS}, "/v1/models": "GET", "/trajectories": "GET",
-                  "/reward": "POST", "": "GET, DELETE"}
+_SESSION_FORMS = {**{form: "POST" for form in _API_FORMS}, "/v1/messages/count_tokens": "POST", "/v1/models": "GET",
+                  _MODEL_FORM: "GET", "/trajectories": "GET", "/reward": "POST", "": "GET, DELETE"}
 """URL form after /sessions/<id> -> its method (GET and DELETE on the session itself)."""
 
 
 def _split_session_path(rest: str) -> tuple[str, str]:
     """(session id, form) of the path after /sessions/: the longest known form it ends with; an id holding
     `/v1/` with no known form after it is an unknown route, never a session of that name."""
-    for form in sorted((f for f in _SESSION_FORMS if f), key=len, reverse=True):
+    session_id, _, model = rest.partition("/v1/models/")
+    if session_id and model:
+        return session_id, _MODEL_FORM
+    for form in sorted((f for f in _SESSION_FORMS if f and f != _MODEL_FORM), key=len, reverse=True):
         if rest.endswith(form) and len(rest) > len(form):
             return rest[: -len(form)], form
     if "/v1/" in rest or rest.endswith("/v1"):
@@ -536,6 +560,10 @@ async def _session_action(form: str, session_id: str, request: Any, proxy: ChatP
     await _reap(proxy, engine)
     if form == "/v1/models":
         return _models(model_name)
+    if form == _MODEL_FORM:
+        return _model(request.path_params["rest"].partition("/v1/models/")[2])
+    if form == "/v1/messages/count_tokens":
+        return await _count_tokens(proxy, request)
     if form == "/trajectories":
         return {"session_id": session_id, "trajectories": [t.to_json() for t in proxy.trajectories(session_id)]}
     if form == "/reward":
@@ -558,6 +586,62 @@ async def _session_action(form: str, session_id: str, request: Any, proxy: ChatP
         await engine.release(session_id)
         return {"ok": True, "calls": len(closed.calls)}
     return proxy.session(session_id).summary()
+
+
+async def _count_tokens(proxy: ChatProxy, request: Any) -> dict[str, int]:
+    """Anthropic's `messages.count_tokens`: the prompt tokens of the body rendered with the chat template."""
+    body = await _json_body(request)
+    chat = call_from_anthropic({**body, "max_tokens": body.get("max_tokens") or 1})  # not required here
+    return {"input_tokens": await asyncio.to_thread(proxy.count_tokens, chat)}
+
+
+async def _text_completion(proxy: ChatProxy, model_name: str, request: Any) -> Any:
+    """OpenAI's legacy `completions.create`: the prompt's tokens (no chat template), not recorded."""
+    body = await _json_body(request)
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        raise ChatRequestError(f"stream must be a boolean, got {body['stream']!r}", param="stream")
+    prompt, sampling, logprobs = completion_request(body)
+    prompt_ids = await asyncio.to_thread(proxy.renderer.encode, prompt)
+    model = body.get("model") or model_name
+    if body.get("stream"):
+        options = body.get("stream_options") or {}
+        events = CompletionEvents(model, bool(isinstance(options, dict) and options.get("include_usage")))
+        return await _stream_text(proxy, prompt_ids, sampling, events, request.url.path)
+    out, text, _ = await proxy.text_completion(prompt_ids, sampling)
+    return completion_body(out, text, len(prompt_ids), model,
+                           completion_logprobs(out, proxy.renderer.decode) if logprobs else None)
+
+
+async def _stream_text(proxy: ChatProxy, prompt_ids: list[int], sampling: dict[str, Any], events: Any,
+                       path: str) -> Any:
+    """A text completion as server-sent events; nothing is sent before its first text, as in `_stream`."""
+    from fastapi.responses import StreamingResponse
+
+    queue: asyncio.Queue = asyncio.Queue()
+    task = asyncio.create_task(proxy.text_completion(prompt_ids, sampling, lambda text: queue.put_nowait(text)))
+    task.add_done_callback(lambda _: queue.put_nowait(None))
+    first = await queue.get()
+    if first is None and not task.cancelled() and task.exception() is not None:
+        raise task.exception()  # type: ignore[misc]
+
+    async def lines():
+        text = first
+        try:
+            while text is not None:
+                yield events.delta(text)
+                text = await queue.get()
+            try:
+                out = task.result()[0]
+            except Exception as e:  # after the stream started: an error event ends it
+                status, kind, message, param, _ = classify(e, path)
+                yield events.error(status, message, kind, param)
+                return
+            yield events.finish(out, len(prompt_ids))
+        finally:
+            if not task.done():
+                task.cancel()
+
+    return StreamingResponse(lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 async def _reap(proxy: ChatProxy, engine: Engine) -> None:
@@ -714,8 +798,15 @@ def _json_default(obj: Any) -> Any:  # what TrajectoryWriter writes for values J
     return str(obj)
 
 
+def _model(name: str) -> dict[str, Any]:
+    """A model object in OpenAI's shape and Anthropic's (both SDKs' `models.retrieve` read the same URL)."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "turnrl",
+            "type": "model", "display_name": name, "created_at": "1970-01-01T00:00:00Z"}
+
+
 def _models(model_name: str) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "turnrl"}]}
+    return {"object": "list", "data": [_model(model_name)], "has_more": False, "first_id": model_name,
+            "last_id": model_name}
 
 
 def _load_safetensors_path(path: Any) -> dict[str, Any]:
