@@ -132,11 +132,13 @@ DEFAULT_MAX_BODY_MB = 8.0
 
 def create_app(engine: Engine, proxy: ChatProxy | None = None, *, token: str | None = None,
                model_name: str = "turnrl", token_level: bool = True, rollout: Any = None,
-               heartbeat_s: float = 15.0, max_body_mb: float = DEFAULT_MAX_BODY_MB) -> Any:
+               heartbeat_s: float = 15.0, max_body_mb: float = DEFAULT_MAX_BODY_MB,
+               cors_origins: list[str] | None = None) -> Any:
     """The FastAPI app serving `engine` (token level, unless `token_level=False`), `proxy` (the OpenAI chat,
     Responses and Anthropic APIs, at the root and per session) and `rollout` (a RolloutManager over `engine`:
     `/rollout`, streaming a heartbeat line after each `heartbeat_s` without a finished trajectory). Bodies over
-    `max_body_mb` are refused with a 413 before they are read. Endpoints in the module docstring."""
+    `max_body_mb` are refused with a 413 before they are read. CORS allows `cors_origins` (None: any); its
+    preflight needs no token. HEAD is answered on every GET route. Endpoints in the module docstring."""
     try:
         from fastapi import FastAPI
     except ImportError:
@@ -146,6 +148,7 @@ def create_app(engine: Engine, proxy: ChatProxy | None = None, *, token: str | N
     forms = _url_forms(token_level, proxy is not None, rollout is not None)
     _add_auth_and_errors(app, token, forms)
     app.add_middleware(BodyLimit, max_bytes=int(max_body_mb * 2**20))
+    _add_cors_and_head(app, cors_origins or ["*"])
 
     @app.get("/health")
     async def health():
@@ -270,6 +273,35 @@ def _add_auth_and_errors(app: Any, token: str | None, forms: list[str]) -> None:
     async def crashed(request: Request, exc: Exception):
         log.exception("%s %s failed", request.method, request.url.path)
         return _error(request.url.path, 500, f"{type(exc).__name__}: {exc}", "server_error")
+
+
+def _add_cors_and_head(app: Any, origins: list[str]) -> None:
+    """Outermost, so a CORS preflight is answered before the token check (browsers send it without the
+    Authorization header; the request that follows still needs it), and HEAD reaches the GET routes."""
+    from starlette.middleware.cors import CORSMiddleware
+
+    app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"],
+                       expose_headers=[SESSION_HEADER])
+    app.add_middleware(HeadAsGet)
+
+
+class HeadAsGet:
+    """ASGI middleware: HEAD is routed as GET and answered with its status and headers, without the body
+    (RFC 9110 §9.3.2; FastAPI's GET routes would answer it with a 405)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            return await self.app(scope, receive, send)
+
+        async def without_body(message: dict) -> None:
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, without_body)
 
 
 class BodyLimit:
@@ -471,7 +503,7 @@ class _Api:
 
 
 def _add_api_routes(app: Any, engine: Engine, proxy: ChatProxy, model_name: str, forms: list[str]) -> None:
-    from fastapi import Request
+    from fastapi import Request, Response
     from fastapi.responses import JSONResponse
 
     apis = _Api(proxy, model_name)
@@ -508,13 +540,15 @@ def _add_api_routes(app: Any, engine: Engine, proxy: ChatProxy, model_name: str,
         await _reap(proxy, engine)
         return {"sessions": [s.summary() for s in proxy.sessions()]}
 
-    @app.api_route("/sessions/{rest:path}", methods=["GET", "POST", "DELETE", "PUT", "PATCH"])
+    @app.api_route("/sessions/{rest:path}", methods=["GET", "POST", "DELETE", "PUT", "PATCH", "OPTIONS"])
     async def session_route(rest: str, request: Request):
         session_id, form = _split_session_path(rest)
         allowed = _SESSION_FORMS.get(form) if session_id else None
         if allowed is None:
             message = f"no route {request.method} {request.url.path}; this server answers: {', '.join(forms)}"
             return _error(request.url.path, 404, message, "not_found_error")
+        if request.method == "OPTIONS":  # not a CORS preflight (the middleware answers those): the methods
+            return Response(status_code=204, headers={"Allow": f"{allowed}, OPTIONS"})
         if request.method not in allowed.split(", "):
             return _error(request.url.path, 405, f"{request.method} is not allowed on {request.url.path} (allowed: "
                           f"{allowed})", "invalid_request_error", headers={"Allow": allowed})
@@ -873,7 +907,8 @@ class ServerThread:
 def run_server(engine: Engine, tokenizer: Any, rollout: Any = None, *, model_name: str, host: str = "127.0.0.1",
                port: int = 8000, token: str | None = None, tool_parser: str = "hermes", sampling: Any = None,
                chat_template_kwargs: dict[str, Any] | None = None, log_level: str = "info",
-               max_body_mb: float = DEFAULT_MAX_BODY_MB, session_ttl_s: float | None = None) -> None:
+               max_body_mb: float = DEFAULT_MAX_BODY_MB, session_ttl_s: float | None = None,
+               cors_origins: list[str] | None = None) -> None:
     """Serve `engine`, the chat APIs over it (chat template of `tokenizer` with `chat_template_kwargs`; sessions
     idle past `session_ttl_s` are aborted) and, with `rollout` (a RolloutManager over `engine`), `/rollout`,
     until interrupted. `turnrl serve` builds the three with `turnrl.build.build_stack`; closing them is the
@@ -885,7 +920,8 @@ def run_server(engine: Engine, tokenizer: Any, rollout: Any = None, *, model_nam
     check_bind(host, token)
     proxy = ChatProxy(engine, ChatRenderer(tokenizer, chat_template_kwargs), model_name=model_name,
                       tool_parser=tool_parser, sampling=sampling, session_ttl_s=session_ttl_s)
-    app = create_app(engine, proxy, token=token, model_name=model_name, rollout=rollout, max_body_mb=max_body_mb)
+    app = create_app(engine, proxy, token=token, model_name=model_name, rollout=rollout, max_body_mb=max_body_mb,
+                     cors_origins=cors_origins)
     log.info("serving %s on http://%s:%d (/v1 and /sessions/<id>/v1: chat, responses, messages%s)", model_name,
              host, port, f"; rollouts: /rollout, agent {rollout.default_agent}" if rollout is not None else "")
     uvicorn.run(app, host=host, port=port, log_level=log_level)
