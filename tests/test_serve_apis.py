@@ -10,7 +10,7 @@ import importlib.util
 import json
 import time
 from pathlib import Path
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 import anthropic
 import httpx
@@ -603,3 +603,21 @@ def test_legacy_text_completions_raw_prompt_stop_and_stream(qwen3_tokenizer):
             client.completions.create(model="m", prompt="Hi", echo=True)
     finally:
         served.stop()
+
+
+def test_any_session_id_fits_the_header_and_control_characters_are_refused_first(served):
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="k", max_retries=0)
+    hello = [{"role": "user", "content": "hi"}]
+    raw = client.chat.completions.with_raw_response.create(model="m", messages=hello, user="用户-42%")
+    assert raw.headers["x-session-id"] == "%E7%94%A8%E6%88%B7-42%25" and unquote(raw.headers["x-session-id"]) == "用户-42%"
+    assert served.proxy.session("用户-42%").calls
+    per_session = openai.OpenAI(base_url=f"{served.url}/sessions/{quote('会话')}/v1", api_key="k", max_retries=0)
+    assert per_session.chat.completions.with_raw_response.create(model="m", messages=hello).headers[
+        "x-session-id"] == quote("会话")
+    calls = len(served.engine.calls)
+    for where, kwargs in [("user", {"user": "line1\r\nline2"}),
+                          ("metadata.session_id", {"metadata": {"session_id": "a\x00b"}})]:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="m", messages=hello, **kwargs)
+        assert refused.value.body["param"] == where
+    assert len(served.engine.calls) == calls  # refused before the model ran

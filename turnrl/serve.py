@@ -60,10 +60,12 @@ import logging
 import socket
 import threading
 import time
+import unicodedata
 import uuid
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from turnrl.chat_apis import (
     AnthropicEvents,
@@ -437,6 +439,25 @@ def _add_token_routes(app: Any, engine: Engine) -> None:
 
 # ---- the chat APIs: at the root and per session ------------------------------------------------------
 SESSION_HEADER = "X-Session-Id"
+_HEADER_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
+_NAMING_FIELDS = {"path": "the session id in the path", "header": SESSION_HEADER, "user": "user",
+                  "metadata": "metadata.session_id"}
+
+
+def session_header(session_id: str) -> str:
+    """The X-Session-Id value of a session: its id, percent-encoded (UTF-8) outside printable ASCII and for
+    `%` itself, so that any id (用户-42) fits an HTTP header and decodes back with `urllib.parse.unquote`."""
+    return quote(session_id, safe=_HEADER_SAFE)
+
+
+def check_session_id(session_id: str, rule: str) -> None:
+    """Refuse an id holding control characters (CR/LF would break the response header, and no log or URL shows
+    them), naming the field it came from; before anything runs."""
+    bad = [c for c in session_id if unicodedata.category(c) == "Cc"]
+    if bad:
+        where = _NAMING_FIELDS.get(rule, "the session id")
+        raise ChatRequestError(f"{where} must not hold control characters (got {session_id!r}); a session id is "
+                               "text such as a user name or an episode id", param=where)
 
 
 def _named_session(request: Any, body: dict[str, Any]) -> tuple[str | None, str]:
@@ -516,9 +537,11 @@ def _add_api_routes(app: Any, engine: Engine, proxy: ChatProxy, model_name: str,
         chat, previous = apis.parse(api, body)
         named, rule = (session_id, "path") if session_id else (previous, "previous_response_id") if previous else (
             _named_session(request, body))
+        if named:
+            check_session_id(named, rule)
         session = proxy.resolve(named, rule, chat.messages)
         log.info("%s call on session %s (%s)", api, session.id, rule or "continued or new")
-        headers = {SESSION_HEADER: session.id}
+        headers = {SESSION_HEADER: session_header(session.id)}
         if body.get("stream"):
             return await _stream(proxy, apis, api, body, session, chat, request.url.path, headers)
         call, finish = await proxy.complete(session, chat)
