@@ -162,7 +162,8 @@ def test_streamed_text_is_decoded_from_the_token_ids_without_splitting_character
         ids = qwen3_tokenizer(reply, add_special_tokens=False)["input_ids"]
         split = [i for i in range(1, len(ids)) if "\ufffd" in qwen3_tokenizer.decode(ids[:i])]
         assert split, "the reply must hold characters whose bytes span several tokens"
-        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                "stream_options": {"include_usage": True}}
         response = httpx.post(f"{served.url}/v1/chat/completions", json=body)
         assert response.headers["content-type"].startswith("text/event-stream")
         events = _sse(response.text)
@@ -621,3 +622,14 @@ def test_any_session_id_fits_the_header_and_control_characters_are_refused_first
             client.chat.completions.create(model="m", messages=hello, **kwargs)
         assert refused.value.body["param"] == where
     assert len(served.engine.calls) == calls  # refused before the model ran
+
+
+def test_streamed_chat_sends_usage_only_when_asked_in_a_last_chunk(served):
+    """OpenAI's protocol (autogen reads finish_reason from the chunks without usage)."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    plain = [d for _, d in _sse(httpx.post(f"{served.url}/v1/chat/completions", json=body).text)[:-1]]
+    assert not any(d.get("usage") for d in plain) and plain[-1]["choices"][0]["finish_reason"] == "stop"
+    body["stream_options"] = {"include_usage": True}
+    asked = [d for _, d in _sse(httpx.post(f"{served.url}/v1/chat/completions", json=body).text)[:-1]]
+    assert asked[-1]["choices"] == [] and asked[-1]["usage"]["completion_tokens"] > 0
+    assert not any(d.get("usage") for d in asked[:-1]) and asked[-2]["choices"][0]["finish_reason"] == "stop"

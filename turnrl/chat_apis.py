@@ -22,7 +22,8 @@ field. Streams (`stream: true`) follow each API's own event protocol: OpenAI cha
 `response.created` ... `response.output_item.added`, `response.output_text.delta`,
 `response.function_call_arguments.delta` ... `response.completed`; Anthropic `message_start`,
 `content_block_start`, `content_block_delta` (text_delta, thinking_delta, input_json_delta),
-`content_block_stop`, `message_delta`, `message_stop`. Usage is in the final event of each.
+`content_block_stop`, `message_delta`, `message_stop`. Usage is in the final event of each (chat: only with
+`stream_options.include_usage`, in a last chunk without choices, as OpenAI sends it).
 """
 
 from __future__ import annotations
@@ -334,10 +335,9 @@ class ChatEvents:
             out.append(self._chunk({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
                                                     "function": {"name": fn["name"], "arguments": ""}}]}))
             out.append(self._chunk({"tool_calls": [{"index": i, "function": {"arguments": fn["arguments"]}}]}))
-        if self.include_usage:  # as OpenAI does: the finish chunk, then a usage chunk without choices
-            out += [self._chunk({}, finish), self._chunk(None, usage=chat_usage(call))]
-        else:
-            out.append(self._chunk({}, finish, usage=chat_usage(call)))
+        out.append(self._chunk({}, finish))
+        if self.include_usage:  # as OpenAI does: only when asked, in a last chunk without choices
+            out.append(self._chunk(None, usage=chat_usage(call)))
         return "".join(out) + "data: [DONE]\n\n"
 
     def error(self, status: int, message: str, kind: str, param: str | None) -> str:
