@@ -633,3 +633,14 @@ def test_streamed_chat_sends_usage_only_when_asked_in_a_last_chunk(served):
     asked = [d for _, d in _sse(httpx.post(f"{served.url}/v1/chat/completions", json=body).text)[:-1]]
     assert asked[-1]["choices"] == [] and asked[-1]["usage"]["completion_tokens"] > 0
     assert not any(d.get("usage") for d in asked[:-1]) and asked[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_logprobs_streamed_and_top_p_zero_is_the_most_likely_token(served):
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="k", max_retries=0)
+    hello = [{"role": "user", "content": "hi"}]
+    chunks = list(client.chat.completions.create(model="m", messages=hello, logprobs=True, stream=True))
+    streamed = [t.logprob for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert streamed == served.engine.outputs[0].logprobs
+    client.chat.completions.create(model="m", messages=hello, top_p=0, user="greedy")
+    params = served.engine.calls[-1].params
+    assert (params.top_p, params.top_k) == (1.0, 1)

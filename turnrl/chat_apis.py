@@ -37,6 +37,7 @@ from turnrl.proxy import (
     ChatCall,
     ChatRequestError,
     RecordedCall,
+    chat_logprobs,
     chat_usage,
     metadata_reward,
     sampling_fields,
@@ -311,14 +312,18 @@ def anthropic_body(call: RecordedCall, finish: str, model: str, message_id: str)
 # Server-sent events: one class per API, fed the proxy's stream events
 # ---------------------------------------------------------------------------------------------------
 class ChatEvents:
-    """OpenAI chat-completions chunks."""
+    """OpenAI chat-completions chunks. With `logprobs_of` (the renderer, when the request asks for logprobs) the
+    finish chunk carries every completion token's logprob: the text chunks are decoded text, not one per token,
+    and clients add the chunks' logprobs up."""
 
-    def __init__(self, model: str, include_usage: bool):
-        self.model, self.include_usage = model, include_usage
+    def __init__(self, model: str, include_usage: bool, logprobs_of: Any = None):
+        self.model, self.include_usage, self.logprobs_of = model, include_usage, logprobs_of
         self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-    def _chunk(self, delta: dict[str, Any] | None, finish: str | None = None, **extra: Any) -> str:
-        choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+    def _chunk(self, delta: dict[str, Any] | None, finish: str | None = None, logprobs: Any = None,
+               **extra: Any) -> str:
+        choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish,
+                                             "logprobs": logprobs}]
         return _sse(None, {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                            "model": self.model, "choices": choices, **extra})
 
@@ -335,7 +340,8 @@ class ChatEvents:
             out.append(self._chunk({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
                                                     "function": {"name": fn["name"], "arguments": ""}}]}))
             out.append(self._chunk({"tool_calls": [{"index": i, "function": {"arguments": fn["arguments"]}}]}))
-        out.append(self._chunk({}, finish))
+        logprobs = chat_logprobs(call, self.logprobs_of) if self.logprobs_of is not None else None
+        out.append(self._chunk({}, finish, logprobs))
         if self.include_usage:  # as OpenAI does: only when asked, in a last chunk without choices
             out.append(self._chunk(None, usage=chat_usage(call)))
         return "".join(out) + "data: [DONE]\n\n"

@@ -456,6 +456,8 @@ class ChatProxy:
         fields: dict[str, Any] = {}
         notes: dict[str, Any] = {}
         given = {k: asked[k] for k in ("temperature", "top_p", "top_k", "seed") if asked.get(k) is not None}
+        if given.get("top_p") == 0:  # OpenAI allows it: the smallest nucleus, the most likely token alone
+            given.update(top_p=1.0, top_k=1)
         if session.sampling is None:
             fields.update(given)
         else:  # training: the trainer's sampling is the policy; the agent may not change it
@@ -511,17 +513,19 @@ class ChatProxy:
 def chat_response(call: RecordedCall, finish: str, model: str, logprobs: bool, renderer: ChatRenderer
                   ) -> dict[str, Any]:
     """The OpenAI `chat.completion` body of a recorded call."""
-    content: list[dict[str, Any]] | None = None
-    if logprobs:
-        content = [{"token": renderer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
-                   for t, lp in zip(call.completion_ids, call.logprobs, strict=True)]
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
         "model": model,
         "choices": [{"index": 0, "message": copy.deepcopy(call.reply), "finish_reason": finish,
-                     "logprobs": {"content": content} if logprobs else None}],
+                     "logprobs": chat_logprobs(call, renderer) if logprobs else None}],
         "usage": chat_usage(call),
     }
+
+
+def chat_logprobs(call: RecordedCall, renderer: ChatRenderer) -> dict[str, Any]:
+    """OpenAI's `choices[0].logprobs`: each completion token's logprob (its top alternatives are not available:
+    a request for them is refused, see `chat_call_from_openai`)."""
+    return {"content": [{"token": renderer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []} for t, lp in zip(call.completion_ids, call.logprobs, strict=True)]}
 
 
 def chat_usage(call: RecordedCall) -> dict[str, Any]:
@@ -597,7 +601,7 @@ def _is_number(v: Any) -> bool:
 
 SAMPLING_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "temperature": (lambda v: _is_number(v) and v >= 0, "a finite number >= 0"),
-    "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "top_p": (lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
     "top_k": (_is_int, "an integer (-1 disables it)"),
     "seed": (lambda v: _is_int(v) and -(2**63) <= v < 2**64, "a 64-bit integer"),
     "max_tokens": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
@@ -650,6 +654,7 @@ def chat_call_from_openai(request: dict[str, Any]) -> ChatCall:
                                    param=f"messages[{i}].role")
         _text(m.get("content"), f"messages[{i}].content")
         _check_tool_calls(m.get("tool_calls"), f"messages[{i}].tool_calls")
+    _check_logprobs(request)
     tools = request.get("tools") or None
     if tools is not None and not (isinstance(tools, list) and all(
             isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
@@ -661,6 +666,17 @@ def chat_call_from_openai(request: dict[str, Any]) -> ChatCall:
     return ChatCall(messages=messages, tools=tools, tool_choice=request.get("tool_choice"),
                     sampling=sampling_fields(request, names, "stop"), reward=metadata_reward(request),
                     model=request.get("model"))
+
+
+def _check_logprobs(request: dict[str, Any]) -> None:
+    logprobs, top = request.get("logprobs"), request.get("top_logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise ChatRequestError(f"logprobs must be a boolean, got {logprobs!r}", param="logprobs")
+    if top is not None and not (_is_int(top) and 0 <= top <= 20):
+        raise ChatRequestError(f"top_logprobs must be an integer 0..20, got {top!r}", param="top_logprobs")
+    if top:
+        raise ChatRequestError("top_logprobs > 0 is not available: the engine returns the logprob of each sampled "
+                               "token only, not its alternatives; send top_logprobs=0 (or none)", param="top_logprobs")
 
 
 def _check_tool_calls(calls: Any, where: str) -> None:

@@ -512,7 +512,8 @@ class _Api:
         model = body.get("model") or self.model_name
         if api == "chat":
             options = body.get("stream_options") or {}
-            return ChatEvents(model, bool(isinstance(options, dict) and options.get("include_usage")))
+            return ChatEvents(model, bool(isinstance(options, dict) and options.get("include_usage")),
+                              self.proxy.renderer if body.get("logprobs") else None)
         if api == "messages":
             return AnthropicEvents(model, f"msg_{uuid.uuid4().hex[:24]}")
         return ResponsesEvents(body, model, f"resp_{uuid.uuid4().hex}")
