@@ -644,3 +644,19 @@ def test_logprobs_streamed_and_top_p_zero_is_the_most_likely_token(served):
     client.chat.completions.create(model="m", messages=hello, top_p=0, user="greedy")
     params = served.engine.calls[-1].params
     assert (params.top_p, params.top_k) == (1.0, 1)
+
+
+def test_anthropic_assistant_prefill_is_continued(qwen3_tokenizer):
+    """Anthropic's prefill: a last assistant message of text is continued (its turn left open), and the reply is
+    the continuation only."""
+    served = Served(qwen3_tokenizer, script=lambda rid, turn, prompt: ' {"name": "Bob"}')
+    try:
+        claude = anthropic.Anthropic(base_url=f"{served.url}/sessions/p1", api_key="k", max_retries=0)
+        message = claude.messages.create(model="m", max_tokens=32, messages=[
+            {"role": "user", "content": "JSON please"}, {"role": "assistant", "content": "Here:"}])
+        assert message.content[0].text == ' {"name": "Bob"}' and message.stop_reason == "end_turn"
+        prompt = qwen3_tokenizer.decode(served.engine.calls[0].prompt_ids)
+        assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nHere:"), prompt
+        assert prompt.count("<|im_start|>assistant") == 1
+    finally:
+        served.stop()

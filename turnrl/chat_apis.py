@@ -13,6 +13,7 @@ back, so one recording path (exact token ids, continuation, trajectories) serves
     Anthropic Messages (`POST /v1/messages`)
         `system` -> a system message; `text` blocks -> content; assistant `tool_use` blocks -> `tool_calls`;
         user `tool_result` blocks -> `tool` messages (before the user's text); `thinking` blocks -> reasoning.
+        A last assistant message of text is a prefill: the reply continues it (its turn is left open).
         Reply -> `thinking`, `text` and `tool_use` blocks; stop_reason end_turn / tool_use / max_tokens /
         stop_sequence (with `stop_sequence`, the string matched).
 
@@ -210,10 +211,12 @@ def call_from_anthropic(body: dict[str, Any]) -> ChatCall:
                                    param=f"messages[{i}].role")
         messages += _anthropic_message(role, m.get("content"), f"messages[{i}].content")
     names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_tokens": "max_tokens"}
+    last = messages[-1]
+    prefill = last["role"] == "assistant" and bool(last.get("content")) and not last.get("tool_calls")
     return ChatCall(messages=messages, tools=_anthropic_tools(body.get("tools")),
                     tool_choice=_anthropic_tool_choice(body.get("tool_choice")),
                     sampling=sampling_fields(body, names, "stop_sequences"), reward=metadata_reward(body),
-                    model=body.get("model"))
+                    model=body.get("model"), continue_final=prefill)
 
 
 def _anthropic_message(role: str, content: Any, where: str) -> list[Message]:

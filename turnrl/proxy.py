@@ -195,6 +195,9 @@ class ChatCall:
     reward: Any = None
     """`metadata.reward` of the request: this is the episode's last call; its reward (a number or per-turn list)."""
     model: str | None = None
+    continue_final: bool = False
+    """The last message is an assistant's pre-filled text, to be continued (Anthropic's prefill): the prompt
+    leaves that turn open, and the reply is the continuation only."""
 
 
 class ChatProxy:
@@ -346,7 +349,7 @@ class ChatProxy:
                                    "(rollout.max_turns)", code="turn_limit")
         session.last_active = time.time()
         # tokenising a long conversation takes a while: off the event loop, which serves every other request
-        prompt_ids, base_len, delta_sources = await asyncio.to_thread(self._prompt, session, chat.messages, chat.tools)
+        prompt_ids, base_len, delta_sources = await asyncio.to_thread(self._prompt, session, chat)
         params, notes = await asyncio.to_thread(self._sampling, session, chat.sampling)
         stop_strings = chat.sampling.get("stop") or []
         stops = StopWatch(self.renderer, stop_strings)
@@ -426,12 +429,13 @@ class ChatProxy:
         await asyncio.sleep(0)  # the pushes scheduled before the output arrived run first
         return out
 
-    def _prompt(self, session: Session, messages: list[Message], tools: list[dict] | None
-                ) -> tuple[list[int], int | None, list[tuple[SegmentSource, int]]]:
-        """(prompt ids, base_len, delta_sources): continue a recorded call when the messages do (module doc)."""
+    def _prompt(self, session: Session, chat: ChatCall) -> tuple[list[int], int | None, list[tuple[SegmentSource, int]]]:
+        """(prompt ids, base_len, delta_sources): continue a recorded call when the messages do (module doc); a
+        pre-filled assistant turn is rendered afresh, left open."""
+        messages, tools = chat.messages, chat.tools
         rendered = [_for_template(m) for m in messages]
         tools_key = _tools_key(tools)
-        for call in reversed(list(session.calls)):
+        for call in [] if chat.continue_final else reversed(list(session.calls)):
             if _tools_key(call.tools) != tools_key or not _continues(messages, call):
                 continue
             new = rendered[len(call.messages) + 1:]
@@ -446,6 +450,8 @@ class ChatProxy:
             return base + closing + observation, len(base), [(SegmentSource.TEMPLATE, len(closing)),
                                                             (source, len(observation))]
         try:
+            if chat.continue_final:
+                return self.renderer.continuation_ids(rendered, tools), None, []
             return self.renderer.initial_ids(rendered, tools), None, []
         except Exception as e:  # a template error is the request's fault (bad roles, bad tools)
             raise ChatRequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
