@@ -137,7 +137,8 @@ def test_openai_streaming_with_tools_assembles_to_the_recorded_reply(served):
     client = openai.OpenAI(base_url=f"{served.url}/sessions/s1/v1", api_key="k", max_retries=0)
     agent = _load("agent")
     messages = [{"role": "user", "content": QUESTION["prompt"]}]
-    with client.chat.completions.stream(model="m", messages=messages, tools=agent.TOOLS) as stream:
+    with client.chat.completions.stream(model="m", messages=messages, tools=agent.TOOLS,
+                                        stream_options={"include_usage": True}) as stream:
         for _ in stream:
             pass
         first = stream.get_final_completion()
@@ -315,7 +316,7 @@ def test_no_route_falls_into_another(served):
     wrong = httpx.delete(f"{url}/sessions/x/v1/responses")
     assert (wrong.status_code, wrong.headers["allow"]) == (405, "POST")
     assert httpx.get(f"{url}/sessions/x").json()["calls"] == 1
-    for method, path in [("POST", "/v1/completions"), ("GET", "/v2/models"), ("POST", "/sessions/x/v1/embeddings"),
+    for method, path in [("POST", "/v1/embeddings"), ("GET", "/v2/models"), ("POST", "/sessions/x/v1/embeddings"),
                          ("GET", "/sessions/x/v1")]:
         response = httpx.request(method, f"{url}{path}")
         assert response.status_code == 404, path

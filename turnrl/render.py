@@ -193,9 +193,10 @@ class ChatRenderer:
     ) -> str:
         if tools and not self.renders_tools:  # the template would drop them: the documented block instead
             messages, tools = self._with_tool_block(messages, tools), None
+        extra = {"continue_final_message": True} if continue_final_message else {}  # passed only when asked
         return self.tokenizer.apply_chat_template(
             messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, **self.chat_template_kwargs,
+            **extra, **self.chat_template_kwargs,
         )
 
     def _with_tool_block(self, messages: list[Message], tools: list[dict]) -> list[Message]:
