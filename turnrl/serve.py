@@ -45,7 +45,8 @@ Bodies over `--max-body-mb` (8 by default; /update_weights exempt) get a 413 bef
 TURNRL_SERVE_TOKEN) every request needs `Authorization: Bearer <token>` (401 otherwise; OpenAI and Anthropic clients
 send their api_key this way; `X-Api-Key: <token>`, as older Anthropic clients send it, is accepted too). Binding
 to an address other than loopback without a token is refused: the server runs the model for anyone who can reach
-it.
+it. CORS allows any origin unless `--cors-origin` narrows it (its preflight needs no token); HEAD is answered on
+every GET route. The X-Session-Id response header is the session id percent-encoded outside printable ASCII.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the endpoints' annotations, and `Request` is imported
