@@ -218,7 +218,7 @@ async def test_chat_requests_the_proxy_cannot_serve_are_refused(scripted):
     _, _, url = scripted
     client = openai.AsyncOpenAI(base_url=f"{url}/sessions/x/v1", api_key="k", max_retries=0)
     hello = [{"role": "user", "content": "hi"}]
-    for kwargs, match in [({"n": 2}, "n=2"), ({"stop": ["The answer"]}, "exactly one token")]:
+    for kwargs, match in [({"n": 2}, "n=2")]:
         with pytest.raises(openai.BadRequestError, match=match):
             await client.chat.completions.create(model="m", messages=hello, **kwargs)
     models = await client.models.list()

@@ -10,7 +10,7 @@ import importlib.util
 import json
 import time
 from pathlib import Path
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 import anthropic
 import httpx
@@ -19,7 +19,7 @@ import pytest
 from test_serve import QUESTION, RecordingEngine, calculator_script
 
 from turnrl.engines.embedded import EmbeddedEngine
-from turnrl.proxy import ChatProxy
+from turnrl.proxy import ChatProxy, ReplyStream
 from turnrl.render import ChatRenderer
 from turnrl.serve import ServerThread, create_app
 from turnrl.types import RolloutStatus, SegmentSource, TerminationReason, Trajectory
@@ -137,7 +137,8 @@ def test_openai_streaming_with_tools_assembles_to_the_recorded_reply(served):
     client = openai.OpenAI(base_url=f"{served.url}/sessions/s1/v1", api_key="k", max_retries=0)
     agent = _load("agent")
     messages = [{"role": "user", "content": QUESTION["prompt"]}]
-    with client.chat.completions.stream(model="m", messages=messages, tools=agent.TOOLS) as stream:
+    with client.chat.completions.stream(model="m", messages=messages, tools=agent.TOOLS,
+                                        stream_options={"include_usage": True}) as stream:
         for _ in stream:
             pass
         first = stream.get_final_completion()
@@ -162,7 +163,8 @@ def test_streamed_text_is_decoded_from_the_token_ids_without_splitting_character
         ids = qwen3_tokenizer(reply, add_special_tokens=False)["input_ids"]
         split = [i for i in range(1, len(ids)) if "\ufffd" in qwen3_tokenizer.decode(ids[:i])]
         assert split, "the reply must hold characters whose bytes span several tokens"
-        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                "stream_options": {"include_usage": True}}
         response = httpx.post(f"{served.url}/v1/chat/completions", json=body)
         assert response.headers["content-type"].startswith("text/event-stream")
         events = _sse(response.text)
@@ -314,7 +316,7 @@ def test_no_route_falls_into_another(served):
     wrong = httpx.delete(f"{url}/sessions/x/v1/responses")
     assert (wrong.status_code, wrong.headers["allow"]) == (405, "POST")
     assert httpx.get(f"{url}/sessions/x").json()["calls"] == 1
-    for method, path in [("POST", "/v1/completions"), ("GET", "/v2/models"), ("POST", "/sessions/x/v1/embeddings"),
+    for method, path in [("POST", "/v1/embeddings"), ("GET", "/v2/models"), ("POST", "/sessions/x/v1/embeddings"),
                          ("GET", "/sessions/x/v1")]:
         response = httpx.request(method, f"{url}{path}")
         assert response.status_code == 404, path
@@ -487,5 +489,175 @@ def test_the_training_gateway_serves_only_the_sessions_it_opened(qwen3_tokenizer
         assert root.status_code == 404 and "/sessions/<id>/v1" in root.json()["error"]["message"]
         assert httpx.post(f"{served.url}/sessions/x/v1/chat/completions", json=body).status_code == 404
         assert served.sessions() == [] and not served.engine.calls
+    finally:
+        served.stop()
+
+
+# ---- stop strings ----------------------------------------------------------------------------------------
+REACT_REPLY = "Thought: check.\nObservation: sunny"  # Qwen3 tokens: Thought : ␣check .\n Observ ation : ␣sunny
+
+
+@pytest.mark.parametrize(("stop", "text", "kept"), [
+    (["Observation:", "Calling tools:"], "Thought: check.\n", 7),  # smolagents' stops: three tokens, the 7th ends it
+    (["\n"], "Thought: check.", 4),  # inside the token ".\n"
+])
+def test_stop_strings_of_any_length_end_the_reply_before_them(qwen3_tokenizer, stop, text, kept):
+    """OpenAI's semantics: the reply stops before the stop string, finish_reason stop; the recorded completion is
+    the engine's tokens (and logprobs) through the one that completed it; Anthropic reports the string."""
+    served = Served(qwen3_tokenizer, script=lambda rid, turn, prompt: REACT_REPLY)
+    try:
+        hello = [{"role": "user", "content": "weather?"}]
+        client = openai.OpenAI(base_url=f"{served.url}/sessions/s1/v1", api_key="k", max_retries=0)
+        choice = client.chat.completions.create(model="m", messages=hello, stop=stop).choices[0]
+        assert (choice.message.content, choice.finish_reason) == (text, "stop")
+        streamed = client.chat.completions.create(model="m", messages=hello, stop=stop, stream=True)
+        deltas = [c.choices[0].delta.content or "" for c in streamed if c.choices]
+        assert "".join(deltas) == text
+        claude = anthropic.Anthropic(base_url=f"{served.url}/sessions/s2", api_key="k", max_retries=0)
+        message = claude.messages.create(model="m", max_tokens=64, messages=hello, stop_sequences=stop)
+        assert (message.content[0].text, message.stop_reason, message.stop_sequence) == (
+            text, "stop_sequence", stop[0])
+        for session in ("s1", "s2"):
+            for call in served.proxy.session(session).calls:
+                whole = served.engine.outputs[0]
+                assert call.completion_ids == whole.token_ids[:kept] and call.logprobs == whole.logprobs[:kept]
+                assert call.stop == stop[0] and call.finish_reason == "stop"
+        [traj] = served.trajectories("s2")
+        assert traj.response_ids == served.engine.outputs[0].token_ids[:kept]
+        assert traj.segments[0].loss_mask == [1] * kept
+    finally:
+        served.stop()
+
+
+def test_a_stream_holds_back_what_may_begin_a_stop_string(qwen3_tokenizer):
+    """Token by token, no chunk carries text of the stop string, even its first part ("Observ")."""
+    served = Served(qwen3_tokenizer, script=lambda rid, turn, prompt: REACT_REPLY)
+    chunks: list[str] = []
+    stream = ReplyStream(served.proxy, None, None, lambda kind, delta: chunks.append(delta), ["Observation:"])
+    try:
+        for token in qwen3_tokenizer(REACT_REPLY, add_special_tokens=False)["input_ids"]:
+            stream.push(token)
+            assert "Obs" not in "".join(chunks)
+        assert "".join(chunks) == "Thought: check."  # the trailing newline waits for the end, as the reply strips
+    finally:
+        served.stop()
+
+
+async def test_the_embedded_engine_stops_as_soon_as_a_stop_string_appears(tiny_qwen3, qwen3_tokenizer):
+    """A real engine: the call ends at the stop string (far fewer tokens generated than max_tokens), and its
+    recorded tokens are the greedy continuation up to the token that completed it."""
+    renderer = ChatRenderer(qwen3_tokenizer)
+    engine = EmbeddedEngine(tiny_qwen3, eos_token_ids=sorted(renderer.end_of_turn_ids))
+    proxy = ChatProxy(engine, renderer)
+    hello = [{"role": "user", "content": "Tell me a story."}]
+    try:
+        free = await proxy.chat_completion("free", {"messages": hello, "temperature": 0, "max_tokens": 64})
+        ids = proxy.session("free").calls[0].completion_ids
+        assert len(ids) == 64, "the tiny model must not end its turn by itself here"
+        stop = renderer.decode(ids[10:13])  # three tokens from the middle
+        assert free["choices"][0]["message"]["content"].count(stop) >= 1
+        before = engine.stats["generated_tokens"]
+        answer = await proxy.chat_completion("stopped", {"messages": hello, "temperature": 0, "max_tokens": 64,
+                                                         "stop": [stop]})
+        [call] = proxy.session("stopped").calls
+        whole = renderer.decode(ids)
+        assert answer["choices"][0]["message"]["content"] == whole[: whole.index(stop)]
+        assert answer["choices"][0]["finish_reason"] == "stop"
+        assert call.completion_ids == ids[: len(call.completion_ids)] and len(call.completion_ids) <= 13
+        assert engine.stats["generated_tokens"] - before <= len(call.completion_ids) + 2
+    finally:
+        engine.close()
+
+
+# ---- the other endpoints standard clients call -------------------------------------------------------------
+def test_models_retrieve_and_count_tokens_for_both_sdks(served):
+    for base in (served.url, f"{served.url}/sessions/m1"):
+        assert openai.OpenAI(base_url=f"{base}/v1", api_key="k").models.retrieve("policy").id == "policy"
+        claude = anthropic.Anthropic(base_url=base, api_key="k", max_retries=0)
+        assert claude.models.retrieve("policy").id == "policy"
+        hello = [{"role": "user", "content": "Hi"}]
+        counted = claude.messages.count_tokens(model="m", messages=hello, system="Be brief.")
+        expected = served.proxy.renderer.initial_ids([{"role": "system", "content": "Be brief."}, *hello])
+        assert counted.input_tokens == len(expected)
+    error = httpx.post(f"{served.url}/v1/messages/count_tokens", json={"messages": []})
+    assert error.status_code == 400 and error.json()["type"] == "error"  # Anthropic's shape
+    assert served.sessions() == []  # counting opens no session
+
+
+def test_legacy_text_completions_raw_prompt_stop_and_stream(qwen3_tokenizer):
+    """`completions.create`: the prompt's own tokens (no chat template), OpenAI's fields; nothing is recorded."""
+    served = Served(qwen3_tokenizer, script=lambda rid, turn, prompt: REACT_REPLY)
+    try:
+        client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="k", max_retries=0)
+        done = client.completions.create(model="m", prompt="Question: weather?\n", max_tokens=32,
+                                         stop=["Observation:"], logprobs=0)
+        assert served.engine.calls[0].prompt_ids == qwen3_tokenizer("Question: weather?\n")["input_ids"]
+        [choice] = done.choices
+        assert (choice.text, choice.finish_reason) == ("Thought: check.\n", "stop")
+        assert choice.logprobs.token_logprobs == served.engine.outputs[0].logprobs[:7]
+        assert done.usage.completion_tokens == 7
+        chunks = list(client.completions.create(model="m", prompt=["Hi"], max_tokens=32, stream=True,
+                                                stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == REACT_REPLY
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(served.engine.outputs[1].token_ids)
+        assert served.sessions() == []
+        with pytest.raises(openai.BadRequestError, match="echo"):
+            client.completions.create(model="m", prompt="Hi", echo=True)
+    finally:
+        served.stop()
+
+
+def test_any_session_id_fits_the_header_and_control_characters_are_refused_first(served):
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="k", max_retries=0)
+    hello = [{"role": "user", "content": "hi"}]
+    raw = client.chat.completions.with_raw_response.create(model="m", messages=hello, user="用户-42%")
+    assert raw.headers["x-session-id"] == "%E7%94%A8%E6%88%B7-42%25" and unquote(raw.headers["x-session-id"]) == "用户-42%"
+    assert served.proxy.session("用户-42%").calls
+    per_session = openai.OpenAI(base_url=f"{served.url}/sessions/{quote('会话')}/v1", api_key="k", max_retries=0)
+    assert per_session.chat.completions.with_raw_response.create(model="m", messages=hello).headers[
+        "x-session-id"] == quote("会话")
+    calls = len(served.engine.calls)
+    for where, kwargs in [("user", {"user": "line1\r\nline2"}),
+                          ("metadata.session_id", {"metadata": {"session_id": "a\x00b"}})]:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="m", messages=hello, **kwargs)
+        assert refused.value.body["param"] == where
+    assert len(served.engine.calls) == calls  # refused before the model ran
+
+
+def test_streamed_chat_sends_usage_only_when_asked_in_a_last_chunk(served):
+    """OpenAI's protocol (autogen reads finish_reason from the chunks without usage)."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    plain = [d for _, d in _sse(httpx.post(f"{served.url}/v1/chat/completions", json=body).text)[:-1]]
+    assert not any(d.get("usage") for d in plain) and plain[-1]["choices"][0]["finish_reason"] == "stop"
+    body["stream_options"] = {"include_usage": True}
+    asked = [d for _, d in _sse(httpx.post(f"{served.url}/v1/chat/completions", json=body).text)[:-1]]
+    assert asked[-1]["choices"] == [] and asked[-1]["usage"]["completion_tokens"] > 0
+    assert not any(d.get("usage") for d in asked[:-1]) and asked[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_logprobs_streamed_and_top_p_zero_is_the_most_likely_token(served):
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="k", max_retries=0)
+    hello = [{"role": "user", "content": "hi"}]
+    chunks = list(client.chat.completions.create(model="m", messages=hello, logprobs=True, stream=True))
+    streamed = [t.logprob for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert streamed == served.engine.outputs[0].logprobs
+    client.chat.completions.create(model="m", messages=hello, top_p=0, user="greedy")
+    params = served.engine.calls[-1].params
+    assert (params.top_p, params.top_k) == (1.0, 1)
+
+
+def test_anthropic_assistant_prefill_is_continued(qwen3_tokenizer):
+    """Anthropic's prefill: a last assistant message of text is continued (its turn left open), and the reply is
+    the continuation only."""
+    served = Served(qwen3_tokenizer, script=lambda rid, turn, prompt: ' {"name": "Bob"}')
+    try:
+        claude = anthropic.Anthropic(base_url=f"{served.url}/sessions/p1", api_key="k", max_retries=0)
+        message = claude.messages.create(model="m", max_tokens=32, messages=[
+            {"role": "user", "content": "JSON please"}, {"role": "assistant", "content": "Here:"}])
+        assert message.content[0].text == ' {"name": "Bob"}' and message.stop_reason == "end_turn"
+        prompt = qwen3_tokenizer.decode(served.engine.calls[0].prompt_ids)
+        assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nHere:"), prompt
+        assert prompt.count("<|im_start|>assistant") == 1
     finally:
         served.stop()

@@ -114,7 +114,9 @@ CHAT_ERRORS = [  # (name, body fields over a valid chat request, the field the e
     ("string max_tokens", {"max_tokens": "5"}, "max_tokens"),
     ("seed 'x'", {"seed": "x"}, "seed"),
     ("stop 5", {"stop": 5}, "stop"),
-    ("top_p 0", {"top_p": 0}, "top_p"),
+    ("top_p 1.5", {"top_p": 1.5}, "top_p"),
+    ("top_logprobs 3 (alternatives are not available)", {"logprobs": True, "top_logprobs": 3}, "top_logprobs"),
+    ("logprobs 'yes'", {"logprobs": "yes"}, "logprobs"),
     ("top_k 'x'", {"top_k": "x"}, "top_k"),
     ("stream 'yes'", {"stream": "yes"}, "stream"),
     ("n 2", {"n": 2}, "n"),
@@ -237,3 +239,36 @@ def test_a_streamed_request_the_engine_refuses_is_an_http_error_not_a_broken_str
     anthropic_body = {"model": "m", "max_tokens": 8, "stream": True, "messages": body["messages"]}
     refused = httpx.post(f"{url}/v1/messages", json=anthropic_body)
     assert refused.status_code == 400 and refused.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_head_cors_preflight_and_allow(qwen3_tokenizer):
+    """HEAD answers like GET without a body; a browser's CORS preflight passes without the token (the request after
+    it still needs one); OPTIONS on a session form lists that form's methods."""
+    engine = RecordingEngine(qwen3_tokenizer, calculator_script)
+    server = ServerThread(create_app(engine, ChatProxy(engine, ChatRenderer(qwen3_tokenizer)), token="s3cret"))
+    url = server.start()
+    auth = {"Authorization": "Bearer s3cret"}
+    try:
+        for path in ("/health", "/v1/models", "/sessions/s1/v1/models"):
+            head, get = httpx.head(url + path, headers=auth), httpx.get(url + path, headers=auth)
+            assert (head.status_code, head.content) == (200, b"") and get.status_code == 200
+            assert head.headers["content-type"] == get.headers["content-type"]
+        preflight = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "authorization,content-type"}
+        for path in ("/v1/chat/completions", "/v1/messages", "/sessions/s1/v1/responses"):
+            answer = httpx.options(url + path, headers=preflight)
+            assert answer.status_code == 200, answer.text
+            assert answer.headers["access-control-allow-origin"] == "*"
+            assert "authorization" in answer.headers["access-control-allow-headers"].lower()
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        origin = {"Origin": "http://localhost:3000"}
+        assert httpx.post(f"{url}/v1/chat/completions", json=body, headers=origin).status_code == 401
+        done = httpx.post(f"{url}/v1/chat/completions", json=body, headers={**origin, **auth})
+        assert done.status_code == 200 and done.headers["access-control-allow-origin"] == "*"
+        assert "x-session-id" in done.headers["access-control-expose-headers"].lower()
+        allow = httpx.options(f"{url}/sessions/s1/v1/responses", headers=auth)
+        assert (allow.status_code, allow.headers["allow"]) == (204, "POST, OPTIONS")
+        wrong = httpx.delete(f"{url}/sessions/s1/v1/responses", headers=auth)
+        assert (wrong.status_code, wrong.headers["allow"]) == (405, "POST")
+    finally:
+        server.stop()

@@ -13,7 +13,9 @@ back, so one recording path (exact token ids, continuation, trajectories) serves
     Anthropic Messages (`POST /v1/messages`)
         `system` -> a system message; `text` blocks -> content; assistant `tool_use` blocks -> `tool_calls`;
         user `tool_result` blocks -> `tool` messages (before the user's text); `thinking` blocks -> reasoning.
-        Reply -> `thinking`, `text` and `tool_use` blocks; stop_reason end_turn / tool_use / max_tokens.
+        A last assistant message of text is a prefill: the reply continues it (its turn is left open).
+        Reply -> `thinking`, `text` and `tool_use` blocks; stop_reason end_turn / tool_use / max_tokens /
+        stop_sequence (with `stop_sequence`, the string matched).
 
 Anything a text model cannot take (image or document parts, server-side tools) is refused with a 400 naming the
 field. Streams (`stream: true`) follow each API's own event protocol: OpenAI chat `chat.completion.chunk`s with
@@ -21,7 +23,8 @@ field. Streams (`stream: true`) follow each API's own event protocol: OpenAI cha
 `response.created` ... `response.output_item.added`, `response.output_text.delta`,
 `response.function_call_arguments.delta` ... `response.completed`; Anthropic `message_start`,
 `content_block_start`, `content_block_delta` (text_delta, thinking_delta, input_json_delta),
-`content_block_stop`, `message_delta`, `message_stop`. Usage is in the final event of each.
+`content_block_stop`, `message_delta`, `message_stop`. Usage is in the final event of each (chat: only with
+`stream_options.include_usage`, in a last chunk without choices, as OpenAI sends it).
 """
 
 from __future__ import annotations
@@ -35,11 +38,12 @@ from turnrl.proxy import (
     ChatCall,
     ChatRequestError,
     RecordedCall,
+    chat_logprobs,
     chat_usage,
     metadata_reward,
     sampling_fields,
 )
-from turnrl.types import Message
+from turnrl.types import FinishReason, GenerateOutput, Message
 
 
 def _id(prefix: str) -> str:
@@ -207,10 +211,12 @@ def call_from_anthropic(body: dict[str, Any]) -> ChatCall:
                                    param=f"messages[{i}].role")
         messages += _anthropic_message(role, m.get("content"), f"messages[{i}].content")
     names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_tokens": "max_tokens"}
+    last = messages[-1]
+    prefill = last["role"] == "assistant" and bool(last.get("content")) and not last.get("tool_calls")
     return ChatCall(messages=messages, tools=_anthropic_tools(body.get("tools")),
                     tool_choice=_anthropic_tool_choice(body.get("tool_choice")),
                     sampling=sampling_fields(body, names, "stop_sequences"), reward=metadata_reward(body),
-                    model=body.get("model"))
+                    model=body.get("model"), continue_final=prefill)
 
 
 def _anthropic_message(role: str, content: Any, where: str) -> list[Message]:
@@ -274,7 +280,9 @@ def _anthropic_tool_choice(choice: Any) -> Any:
         "type": "function", "function": {"name": choice.get("name")}}
 
 
-def _stop_reason(finish: str) -> str:
+def _stop_reason(call: RecordedCall, finish: str) -> str:
+    if call.stop is not None and finish == "stop":
+        return "stop_sequence"
     return {"tool_calls": "tool_use", "length": "max_tokens"}.get(finish, "end_turn")
 
 
@@ -298,7 +306,8 @@ def anthropic_blocks(reply: Message) -> list[dict[str, Any]]:
 
 def anthropic_body(call: RecordedCall, finish: str, model: str, message_id: str) -> dict[str, Any]:
     return {"id": message_id, "type": "message", "role": "assistant", "model": model,
-            "content": anthropic_blocks(call.reply), "stop_reason": _stop_reason(finish), "stop_sequence": None,
+            "content": anthropic_blocks(call.reply), "stop_reason": _stop_reason(call, finish),
+            "stop_sequence": call.stop,
             "usage": anthropic_usage(call)}
 
 
@@ -306,14 +315,18 @@ def anthropic_body(call: RecordedCall, finish: str, model: str, message_id: str)
 # Server-sent events: one class per API, fed the proxy's stream events
 # ---------------------------------------------------------------------------------------------------
 class ChatEvents:
-    """OpenAI chat-completions chunks."""
+    """OpenAI chat-completions chunks. With `logprobs_of` (the renderer, when the request asks for logprobs) the
+    finish chunk carries every completion token's logprob: the text chunks are decoded text, not one per token,
+    and clients add the chunks' logprobs up."""
 
-    def __init__(self, model: str, include_usage: bool):
-        self.model, self.include_usage = model, include_usage
+    def __init__(self, model: str, include_usage: bool, logprobs_of: Any = None):
+        self.model, self.include_usage, self.logprobs_of = model, include_usage, logprobs_of
         self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-    def _chunk(self, delta: dict[str, Any] | None, finish: str | None = None, **extra: Any) -> str:
-        choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+    def _chunk(self, delta: dict[str, Any] | None, finish: str | None = None, logprobs: Any = None,
+               **extra: Any) -> str:
+        choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish,
+                                             "logprobs": logprobs}]
         return _sse(None, {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                            "model": self.model, "choices": choices, **extra})
 
@@ -330,10 +343,10 @@ class ChatEvents:
             out.append(self._chunk({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
                                                     "function": {"name": fn["name"], "arguments": ""}}]}))
             out.append(self._chunk({"tool_calls": [{"index": i, "function": {"arguments": fn["arguments"]}}]}))
-        if self.include_usage:  # as OpenAI does: the finish chunk, then a usage chunk without choices
-            out += [self._chunk({}, finish), self._chunk(None, usage=chat_usage(call))]
-        else:
-            out.append(self._chunk({}, finish, usage=chat_usage(call)))
+        logprobs = chat_logprobs(call, self.logprobs_of) if self.logprobs_of is not None else None
+        out.append(self._chunk({}, finish, logprobs))
+        if self.include_usage:  # as OpenAI does: only when asked, in a last chunk without choices
+            out.append(self._chunk(None, usage=chat_usage(call)))
         return "".join(out) + "data: [DONE]\n\n"
 
     def error(self, status: int, message: str, kind: str, param: str | None) -> str:
@@ -478,8 +491,82 @@ class AnthropicEvents:
         out += self._stop()
         usage = anthropic_usage(call)
         out += _sse("message_delta", {"type": "message_delta", "usage": usage,
-                                      "delta": {"stop_reason": _stop_reason(finish), "stop_sequence": None}})
+                                      "delta": {"stop_reason": _stop_reason(call, finish),
+                                                "stop_sequence": call.stop}})
         return out + _sse("message_stop", {"type": "message_stop"})
 
     def error(self, status: int, message: str, kind: str, param: str | None) -> str:
         return _sse("error", {"type": "error", "error": {"type": kind, "message": message}})
+
+
+# ---------------------------------------------------------------------------------------------------
+# OpenAI legacy text completions (`POST /v1/completions`): raw text in and out, not recorded
+# ---------------------------------------------------------------------------------------------------
+def completion_request(body: dict[str, Any]) -> tuple[str, dict[str, Any], bool]:
+    """(prompt, sampling fields, logprobs wanted) of a `completions.create` body; ChatRequestError names the
+    first field this server cannot serve."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise ChatRequestError("prompt must be a non-empty string (or a list of one string)", param="prompt")
+    for name, allowed in (("n", 1), ("best_of", 1), ("echo", False), ("suffix", None)):
+        if body.get(name) not in (None, allowed):
+            raise ChatRequestError(f"{name}={body[name]!r} is not supported here", param=name)
+    logprobs = body.get("logprobs")
+    if logprobs not in (None, 0) and not (isinstance(logprobs, int) and not isinstance(logprobs, bool)):
+        raise ChatRequestError(f"logprobs must be an integer 0..5, got {logprobs!r}", param="logprobs")
+    if logprobs:
+        raise ChatRequestError("logprobs > 0 (top alternatives) is not available: the engine returns the logprob of "
+                               "the sampled token only; send logprobs=0", param="logprobs")
+    names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
+             "max_tokens": "max_tokens"}
+    sampling = {"max_tokens": 16, **sampling_fields(body, names, "stop")}  # 16: OpenAI's default here
+    return prompt, sampling, logprobs is not None
+
+
+def completion_logprobs(out: GenerateOutput, decode: Any) -> dict[str, Any]:
+    tokens = [decode([t]) for t in out.token_ids]
+    offsets = [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": list(out.logprobs), "top_logprobs": None, "text_offset": offsets}
+
+
+def completion_usage(prompt_tokens: int, out: GenerateOutput) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": len(out.token_ids),
+            "total_tokens": prompt_tokens + len(out.token_ids)}
+
+
+def completion_finish(out: GenerateOutput) -> str:
+    return "stop" if out.finish_reason == FinishReason.STOP else "length"
+
+
+def completion_body(out: GenerateOutput, text: str, prompt_tokens: int, model: str,
+                    logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    return {"id": _id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": completion_finish(out)}],
+            "usage": completion_usage(prompt_tokens, out)}
+
+
+class CompletionEvents:
+    """OpenAI text-completion chunks: the text as it is generated, the finish chunk, usage with
+    `stream_options.include_usage`, `data: [DONE]`."""
+
+    def __init__(self, model: str, include_usage: bool):
+        self.model, self.include_usage, self.id, self.created = model, include_usage, _id("cmpl"), int(time.time())
+
+    def _chunk(self, text: str | None, finish: str | None = None, **extra: Any) -> str:
+        choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+        return _sse(None, {"id": self.id, "object": "text_completion", "created": self.created,
+                           "model": self.model, "choices": choices, **extra})
+
+    def delta(self, text: str) -> str:
+        return self._chunk(text)
+
+    def finish(self, out: GenerateOutput, prompt_tokens: int) -> str:
+        done = self._chunk("", completion_finish(out))
+        if self.include_usage:
+            done += self._chunk(None, usage=completion_usage(prompt_tokens, out))
+        return done + "data: [DONE]\n\n"
+
+    def error(self, status: int, message: str, kind: str, param: str | None) -> str:
+        return _sse(None, {"error": {"message": message, "type": kind, "param": param, "code": status}})

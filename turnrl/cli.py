@@ -530,6 +530,7 @@ def serve(
     concurrency: Annotated[int | None, Opt(help="Rollout server: trajectories in flight per request.")] = None,
     max_body_mb: Annotated[float, Opt(help="Largest request body (MB); a larger one gets a 413 before it is read.")] = 8.0,
     session_ttl_s: Annotated[float, Opt(help="Close a chat session idle this long as ABORTED (seconds; 0: never).")] = 3600.0,
+    cors_origin: Annotated[list[str], Opt(help="Browser origin CORS allows (repeatable); default: any ('*').")] = [],
     verbose: Annotated[bool, Opt("--verbose", "-v")] = False,
 ) -> None:
     """Serve a token-level engine (for HttpEngine) and per-session OpenAI endpoints that record exact tokens; with
@@ -561,7 +562,7 @@ def serve(
         run_server(stack.engine, stack.renderer.tokenizer, stack.rollout, model_name=model, host=host, port=port,
                    token=token, tool_parser=tool_parser, sampling=SamplingParams(max_new_tokens=max_new_tokens or 1024),
                    chat_template_kwargs=kwargs, log_level="info" if verbose else "warning",
-                   max_body_mb=max_body_mb, session_ttl_s=session_ttl_s or None)
+                   max_body_mb=max_body_mb, session_ttl_s=session_ttl_s or None, cors_origins=cors_origin or ["*"])
     finally:
         stack.close()
 

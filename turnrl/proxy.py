@@ -38,7 +38,13 @@ Replies: tool calls are parsed from the completion text (`tool_parser`, hermes b
 the text the model wrote (the parse errors are kept in the trajectory's turn notes). `tool_choice: "none"`
 turns parsing off; "required" or a named tool is treated as "auto" (decoding is not constrained). Refused with a
 400 that names the field: a request field of the wrong type or range, `n > 1`, non-text content parts (this is a
-text model), multi-token `stop` strings; a prompt longer than the engine's context is refused by the engine.
+text model); a prompt longer than the engine's context is refused by the engine.
+
+Stop strings (`stop`, Anthropic's `stop_sequences`; `StopWatch`) are matched in the decoded completion, across
+tokens and inside one. An engine that streams tokens ends the call as soon as one appears; another's output is
+cut afterwards. The reply is the text before the stop string (finish_reason stop); the recorded completion runs
+through the token that completed it, so the tokens are exactly those sampled and a continuation's prompt holds
+them (the model sees the stop string it wrote).
 
 Streaming (`complete(..., on_delta=)`, `ReplyStream`): the reply's text is sent as it is generated, decoded
 incrementally from the sampled token ids (an engine with `generate(on_token=)`, as EmbeddedEngine, streams
@@ -139,6 +145,9 @@ class RecordedCall:
     """When the engine call started (ns since the epoch), for the turn's trace span."""
     notes: dict[str, Any] = field(default_factory=dict)
     """Tool-call parse errors, request sampling fields that were ignored, the API and session rule, ..."""
+    stop: str | None = None
+    """The request's stop string that ended the reply: `completion_ids` runs through the token that completed
+    it, `reply` holds the text before it (OpenAI's and Anthropic's semantics)."""
 
 
 @dataclass
@@ -186,6 +195,9 @@ class ChatCall:
     reward: Any = None
     """`metadata.reward` of the request: this is the episode's last call; its reward (a number or per-turn list)."""
     model: str | None = None
+    continue_final: bool = False
+    """The last message is an assistant's pre-filled text, to be continued (Anthropic's prefill): the prompt
+    leaves that turn open, and the reply is the continuation only."""
 
 
 class ChatProxy:
@@ -337,16 +349,21 @@ class ChatProxy:
                                    "(rollout.max_turns)", code="turn_limit")
         session.last_active = time.time()
         # tokenising a long conversation takes a while: off the event loop, which serves every other request
-        prompt_ids, base_len, delta_sources = await asyncio.to_thread(self._prompt, session, chat.messages, chat.tools)
+        prompt_ids, base_len, delta_sources = await asyncio.to_thread(self._prompt, session, chat)
         params, notes = await asyncio.to_thread(self._sampling, session, chat.sampling)
-        stream = ReplyStream(self, chat.tools, chat.tool_choice, on_delta) if on_delta else None
+        stop_strings = chat.sampling.get("stop") or []
+        stops = StopWatch(self.renderer, stop_strings)
+        stream = ReplyStream(self, chat.tools, chat.tool_choice, on_delta, stop_strings) if on_delta else None
         if on_delta:
             on_delta("start", len(prompt_ids))
         t0, start_ns = time.perf_counter(), time.time_ns()
-        out = await self._generate(session, prompt_ids, params, stream)
-        reply, finish, parse_notes = self._reply(out, chat.tools, chat.tool_choice, len(session.calls))
+        out = await self._generate(session, prompt_ids, params, stream.push if stream else None, stops)
+        out, stopped = stops.cut(out)
+        text = stopped.text if stopped else self.renderer.assistant_text(out.token_ids)
+        reply, finish, parse_notes = self._reply(text, out.finish_reason, chat.tools, chat.tool_choice,
+                                                 len(session.calls))
         if stream is not None:
-            reply = stream.finish(out.token_ids, reply)
+            reply = stream.finish(text, reply)
         call = RecordedCall(
             index=len(session.calls), prompt_ids=list(prompt_ids), completion_ids=list(out.token_ids),
             logprobs=list(out.logprobs), finish_reason=out.finish_reason, policy_version=out.policy_version,
@@ -354,7 +371,8 @@ class ChatProxy:
             messages=copy.deepcopy(chat.messages), tools=copy.deepcopy(chat.tools), reply=reply, base_len=base_len,
             delta_sources=delta_sources,
             cached_prompt_tokens=out.cached_prompt_tokens, gen_time_s=time.perf_counter() - t0, start_ns=start_ns,
-            notes={**notes, **parse_notes},
+            notes={**notes, **parse_notes, **({"stop": stopped.stop} if stopped else {})},
+            stop=stopped.stop if stopped else None,
         )
         session.calls.append(call)
         session.last_active = time.time()
@@ -362,18 +380,48 @@ class ChatProxy:
             self.set_reward(session.id, chat.reward)
         return call, finish
 
+    async def text_completion(self, prompt_ids: list[int], sampling: dict[str, Any],
+                              on_text: Callable[[str], None] | None = None) -> tuple[GenerateOutput, str, StopMatch | None]:
+        """A legacy text completion of `prompt_ids` (no chat template, no session, nothing recorded): (the output
+        cut at a stop string, its text, the stop match). `on_text` gets the text as it is generated."""
+        session = Session(id=f"cmpl-{uuid.uuid4().hex}")
+        params, _ = await asyncio.to_thread(self._sampling, session, sampling)  # it ends at an end-of-turn token
+        stops = StopWatch(self.renderer, sampling.get("stop") or [])
+        stream = TextStream(self.renderer, stops.stops, on_text) if on_text else None
+        try:
+            out = await self._generate(session, prompt_ids, params, stream.push if stream else None, stops)
+        finally:
+            await self.engine.release(session.id)
+        out, stopped = stops.cut(out)
+        text = stopped.text if stopped else self.renderer.assistant_text(out.token_ids)
+        if stream is not None:
+            stream.finish(text)
+        return out, text, stopped
+
+    def count_tokens(self, chat: ChatCall) -> int:
+        """Prompt tokens of a conversation rendered afresh with the chat template (Anthropic's count_tokens)."""
+        try:
+            return len(self.renderer.initial_ids([_for_template(m) for m in chat.messages], chat.tools))
+        except Exception as e:  # a template error is the request's fault (bad roles, bad tools)
+            raise ChatRequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
+                                   param="messages") from e
+
     async def _generate(self, session: Session, prompt_ids: list[int], params: SamplingParams,
-                        stream: ReplyStream | None) -> GenerateOutput:
-        if stream is None or not self._streams:
+                        stream: Callable[[int], None] | None, stops: StopWatch) -> GenerateOutput:
+        """The engine's output; an engine that streams tokens (`generate(on_token=)`) streams them to `stream`
+        and ends the call as soon as `stops` sees a stop string, others are cut afterwards (`StopWatch.cut`)."""
+        if not self._streams or (stream is None and not stops.stops):
             out = await _on_loop(session.loop, self.engine.generate(prompt_ids, params, request_id=session.id))
             if stream is not None:  # an engine without token streaming: the text follows the whole output
                 for token in out.token_ids:
-                    stream.push(token)
+                    stream(token)
             return out
         loop = asyncio.get_running_loop()
 
-        def on_token(token: int) -> None:  # called on the session's loop, which may be another thread's
-            loop.call_soon_threadsafe(stream.push, token)
+        def on_token(token: int) -> bool:  # called on the session's loop, which may be another thread's
+            if stream is not None:
+                loop.call_soon_threadsafe(stream, token)
+            return stops.push(token)
 
         engine: Any = self.engine  # an engine that streams (self._streams): EmbeddedEngine's on_token
         out = await _on_loop(session.loop, engine.generate(prompt_ids, params, request_id=session.id,
@@ -381,12 +429,13 @@ class ChatProxy:
         await asyncio.sleep(0)  # the pushes scheduled before the output arrived run first
         return out
 
-    def _prompt(self, session: Session, messages: list[Message], tools: list[dict] | None
-                ) -> tuple[list[int], int | None, list[tuple[SegmentSource, int]]]:
-        """(prompt ids, base_len, delta_sources): continue a recorded call when the messages do (module doc)."""
+    def _prompt(self, session: Session, chat: ChatCall) -> tuple[list[int], int | None, list[tuple[SegmentSource, int]]]:
+        """(prompt ids, base_len, delta_sources): continue a recorded call when the messages do (module doc); a
+        pre-filled assistant turn is rendered afresh, left open."""
+        messages, tools = chat.messages, chat.tools
         rendered = [_for_template(m) for m in messages]
         tools_key = _tools_key(tools)
-        for call in reversed(list(session.calls)):
+        for call in [] if chat.continue_final else reversed(list(session.calls)):
             if _tools_key(call.tools) != tools_key or not _continues(messages, call):
                 continue
             new = rendered[len(call.messages) + 1:]
@@ -401,6 +450,8 @@ class ChatProxy:
             return base + closing + observation, len(base), [(SegmentSource.TEMPLATE, len(closing)),
                                                             (source, len(observation))]
         try:
+            if chat.continue_final:
+                return self.renderer.continuation_ids(rendered, tools), None, []
             return self.renderer.initial_ids(rendered, tools), None, []
         except Exception as e:  # a template error is the request's fault (bad roles, bad tools)
             raise ChatRequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
@@ -411,6 +462,8 @@ class ChatProxy:
         fields: dict[str, Any] = {}
         notes: dict[str, Any] = {}
         given = {k: asked[k] for k in ("temperature", "top_p", "top_k", "seed") if asked.get(k) is not None}
+        if given.get("top_p") == 0:  # OpenAI allows it: the smallest nucleus, the most likely token alone
+            given.update(top_p=1.0, top_k=1)
         if session.sampling is None:
             fields.update(given)
         else:  # training: the trainer's sampling is the policy; the agent may not change it
@@ -421,29 +474,23 @@ class ChatProxy:
         cap = session.max_new_tokens or base.max_new_tokens
         wanted = asked.get("max_tokens")
         fields["max_new_tokens"] = min(cap, wanted) if wanted else cap
-        stops = set(base.stop_token_ids) | self.renderer.end_of_turn_ids | self._stop_token_ids(asked.get("stop"))
+        stops = set(base.stop_token_ids) | self.renderer.end_of_turn_ids | self._one_token_stops(asked.get("stop"))
         fields["stop_token_ids"] = tuple(sorted(stops))
         try:
             return dataclasses.replace(base, **fields), notes
         except (TypeError, ValueError) as e:
             raise ChatRequestError(f"bad sampling fields: {e}") from None
 
-    def _stop_token_ids(self, stop: list[str] | None) -> set[int]:
-        """Stop strings, each of which must be one token (this proxy stops on token ids only)."""
-        ids = set()
-        for text in stop or ():
-            encoded = self.renderer.encode(text)
-            if len(encoded) != 1:
-                raise ChatRequestError(f"stop string {text!r} is {len(encoded)} tokens; this server stops on token ids, "
-                                       "so each stop string must be exactly one token", param="stop")
-            ids.add(encoded[0])
-        return ids
+    def _one_token_stops(self, stop: list[str] | None) -> set[int]:
+        """The token ids of the stop strings that are one token: the engine stops on them itself (an engine
+        without token streaming too); every stop string is also matched in the decoded text (StopWatch)."""
+        encoded = [self.renderer.encode(text) for text in stop or ()]
+        return {ids[0] for ids in encoded if len(ids) == 1}
 
-    def _reply(self, out: GenerateOutput, tools: list[dict] | None, tool_choice: Any, index: int
+    def _reply(self, text: str, finish_reason: FinishReason, tools: list[dict] | None, tool_choice: Any, index: int
                ) -> tuple[Message, str, dict[str, Any]]:
-        """The assistant message, the OpenAI finish_reason, and notes (parse errors)."""
-        text = self.renderer.assistant_text(out.token_ids)
-        finish = "stop" if out.finish_reason == FinishReason.STOP else "length"  # abort: the reply is cut short
+        """The assistant message of the completion's `text`, the OpenAI finish_reason, and notes (parse errors)."""
+        finish = "stop" if finish_reason == FinishReason.STOP else "length"  # abort: the reply is cut short
         if tools and tool_choice != "none":
             parsed = get_parser(self.tool_parser, tools).parse(text)
             reasoning: str | None = parsed.reasoning
@@ -472,17 +519,19 @@ class ChatProxy:
 def chat_response(call: RecordedCall, finish: str, model: str, logprobs: bool, renderer: ChatRenderer
                   ) -> dict[str, Any]:
     """The OpenAI `chat.completion` body of a recorded call."""
-    content: list[dict[str, Any]] | None = None
-    if logprobs:
-        content = [{"token": renderer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
-                   for t, lp in zip(call.completion_ids, call.logprobs, strict=True)]
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
         "model": model,
         "choices": [{"index": 0, "message": copy.deepcopy(call.reply), "finish_reason": finish,
-                     "logprobs": {"content": content} if logprobs else None}],
+                     "logprobs": chat_logprobs(call, renderer) if logprobs else None}],
         "usage": chat_usage(call),
     }
+
+
+def chat_logprobs(call: RecordedCall, renderer: ChatRenderer) -> dict[str, Any]:
+    """OpenAI's `choices[0].logprobs`: each completion token's logprob (its top alternatives are not available:
+    a request for them is refused, see `chat_call_from_openai`)."""
+    return {"content": [{"token": renderer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []} for t, lp in zip(call.completion_ids, call.logprobs, strict=True)]}
 
 
 def chat_usage(call: RecordedCall) -> dict[str, Any]:
@@ -558,7 +607,7 @@ def _is_number(v: Any) -> bool:
 
 SAMPLING_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "temperature": (lambda v: _is_number(v) and v >= 0, "a finite number >= 0"),
-    "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "top_p": (lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
     "top_k": (_is_int, "an integer (-1 disables it)"),
     "seed": (lambda v: _is_int(v) and -(2**63) <= v < 2**64, "a 64-bit integer"),
     "max_tokens": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
@@ -611,6 +660,7 @@ def chat_call_from_openai(request: dict[str, Any]) -> ChatCall:
                                    param=f"messages[{i}].role")
         _text(m.get("content"), f"messages[{i}].content")
         _check_tool_calls(m.get("tool_calls"), f"messages[{i}].tool_calls")
+    _check_logprobs(request)
     tools = request.get("tools") or None
     if tools is not None and not (isinstance(tools, list) and all(
             isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
@@ -622,6 +672,17 @@ def chat_call_from_openai(request: dict[str, Any]) -> ChatCall:
     return ChatCall(messages=messages, tools=tools, tool_choice=request.get("tool_choice"),
                     sampling=sampling_fields(request, names, "stop"), reward=metadata_reward(request),
                     model=request.get("model"))
+
+
+def _check_logprobs(request: dict[str, Any]) -> None:
+    logprobs, top = request.get("logprobs"), request.get("top_logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise ChatRequestError(f"logprobs must be a boolean, got {logprobs!r}", param="logprobs")
+    if top is not None and not (_is_int(top) and 0 <= top <= 20):
+        raise ChatRequestError(f"top_logprobs must be an integer 0..20, got {top!r}", param="top_logprobs")
+    if top:
+        raise ChatRequestError("top_logprobs > 0 is not available: the engine returns the logprob of each sampled "
+                               "token only, not its alternatives; send top_logprobs=0 (or none)", param="top_logprobs")
 
 
 def _check_tool_calls(calls: Any, where: str) -> None:
@@ -715,33 +776,128 @@ class IncrementalDecoder:
         return text[len(before):]
 
 
+def find_stop(text: str, stops: list[str], start: int = 0) -> tuple[int, str] | None:
+    """(position, stop string) of the earliest stop string in `text[start:]`, if any."""
+    found = [(at, stop) for stop in stops if (at := text.find(stop, start)) >= 0]
+    return min(found) if found else None
+
+
+def partial_tail(text: str, markers: list[str]) -> int:
+    """The length of the longest tail of `text` that is a proper beginning of one of `markers` (text that may
+    still become a marker, so it is held back)."""
+    return max((k for m in markers for k in range(1, len(m)) if text.endswith(m[:k])), default=0)
+
+
+@dataclass
+class StopMatch:
+    """Where a stop string ended a completion."""
+
+    stop: str
+    tokens: int
+    """Completion tokens kept: through the one whose text completed the stop string."""
+    text: str
+    """The reply text: the completion's decoded text before the stop string."""
+
+
+class StopWatch:
+    """Watches a completion's decoded text for the request's stop strings (OpenAI `stop`, Anthropic
+    `stop_sequences`), token by token, as vLLM does: a stop string may span tokens or end inside one (".\n" holds
+    "\n"). `push` says when one has appeared (the engine then ends the call); `cut` trims the engine's output to
+    the token that completed it, so the recorded tokens are exactly what the model produced up to there."""
+
+    def __init__(self, renderer: ChatRenderer, stops: list[str]):
+        self.stops, self.end_of_turn_ids = stops, renderer.end_of_turn_ids
+        self.decoder = IncrementalDecoder(renderer.decode)
+        self.text, self.pushed = "", 0
+        self.match: StopMatch | None = None
+
+    def push(self, token: int) -> bool:
+        """Take the next completion token; True once a stop string has appeared."""
+        if self.match is not None or not self.stops:
+            return self.match is not None
+        self.pushed += 1
+        if token in self.end_of_turn_ids:
+            return False
+        start = max(0, len(self.text) - max(map(len, self.stops)) + 1)
+        self.text += self.decoder.push(token)
+        found = find_stop(self.text, self.stops, start)
+        if found is not None:
+            self.match = StopMatch(found[1], self.pushed, self.text[: found[0]])
+        return self.match is not None
+
+    def cut(self, out: GenerateOutput) -> tuple[GenerateOutput, StopMatch | None]:
+        """`out` through the token that completed a stop string (finish_reason stop), and the match; `out` as it
+        is when no stop string appeared. Tokens not yet pushed (an engine without token streaming) are pushed."""
+        for token in out.token_ids[self.pushed:]:
+            if self.push(token):
+                break
+        if self.match is None:
+            return out, None
+        n = self.match.tokens
+        versions = out.token_versions[:n] if out.token_versions is not None else None
+        return dataclasses.replace(out, token_ids=out.token_ids[:n], logprobs=out.logprobs[:n],
+                                   finish_reason=FinishReason.STOP, token_versions=versions), self.match
+
+
+class TextStream:
+    """A legacy text completion streamed as `on_text(text)` calls: decoded incrementally, holding back text that
+    may begin a stop string, ending where one begins."""
+
+    def __init__(self, renderer: ChatRenderer, stops: list[str], on_text: Callable[[str], None]):
+        self.decoder, self.end_of_turn_ids = IncrementalDecoder(renderer.decode), renderer.end_of_turn_ids
+        self.stops, self.on_text = stops, on_text
+        self.text, self.sent, self.stopped = "", 0, False
+
+    def push(self, token: int) -> None:
+        if self.stopped or token in self.end_of_turn_ids:
+            return
+        self.text += self.decoder.push(token)
+        found = find_stop(self.text, self.stops)
+        if found is not None:
+            self.text, self.stopped = self.text[: found[0]], True
+        self._send(len(self.text) - (0 if self.stopped else partial_tail(self.text, self.stops)))
+
+    def _send(self, upto: int) -> None:
+        if upto > self.sent:
+            self.on_text(self.text[self.sent: upto])
+            self.sent = upto
+
+    def finish(self, text: str) -> None:
+        """Send what `text` (the whole completion's) adds to what was sent."""
+        if text.startswith(self.text[: self.sent]):
+            self.text = text
+            self._send(len(text))
+
+
 class ReplyStream:
     """One reply streamed as it is generated, as `on_delta(kind, text)` calls (kind "reasoning" or "content").
 
     The text is decoded incrementally from the sampled token ids (IncrementalDecoder) and routed by the
     reasoning markers (turnrl.reasoning); text that may be the start of a marker is held until it is not; at a
     tool call (`<tool_call>`, when the request has tools) streaming stops, since calls are parsed from the whole
-    text as without streaming. Leading and trailing whitespace is held as the reply strips it. `finish`
-    sends what the reply adds to the streamed text and returns the reply as the client assembled it: that is
-    what is recorded, so the client's echo of it continues the recorded tokens."""
+    text as without streaming. Text that may be the start of one of the request's `stops` is held too, and the
+    text ends where a stop string begins. Leading and trailing whitespace is held as the reply strips it.
+    `finish` sends what the reply adds to the streamed text and returns the reply as the client assembled it:
+    that is what is recorded, so the client's echo of it continues the recorded tokens."""
 
     def __init__(self, proxy: ChatProxy, tools: list[dict] | None, tool_choice: Any,
-                 on_delta: Callable[[str, str], None]):
-        self.renderer, self.on_delta = proxy.renderer, on_delta
+                 on_delta: Callable[[str, str], None], stops: list[str] | None = None):
+        self.renderer, self.on_delta, self.stops = proxy.renderer, on_delta, stops or []
         self.tool_mode = bool(tools) and tool_choice != "none"
         self.decoder = IncrementalDecoder(self.renderer.decode)
-        self.pushed, self.text, self.pos, self.phase = 0, "", 0, "content"
+        self.text, self.pos, self.phase = "", 0, "content"
         self.raw = {"reasoning": "", "content": ""}
         self.sent = {"reasoning": "", "content": ""}
-        self.done = False
+        self.done = self.stopped = False
 
     def push(self, token: int) -> None:
-        if self.done:
+        if self.done or self.stopped or token in self.renderer.end_of_turn_ids:
             return
-        self.pushed += 1
-        if token not in self.renderer.end_of_turn_ids:
-            self.text += self.decoder.push(token)
-            self._route(final=False)
+        self.text += self.decoder.push(token)
+        found = find_stop(self.text, self.stops)
+        if found is not None:  # the reply ends before it; later tokens are cut from the recorded call
+            self.text, self.stopped = self.text[: found[0]], True
+        self._route(final=False)
 
     def _markers(self) -> dict[str, str]:
         """marker -> the phase it switches to."""
@@ -758,8 +914,7 @@ class ReplyStream:
             rest, markers = self.text[self.pos:], self._markers()
             found = min(((rest.find(m), m) for m in markers if m in rest), default=None)
             if found is None:
-                hold = 0 if final else max((k for m in markers for k in range(1, len(m)) if rest.endswith(m[:k])),
-                                           default=0)
+                hold = 0 if final else min(len(rest), partial_tail(self.text, [*markers, *self.stops]))
                 self._emit(rest[: len(rest) - hold])
                 self.pos += len(rest) - hold
                 return
@@ -781,13 +936,10 @@ class ReplyStream:
             self.sent[kind] = target
             self.on_delta(kind, delta)
 
-    def finish(self, token_ids: list[int], reply: Message) -> Message:
-        """Send the rest of `reply` (the parsed whole output) and return the reply as streamed."""
-        for token in token_ids[self.pushed:]:
-            self.push(token)
-        full = self.renderer.assistant_text(token_ids)
-        if full.startswith(self.text):
-            self.text = full
+    def finish(self, text: str, reply: Message) -> Message:
+        """Send the rest of `reply` (parsed from the completion's whole `text`) and return the reply as streamed."""
+        if text.startswith(self.text):
+            self.text = text
         self._route(final=True)
         self.done = True
         out = dict(reply)

@@ -192,15 +192,17 @@ class ChatRenderer:
 
     # ---- text level -----------------------------------------------------------------------------
     def render_text(
-        self, messages: list[Message], tools: list[dict] | None = None, *, add_generation_prompt: bool
+        self, messages: list[Message], tools: list[dict] | None = None, *, add_generation_prompt: bool,
+        continue_final_message: bool = False,
     ) -> str:
         if tools and not self.renders_tools:  # the template would drop them: the documented block instead
             messages, tools = self._with_tool_block(messages, tools), None
         if not self.renders_tool_calls and any(m.get("tool_calls") for m in messages):
             messages = self._with_calls_as_text(messages)
+        extra = {"continue_final_message": True} if continue_final_message else {}  # passed only when asked
         return self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, tokenize=False,
-            add_generation_prompt=add_generation_prompt, **self.chat_template_kwargs,
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt,
+            **extra, **self.chat_template_kwargs,
         )
 
     def _with_tool_block(self, messages: list[Message], tools: list[dict]) -> list[Message]:
@@ -532,6 +534,17 @@ class ChatRenderer:
     def initial_ids(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
         """The prompt: every message rendered, followed by the generation prompt."""
         return self.encode(self.render_initial(messages, tools))
+
+    def continuation_ids(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
+        """The prompt that continues the last message, an assistant's pre-filled text (Anthropic's prefill): the
+        conversation rendered with that turn left open (no end-of-turn token), so the model goes on writing it."""
+        self._profile(tools)
+        try:
+            return self.encode(self.render_text(messages, tools, add_generation_prompt=False,
+                                                continue_final_message=True))
+        except Exception as e:
+            raise RenderError(f"{self.template_name} cannot continue the assistant message: {type(e).__name__}: "
+                              f"{e}") from e
 
     def render_initial(self, messages: list[Message], tools: list[dict] | None = None) -> str:
         self._profile(tools)  # a template that cannot render this variant says so by name

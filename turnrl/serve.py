@@ -17,7 +17,9 @@ The chat APIs (turnrl/proxy.py records exact tokens; turnrl/chat_apis.py convert
 APIs), at the root and per session, streaming with `stream: true` (docs/serving.md):
     POST /v1/chat/completions, /v1/responses, /v1/messages       the session rule names the episode
     POST /sessions/{id}/v1/chat/completions, .../responses, .../messages
-    GET  /v1/models, /sessions/{id}/v1/models
+    GET  /v1/models, /sessions/{id}/v1/models, /v1/models/{model}, /sessions/{id}/v1/models/{model}
+    POST /v1/messages/count_tokens, /sessions/{id}/v1/messages/count_tokens   -> {"input_tokens": N}
+    POST /v1/completions                      legacy text completions: the raw prompt's tokens, not recorded
     GET  /sessions                            -> {sessions: [{id, status, calls, reward, ...}]}, open and finished
     GET  /sessions/{id}, DELETE /sessions/{id}, GET /sessions/{id}/trajectories
     POST /sessions/{id}/reward                {"reward": number | [one per call], "done": true}
@@ -43,7 +45,8 @@ Bodies over `--max-body-mb` (8 by default; /update_weights exempt) get a 413 bef
 TURNRL_SERVE_TOKEN) every request needs `Authorization: Bearer <token>` (401 otherwise; OpenAI and Anthropic clients
 send their api_key this way; `X-Api-Key: <token>`, as older Anthropic clients send it, is accepted too). Binding
 to an address other than loopback without a token is refused: the server runs the model for anyone who can reach
-it.
+it. CORS allows any origin unless `--cors-origin` narrows it (its preflight needs no token); HEAD is answered on
+every GET route. The X-Session-Id response header is the session id percent-encoded outside printable ASCII.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the endpoints' annotations, and `Request` is imported
@@ -58,18 +61,24 @@ import logging
 import socket
 import threading
 import time
+import unicodedata
 import uuid
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from turnrl.chat_apis import (
     AnthropicEvents,
     ChatEvents,
+    CompletionEvents,
     ResponsesEvents,
     anthropic_body,
     call_from_anthropic,
     call_from_responses,
+    completion_body,
+    completion_logprobs,
+    completion_request,
     responses_body,
 )
 from turnrl.engines.base import Engine, EngineError, InvalidRequest
@@ -126,11 +135,13 @@ DEFAULT_MAX_BODY_MB = 8.0
 
 def create_app(engine: Engine, proxy: ChatProxy | None = None, *, token: str | None = None,
                model_name: str = "turnrl", token_level: bool = True, rollout: Any = None,
-               heartbeat_s: float = 15.0, max_body_mb: float = DEFAULT_MAX_BODY_MB) -> Any:
+               heartbeat_s: float = 15.0, max_body_mb: float = DEFAULT_MAX_BODY_MB,
+               cors_origins: list[str] | None = None) -> Any:
     """The FastAPI app serving `engine` (token level, unless `token_level=False`), `proxy` (the OpenAI chat,
     Responses and Anthropic APIs, at the root and per session) and `rollout` (a RolloutManager over `engine`:
     `/rollout`, streaming a heartbeat line after each `heartbeat_s` without a finished trajectory). Bodies over
-    `max_body_mb` are refused with a 413 before they are read. Endpoints in the module docstring."""
+    `max_body_mb` are refused with a 413 before they are read. CORS allows `cors_origins` (None: any); its
+    preflight needs no token. HEAD is answered on every GET route. Endpoints in the module docstring."""
     try:
         from fastapi import FastAPI
     except ImportError:
@@ -140,6 +151,7 @@ def create_app(engine: Engine, proxy: ChatProxy | None = None, *, token: str | N
     forms = _url_forms(token_level, proxy is not None, rollout is not None)
     _add_auth_and_errors(app, token, forms)
     app.add_middleware(BodyLimit, max_bytes=int(max_body_mb * 2**20))
+    _add_cors_and_head(app, cors_origins or ["*"])
 
     @app.get("/health")
     async def health():
@@ -149,6 +161,10 @@ def create_app(engine: Engine, proxy: ChatProxy | None = None, *, token: str | N
     @app.get("/v1/models")
     async def models():
         return _models(model_name)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        return _model(model_id)
 
     if token_level:
         _add_token_routes(app, engine)
@@ -161,11 +177,13 @@ def create_app(engine: Engine, proxy: ChatProxy | None = None, *, token: str | N
 
 def _url_forms(token_level: bool, sessions: bool, rollout: bool) -> list[str]:
     """The URL forms this server answers, for 404s."""
-    forms = ["GET /health", "GET /v1/models"]
+    forms = ["GET /health", "GET /v1/models", "GET /v1/models/<model>"]
     if sessions:
         forms += ["POST /v1/chat/completions", "POST /v1/responses", "POST /v1/messages",
+                  "POST /v1/messages/count_tokens", "POST /v1/completions",
                   "POST /sessions/<id>/v1/chat/completions", "POST /sessions/<id>/v1/responses",
-                  "POST /sessions/<id>/v1/messages", "GET /sessions/<id>/v1/models", "GET /sessions",
+                  "POST /sessions/<id>/v1/messages", "POST /sessions/<id>/v1/messages/count_tokens",
+                  "GET /sessions/<id>/v1/models", "GET /sessions/<id>/v1/models/<model>", "GET /sessions",
                   "GET /sessions/<id>", "DELETE /sessions/<id>", "GET /sessions/<id>/trajectories",
                   "POST /sessions/<id>/reward"]
     if token_level:
@@ -183,7 +201,7 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
 
 
 def _is_anthropic(path: str) -> bool:
-    return path.rstrip("/").endswith("/v1/messages")
+    return path.rstrip("/").endswith(("/v1/messages", "/v1/messages/count_tokens"))
 
 
 def error_body(path: str, status: int, message: str, kind: str, param: str | None = None,
@@ -258,6 +276,35 @@ def _add_auth_and_errors(app: Any, token: str | None, forms: list[str]) -> None:
     async def crashed(request: Request, exc: Exception):
         log.exception("%s %s failed", request.method, request.url.path)
         return _error(request.url.path, 500, f"{type(exc).__name__}: {exc}", "server_error")
+
+
+def _add_cors_and_head(app: Any, origins: list[str]) -> None:
+    """Outermost, so a CORS preflight is answered before the token check (browsers send it without the
+    Authorization header; the request that follows still needs it), and HEAD reaches the GET routes."""
+    from starlette.middleware.cors import CORSMiddleware
+
+    app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"],
+                       expose_headers=[SESSION_HEADER])
+    app.add_middleware(HeadAsGet)
+
+
+class HeadAsGet:
+    """ASGI middleware: HEAD is routed as GET and answered with its status and headers, without the body
+    (RFC 9110 §9.3.2; FastAPI's GET routes would answer it with a 405)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            return await self.app(scope, receive, send)
+
+        async def without_body(message: dict) -> None:
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, without_body)
 
 
 class BodyLimit:
@@ -393,6 +440,25 @@ def _add_token_routes(app: Any, engine: Engine) -> None:
 
 # ---- the chat APIs: at the root and per session ------------------------------------------------------
 SESSION_HEADER = "X-Session-Id"
+_HEADER_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
+_NAMING_FIELDS = {"path": "the session id in the path", "header": SESSION_HEADER, "user": "user",
+                  "metadata": "metadata.session_id"}
+
+
+def session_header(session_id: str) -> str:
+    """The X-Session-Id value of a session: its id, percent-encoded (UTF-8) outside printable ASCII and for
+    `%` itself, so that any id (用户-42) fits an HTTP header and decodes back with `urllib.parse.unquote`."""
+    return quote(session_id, safe=_HEADER_SAFE)
+
+
+def check_session_id(session_id: str, rule: str) -> None:
+    """Refuse an id holding control characters (CR/LF would break the response header, and no log or URL shows
+    them), naming the field it came from; before anything runs."""
+    bad = [c for c in session_id if unicodedata.category(c) == "Cc"]
+    if bad:
+        where = _NAMING_FIELDS.get(rule, "the session id")
+        raise ChatRequestError(f"{where} must not hold control characters (got {session_id!r}); a session id is "
+                               "text such as a user name or an episode id", param=where)
 
 
 def _named_session(request: Any, body: dict[str, Any]) -> tuple[str | None, str]:
@@ -447,7 +513,8 @@ class _Api:
         model = body.get("model") or self.model_name
         if api == "chat":
             options = body.get("stream_options") or {}
-            return ChatEvents(model, bool(isinstance(options, dict) and options.get("include_usage")))
+            return ChatEvents(model, bool(isinstance(options, dict) and options.get("include_usage")),
+                              self.proxy.renderer if body.get("logprobs") else None)
         if api == "messages":
             return AnthropicEvents(model, f"msg_{uuid.uuid4().hex[:24]}")
         return ResponsesEvents(body, model, f"resp_{uuid.uuid4().hex}")
@@ -459,7 +526,7 @@ class _Api:
 
 
 def _add_api_routes(app: Any, engine: Engine, proxy: ChatProxy, model_name: str, forms: list[str]) -> None:
-    from fastapi import Request
+    from fastapi import Request, Response
     from fastapi.responses import JSONResponse
 
     apis = _Api(proxy, model_name)
@@ -472,9 +539,11 @@ def _add_api_routes(app: Any, engine: Engine, proxy: ChatProxy, model_name: str,
         chat, previous = apis.parse(api, body)
         named, rule = (session_id, "path") if session_id else (previous, "previous_response_id") if previous else (
             _named_session(request, body))
+        if named:
+            check_session_id(named, rule)
         session = proxy.resolve(named, rule, chat.messages)
         log.info("%s call on session %s (%s)", api, session.id, rule or "continued or new")
-        headers = {SESSION_HEADER: session.id}
+        headers = {SESSION_HEADER: session_header(session.id)}
         if body.get("stream"):
             return await _stream(proxy, apis, api, body, session, chat, request.url.path, headers)
         call, finish = await proxy.complete(session, chat)
@@ -483,18 +552,28 @@ def _add_api_routes(app: Any, engine: Engine, proxy: ChatProxy, model_name: str,
     for api, suffix in _API_SUFFIXES.items():
         app.post(f"/v1{suffix}")(_bind(serve_call, api))
 
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        return await _count_tokens(proxy, request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _text_completion(proxy, model_name, request)
+
     @app.get("/sessions")
     async def sessions():
         await _reap(proxy, engine)
         return {"sessions": [s.summary() for s in proxy.sessions()]}
 
-    @app.api_route("/sessions/{rest:path}", methods=["GET", "POST", "DELETE", "PUT", "PATCH"])
+    @app.api_route("/sessions/{rest:path}", methods=["GET", "POST", "DELETE", "PUT", "PATCH", "OPTIONS"])
     async def session_route(rest: str, request: Request):
         session_id, form = _split_session_path(rest)
         allowed = _SESSION_FORMS.get(form) if session_id else None
         if allowed is None:
             message = f"no route {request.method} {request.url.path}; this server answers: {', '.join(forms)}"
             return _error(request.url.path, 404, message, "not_found_error")
+        if request.method == "OPTIONS":  # not a CORS preflight (the middleware answers those): the methods
+            return Response(status_code=204, headers={"Allow": f"{allowed}, OPTIONS"})
         if request.method not in allowed.split(", "):
             return _error(request.url.path, 405, f"{request.method} is not allowed on {request.url.path} (allowed: "
                           f"{allowed})", "invalid_request_error", headers={"Allow": allowed})
@@ -503,17 +582,21 @@ def _add_api_routes(app: Any, engine: Engine, proxy: ChatProxy, model_name: str,
         return await _session_action(form, session_id, request, proxy, engine, model_name)
 
 
+_MODEL_FORM = "/v1/models/<model>"
 _API_SUFFIXES = {"chat": "/chat/completions", "responses": "/responses", "messages": "/messages"}
 _API_FORMS = {"/v1" + suffix: api for api, suffix in _API_SUFFIXES.items()}
-_SESSION_FORMS = {**{form: "POST" for form in _API_FORMS}, "/v1/models": "GET", "/trajectories": "GET",
-                  "/reward": "POST", "": "GET, DELETE"}
+_SESSION_FORMS = {**{form: "POST" for form in _API_FORMS}, "/v1/messages/count_tokens": "POST", "/v1/models": "GET",
+                  _MODEL_FORM: "GET", "/trajectories": "GET", "/reward": "POST", "": "GET, DELETE"}
 """URL form after /sessions/<id> -> its method (GET and DELETE on the session itself)."""
 
 
 def _split_session_path(rest: str) -> tuple[str, str]:
     """(session id, form) of the path after /sessions/: the longest known form it ends with; an id holding
     `/v1/` with no known form after it is an unknown route, never a session of that name."""
-    for form in sorted((f for f in _SESSION_FORMS if f), key=len, reverse=True):
+    session_id, _, model = rest.partition("/v1/models/")
+    if session_id and model:
+        return session_id, _MODEL_FORM
+    for form in sorted((f for f in _SESSION_FORMS if f and f != _MODEL_FORM), key=len, reverse=True):
         if rest.endswith(form) and len(rest) > len(form):
             return rest[: -len(form)], form
     if "/v1/" in rest or rest.endswith("/v1"):
@@ -536,6 +619,10 @@ async def _session_action(form: str, session_id: str, request: Any, proxy: ChatP
     await _reap(proxy, engine)
     if form == "/v1/models":
         return _models(model_name)
+    if form == _MODEL_FORM:
+        return _model(request.path_params["rest"].partition("/v1/models/")[2])
+    if form == "/v1/messages/count_tokens":
+        return await _count_tokens(proxy, request)
     if form == "/trajectories":
         return {"session_id": session_id, "trajectories": [t.to_json() for t in proxy.trajectories(session_id)]}
     if form == "/reward":
@@ -558,6 +645,62 @@ async def _session_action(form: str, session_id: str, request: Any, proxy: ChatP
         await engine.release(session_id)
         return {"ok": True, "calls": len(closed.calls)}
     return proxy.session(session_id).summary()
+
+
+async def _count_tokens(proxy: ChatProxy, request: Any) -> dict[str, int]:
+    """Anthropic's `messages.count_tokens`: the prompt tokens of the body rendered with the chat template."""
+    body = await _json_body(request)
+    chat = call_from_anthropic({**body, "max_tokens": body.get("max_tokens") or 1})  # not required here
+    return {"input_tokens": await asyncio.to_thread(proxy.count_tokens, chat)}
+
+
+async def _text_completion(proxy: ChatProxy, model_name: str, request: Any) -> Any:
+    """OpenAI's legacy `completions.create`: the prompt's tokens (no chat template), not recorded."""
+    body = await _json_body(request)
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        raise ChatRequestError(f"stream must be a boolean, got {body['stream']!r}", param="stream")
+    prompt, sampling, logprobs = completion_request(body)
+    prompt_ids = await asyncio.to_thread(proxy.renderer.encode, prompt)
+    model = body.get("model") or model_name
+    if body.get("stream"):
+        options = body.get("stream_options") or {}
+        events = CompletionEvents(model, bool(isinstance(options, dict) and options.get("include_usage")))
+        return await _stream_text(proxy, prompt_ids, sampling, events, request.url.path)
+    out, text, _ = await proxy.text_completion(prompt_ids, sampling)
+    return completion_body(out, text, len(prompt_ids), model,
+                           completion_logprobs(out, proxy.renderer.decode) if logprobs else None)
+
+
+async def _stream_text(proxy: ChatProxy, prompt_ids: list[int], sampling: dict[str, Any], events: Any,
+                       path: str) -> Any:
+    """A text completion as server-sent events; nothing is sent before its first text, as in `_stream`."""
+    from fastapi.responses import StreamingResponse
+
+    queue: asyncio.Queue = asyncio.Queue()
+    task = asyncio.create_task(proxy.text_completion(prompt_ids, sampling, lambda text: queue.put_nowait(text)))
+    task.add_done_callback(lambda _: queue.put_nowait(None))
+    first = await queue.get()
+    if first is None and not task.cancelled() and task.exception() is not None:
+        raise task.exception()  # type: ignore[misc]
+
+    async def lines():
+        text = first
+        try:
+            while text is not None:
+                yield events.delta(text)
+                text = await queue.get()
+            try:
+                out = task.result()[0]
+            except Exception as e:  # after the stream started: an error event ends it
+                status, kind, message, param, _ = classify(e, path)
+                yield events.error(status, message, kind, param)
+                return
+            yield events.finish(out, len(prompt_ids))
+        finally:
+            if not task.done():
+                task.cancel()
+
+    return StreamingResponse(lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 async def _reap(proxy: ChatProxy, engine: Engine) -> None:
@@ -714,8 +857,15 @@ def _json_default(obj: Any) -> Any:  # what TrajectoryWriter writes for values J
     return str(obj)
 
 
+def _model(name: str) -> dict[str, Any]:
+    """A model object in OpenAI's shape and Anthropic's (both SDKs' `models.retrieve` read the same URL)."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "turnrl",
+            "type": "model", "display_name": name, "created_at": "1970-01-01T00:00:00Z"}
+
+
 def _models(model_name: str) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "turnrl"}]}
+    return {"object": "list", "data": [_model(model_name)], "has_more": False, "first_id": model_name,
+            "last_id": model_name}
 
 
 def _load_safetensors_path(path: Any) -> dict[str, Any]:
@@ -782,7 +932,8 @@ class ServerThread:
 def run_server(engine: Engine, tokenizer: Any, rollout: Any = None, *, model_name: str, host: str = "127.0.0.1",
                port: int = 8000, token: str | None = None, tool_parser: str = "hermes", sampling: Any = None,
                chat_template_kwargs: dict[str, Any] | None = None, log_level: str = "info",
-               max_body_mb: float = DEFAULT_MAX_BODY_MB, session_ttl_s: float | None = None) -> None:
+               max_body_mb: float = DEFAULT_MAX_BODY_MB, session_ttl_s: float | None = None,
+               cors_origins: list[str] | None = None) -> None:
     """Serve `engine`, the chat APIs over it (chat template of `tokenizer` with `chat_template_kwargs`; sessions
     idle past `session_ttl_s` are aborted) and, with `rollout` (a RolloutManager over `engine`), `/rollout`,
     until interrupted. `turnrl serve` builds the three with `turnrl.build.build_stack`; closing them is the
@@ -794,7 +945,8 @@ def run_server(engine: Engine, tokenizer: Any, rollout: Any = None, *, model_nam
     check_bind(host, token)
     proxy = ChatProxy(engine, ChatRenderer(tokenizer, chat_template_kwargs), model_name=model_name,
                       tool_parser=tool_parser, sampling=sampling, session_ttl_s=session_ttl_s)
-    app = create_app(engine, proxy, token=token, model_name=model_name, rollout=rollout, max_body_mb=max_body_mb)
+    app = create_app(engine, proxy, token=token, model_name=model_name, rollout=rollout, max_body_mb=max_body_mb,
+                     cors_origins=cors_origins)
     log.info("serving %s on http://%s:%d (/v1 and /sessions/<id>/v1: chat, responses, messages%s)", model_name,
              host, port, f"; rollouts: /rollout, agent {rollout.default_agent}" if rollout is not None else "")
     uvicorn.run(app, host=host, port=port, log_level=log_level)

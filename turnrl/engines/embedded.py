@@ -164,7 +164,8 @@ class _Request:
     aborted: bool = False
     images: list = field(default_factory=list)  # VLM: every image of the prompt, in order
     next_pos: int = 0  # rotary position of the next token fed (differs from `length` after images)
-    on_token: Callable[[int], None] | None = None  # streaming: called on `loop` with each sampled token
+    on_token: Callable[[int], bool | None] | None = None  # streaming: called on `loop` with each sampled token
+    stop_asked: bool = False  # on_token returned True: the call ends at the next step, as a stop
     error: BaseException | None = None  # set when this request alone failed in a step: retired with it
     versions: list[int] = field(default_factory=list)  # the policy version that sampled each out token
 
@@ -333,10 +334,12 @@ class EmbeddedEngine:
     # ---- public API (async, called from any event loop) -----------------------------------------
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, *, request_id: str, images: list | None = None,
-        on_token: Callable[[int], None] | None = None,
+        on_token: Callable[[int], bool | None] | None = None,
     ) -> GenerateOutput:
         """Sample a continuation. `on_token(token_id)` (optional) is called on the caller's event loop with each
-        token as it is sampled, in order, before the call returns them all (streaming servers use it)."""
+        token as it is sampled, in order, before the call returns them all (streaming servers use it). When it
+        returns True (the caller saw a stop string in the text) the call ends at the next step with finish_reason
+        stop; tokens sampled before that step are still returned, for the caller to cut."""
         self._check_request(prompt_ids, params, request_id, images)
         loop = asyncio.get_running_loop()
         req = _Request(
@@ -654,6 +657,9 @@ class EmbeddedEngine:
         return {k: out[k] for k in ("pixel_values", "image_grid_thw") if k in out}  # LLaVA: no grid
 
     def _decode_step(self) -> None:
+        self._retire([r for r in self._active if r.stop_asked])  # the caller saw a stop string: not one token more
+        if not self._active:
+            return
         rows = self._active
         lens = torch.tensor([r.length for r in rows])
         self.cache.ensure_capacity(int(lens.max()) + 1)
@@ -690,11 +696,18 @@ class EmbeddedEngine:
         self.stats["generated_tokens"] += 1
         if req.on_token is not None:
             with contextlib.suppress(RuntimeError):  # the caller's loop is closed
-                req.loop.call_soon_threadsafe(req.on_token, token)
+                req.loop.call_soon_threadsafe(self._deliver, req, token)
+
+    def _deliver(self, req: _Request, token: int) -> None:
+        """On the caller's loop: `on_token`, and its request to stop (read by the engine thread at its next step)."""
+        assert req.on_token is not None
+        if req.on_token(token) is True and not req.stop_asked:
+            req.stop_asked = True
+            self._wake.set()
 
     @staticmethod
     def _finished(req: _Request) -> bool:
-        return req.out_ids[-1] in req.stop_ids or len(req.out_ids) >= req.max_new
+        return req.stop_asked or req.out_ids[-1] in req.stop_ids or len(req.out_ids) >= req.max_new
 
     def _retire(self, done: list[_Request]) -> None:
         """Resolve finished requests and keep the active rows packed in slots [0, n)."""
@@ -704,7 +717,8 @@ class EmbeddedEngine:
                 self._resolve(req.loop, req.future, error=req.error)
             elif not req.aborted:
                 self._park(req, slot)
-                reason = FinishReason.STOP if req.out_ids[-1] in req.stop_ids else FinishReason.LENGTH
+                stopped = req.stop_asked or req.out_ids[-1] in req.stop_ids
+                reason = FinishReason.STOP if stopped else FinishReason.LENGTH
                 self._resolve(req.loop, req.future, result=self._output(req, reason))
             last = len(self._active) - 1
             if slot != last:
