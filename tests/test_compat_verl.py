@@ -235,6 +235,75 @@ def test_a_verl_reward_function_is_called_with_verls_arguments(verl_repo, monkey
     assert [(t["id"], t["reward"], t["reward_error"]) for t in trajs] == [("0-0", 1.0, None), ("1-0", 0.0, None)]
 
 
+# The shape of verl's own verl/tools/search_tool.py (and sandbox_fusion_tools.py, mcp_base_tool.py): the instance's
+# "reward" is a list the tool appends its results to, and calc_reward returns that list; verl never scores it.
+SEARCH = '''
+from uuid import uuid4
+
+from turnrl.compat.verl import BaseTool, ToolResponse
+
+
+class SearchTool(BaseTool):
+    def __init__(self, config, tool_schema):
+        super().__init__(config, tool_schema)
+        self._instance_dict = {}
+
+    async def create(self, instance_id=None, **kwargs):
+        if instance_id is None:
+            instance_id = str(uuid4())
+        self._instance_dict[instance_id] = {"response": "", "ground_truth": kwargs.get("ground_truth"), "reward": []}
+        return instance_id, ToolResponse()
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        result_text = f"Doc 1(Title: {parameters['query']}) Paris is the capital of France."
+        self._instance_dict[instance_id]["reward"].append(result_text.strip())
+        return ToolResponse(text=result_text), 0.0, {"status": "success"}
+
+    async def calc_reward(self, instance_id: str, **kwargs) -> str:
+        return self._instance_dict[instance_id]["reward"]
+
+    async def release(self, instance_id: str, **kwargs) -> None:
+        del self._instance_dict[instance_id]
+'''
+SEARCH_CONFIG = '''
+tools:
+  - class_name: search_tool.py:SearchTool
+    config: {type: native}
+    tool_schema: {type: function, function: {name: search, description: Search the web.,
+                  parameters: {type: object, properties: {query: {type: string}}, required: [query]}}}
+'''
+
+
+def test_a_verl_tool_whose_calc_reward_returns_a_list_does_not_fail_the_trajectory(tmp_path, monkeypatch,
+                                                                                   qwen3_tokenizer):
+    (tmp_path / "search_tool.py").write_text(textwrap.dedent(SEARCH))
+    (tmp_path / "tools.yaml").write_text(textwrap.dedent(SEARCH_CONFIG))
+    (tmp_path / "reward.py").write_text("def reward(response, tool_rewards):\n"
+                                        "    return float('Paris' in response) + sum(tool_rewards.values())\n")
+    script_the_cli(monkeypatch, qwen3_tokenizer, lambda rid, turn, prompt: tool_call("search", query="France")
+                   if turn == 1 else "Paris")
+    data = write_rows(tmp_path / "rows.jsonl", [{"prompt": "Capital of France?", "agent_name": "tool_agent"}])
+    out = tmp_path / "out.jsonl"
+    result = runner.invoke(app, ["rollout", "--model", "tiny-qwen3", "--data", str(data), "--out", str(out),
+                                 "--tools", str(tmp_path / "tools.yaml"), "--max-new-tokens", "32",
+                                 "--reward", str(tmp_path / "reward.py") + ":reward"])
+    assert result.exit_code == 0, result.output
+    [traj] = map(json.loads, out.read_text().splitlines())
+    assert (traj["status"], traj["error"], traj["reward"]) == ("completed", None, 1.0), traj["error"]
+    # the list is no reward: kept as the tool returned it, and said so
+    assert traj["tool_rewards"] == {}
+    assert traj["info"]["tool_reward_values"] == {"search": ["Doc 1(Title: France) Paris is the capital of France."]}
+    [warning] = traj["warnings"]
+    assert "calc_reward() of tool(s) 'search' returned no number (list)" in warning
+
+
+async def test_calc_reward_values_split_into_rewards_and_the_rest():
+    from turnrl.tools import split_tool_rewards
+
+    assert split_tool_rewards({"a": 1, "b": True, "c": 0.5, "d": [1.0], "e": None}) == (
+        {"a": 1.0, "b": 1.0, "c": 0.5}, {"d": [1.0], "e": None})
+
+
 FLAKY = '''
 from turnrl.compat.verl import BaseTool, ToolResponse
 

@@ -12,13 +12,15 @@ with `--tools tools.yaml`. The class keeps verl's lifecycle and signatures, sync
     __init__(config, tool_schema: OpenAIFunctionToolSchema)
     create(instance_id=None, **kwargs) -> (instance_id, ToolResponse)     (a bare instance id is accepted too)
     execute(instance_id, parameters, **kwargs) -> (ToolResponse, reward, metrics)
-    calc_reward(instance_id, **kwargs) -> float
+    calc_reward(instance_id, **kwargs) -> float (or anything: verl's SearchTool returns its list of results)
     release(instance_id, **kwargs)
 
 How turnrl runs it (`__turnrl_tool_spec__`, the hook turnrl.tools.ToolSpec.from_class looks for): the class is
 constructed once per process, as verl constructs it once per worker, and every trajectory gets its own instance
 id: `create` before the trajectory's first call of the tool, `execute` per call, `calc_reward` when the episode
-ends (its value reaches reward functions as `tool_rewards[name]`), `release` always, also after a failure. This is
+ends (a number reaches reward functions as `tool_rewards[name]`; any other value is no reward and is kept in the
+trajectory's `info["tool_reward_values"]` with a warning; verl-signature reward functions get every value in
+`extra_info["rollout_reward_scores"]`, as verl's reward managers pass them), `release` always, also after a failure. This is
 the lifecycle of verl's SGLang multi-turn path; verl's agent loop instead creates and releases around every
 call and never calls `calc_reward`. `create` receives the row's `tools_kwargs[name]["create_kwargs"]` (the
 row's column or verl's `extra_info.tools_kwargs`) both ways verl has passed it: as keyword arguments (the
@@ -200,7 +202,7 @@ class _TrajectoryTool:
     async def execute(self, arguments: dict[str, Any]) -> Any:
         return _turnrl_result(await call(self.tool.execute, self.instance_id, arguments))
 
-    async def calc_reward(self) -> float:
+    async def calc_reward(self) -> Any:
         return await call(self.tool.calc_reward, self.instance_id)
 
     async def release(self) -> None:
