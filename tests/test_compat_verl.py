@@ -231,8 +231,72 @@ def test_a_verl_reward_function_is_called_with_verls_arguments(verl_repo, monkey
     (verl_repo / "verl_score.py").write_text(textwrap.dedent(VERL_SCORE))
     script_the_cli(monkeypatch, qwen3_tokenizer, script)
     trajs = rollout(verl_repo, write_rows(verl_repo / "rows.jsonl", ROWS), "--reward", "verl_score.py:compute_score")
-    # solution_str is the final reply ("So the answer is #### 72"), ground_truth the row's reward_model.ground_truth
+    # solution_str ends with the final reply ("So the answer is #### 72"), ground_truth is the row's
+    # reward_model.ground_truth
     assert [(t["id"], t["reward"], t["reward_error"]) for t in trajs] == [("0-0", 1.0, None), ("1-0", 0.0, None)]
+
+
+# verl's examples/sglang_multiturn/gsm8k_toolcall_shaping/gsm8k_toolcall_shaping.py (its compute_score, import
+# changed), and verl-recipe retool/retool.py's use of extra_info["num_turns"]; the extra_info keys verl's reward
+# managers add (verl/workers/reward_manager/naive.py) are recorded.
+VERL_SHAPING = '''
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from turnrl.compat.verl.gsm8k import compute_score as gsm8k_compute_score
+
+
+def toolcall_shaping_reward(data_source: Optional[str], solution_str: str, ground_truth: str,
+                            extra_info: Optional[dict[str, Any]] = None, *, method: str = "strict",
+                            format_score: float = 0.1, score: float = 1.0, shaping_reward: float = 0.1,
+                            trigger_substring: str = "<tool_call>", **kwargs) -> float:
+    base = gsm8k_compute_score(solution_str, ground_truth, method, format_score, score)
+    bonus = shaping_reward if (trigger_substring and trigger_substring in solution_str) else 0.0
+    return float(base + bonus)
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    with Path(__file__).with_name("seen.jsonl").open("a") as f:
+        f.write(json.dumps({"solution_str": solution_str, "extra_info": extra_info}) + "\\n")
+    shaped = toolcall_shaping_reward(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
+                                     extra_info=extra_info)
+    return shaped - (extra_info["num_turns"] - 2) / 2 * 0.1  # retool's use of num_turns, sign flipped
+'''
+
+
+def test_verl_reward_functions_get_the_whole_response_and_verls_extra_info(verl_repo, monkeypatch, qwen3_tokenizer):
+    (verl_repo / "shaping.py").write_text(textwrap.dedent(VERL_SHAPING))
+    script_the_cli(monkeypatch, qwen3_tokenizer, script)
+    [traj] = rollout(verl_repo, write_rows(verl_repo / "rows.jsonl", ROWS[:1]), "--reward", "shaping.py:compute_score")
+    [seen] = map(json.loads, (verl_repo / "seen.jsonl").read_text().splitlines())
+    # solution_str: the response tokens decoded as verl's reward manager decodes them (skip_special_tokens=True):
+    # every model turn and the tool responses between them, so the shaping bonus sees the model's <tool_call>
+    assert seen["solution_str"] == qwen3_tokenizer.decode(traj["response_ids"], skip_special_tokens=True)
+    assert seen["solution_str"].count("<tool_call>") == 2 and "submit_answer got answer=72" in seen["solution_str"]
+    assert seen["solution_str"].endswith("So the answer is #### 72")
+    # extra_info: the row's, plus verl's num_turns (prompt + 3 model turns + 2 tool responses, as verl's
+    # ToolAgentLoop counts user_turns + assistant_turns + 1) and rollout_reward_scores (calc_reward by tool)
+    assert seen["extra_info"]["split"] == "train" and seen["extra_info"]["index"] == 0
+    assert (seen["extra_info"]["num_turns"], seen["extra_info"]["rollout_reward_scores"]) == (6, {"submit_answer": 1.0})
+    assert traj["reward"] == pytest.approx(1.0 + 0.1 - 0.2)
+    assert "num_turns" not in traj["sample"]["extra_info"]  # the row itself is unchanged
+
+
+def test_verl_counts_a_single_reply_as_two_turns(tmp_path, qwen3_tokenizer):
+    from turnrl.compat.verl import reward_arguments
+    from turnrl.types import Segment, SegmentSource, Trajectory
+
+    reply = qwen3_tokenizer("#### 3<|im_end|>")["input_ids"]
+    traj = Trajectory("t", "g", 0, [1, 2], [Segment(SegmentSource.MODEL, reply, [1] * len(reply), [-0.1] * len(reply), 1)],
+                      num_turns=1, sample={"reward_model": {"ground_truth": "3"}})
+    names = reward_arguments(traj, qwen3_tokenizer)
+    assert names == {"solution_str": "#### 3", "ground_truth": "3",
+                     "extra_info": {"num_turns": 2, "rollout_reward_scores": {}}}
+    # every tool's calc_reward value, as returned (verl's SearchTool: a list), is in rollout_reward_scores
+    traj.tool_rewards, traj.info["tool_reward_values"] = {"check": 1.0}, {"search": ["doc"]}
+    assert reward_arguments(traj)["extra_info"]["rollout_reward_scores"] == {"check": 1.0, "search": ["doc"]}
+    assert "solution_str" not in reward_arguments(traj)  # no tokenizer: no decoded response
 
 
 # The shape of verl's own verl/tools/search_tool.py (and sandbox_fusion_tools.py, mcp_base_tool.py): the instance's
