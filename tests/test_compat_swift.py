@@ -217,3 +217,81 @@ def test_messages_rows():
         prompt_messages({"messages": [{"from": "human"}]})
     with pytest.raises(DataError, match="missing field 'prompt' .* or 'messages'"):
         prompt_messages({"question": "?"})
+
+
+# ms-swift's examples/train/grpo/plugin/deepeyes/deepeyes_plugin.py (VisualToolBoxScheduler.step): the tool's cropped
+# image is appended to infer_request.images, the new user message carries an '<image>' tag where it goes, and
+# rollout_infos['images'] overrides the sample's images.
+IMAGE_STEP_PLUGIN = '''
+from PIL import Image
+
+from turnrl.compat.swift import MultiTurnScheduler, multi_turns
+
+
+class ZoomScheduler(MultiTurnScheduler):
+    def check_finished(self, infer_request, response_choice, current_turn):
+        return current_turn >= 2
+
+    def step(self, infer_request, response_choice, current_turn):
+        cropped_img = Image.new("RGB", (56, 56), (0, 0, 255))
+        query = "<tool_response>" + "<image>" + "Here is the zoomed region." + "</tool_response>"
+        infer_request.messages.append({"role": "user", "content": query})
+        infer_request.images.append(cropped_img)
+        return {"infer_request": infer_request, "rollout_infos": {"images": infer_request.images}}
+
+
+class TwoImagesOneTag(ZoomScheduler):
+    def step(self, infer_request, response_choice, current_turn):
+        infer_request.messages.append({"role": "user", "content": "<image>"})
+        infer_request.images += [Image.new("RGB", (56, 56)), Image.new("RGB", (56, 56), (9, 9, 9))]
+        return {"infer_request": infer_request}
+
+
+multi_turns["zoom_c13"] = ZoomScheduler
+multi_turns["two_images_c13"] = TwoImagesOneTag
+'''
+
+
+def image_rollout(tmp_path, monkeypatch, scheduler: str) -> dict:
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from turnrl.models import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("tiny-qwen3-vl"))
+    script_the_cli(monkeypatch, tokenizer, lambda rid, turn, prompt: "zoom in" if turn == 1 else "blue")
+    Image.new("RGB", (56, 56), (255, 0, 0)).save(tmp_path / "pic.png")
+    (tmp_path / "plugin.py").write_text(textwrap.dedent(IMAGE_STEP_PLUGIN))
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "<image>colour?"}],
+                                "images": [str(tmp_path / "pic.png")]}) + "\n")
+    out = tmp_path / "out.jsonl"
+    result = runner.invoke(app, ["rollout", "--model", "tiny-qwen3-vl", "--data", str(data), "--out", str(out),
+                                 "--plugin", str(tmp_path / "plugin.py"), "--scheduler", scheduler,
+                                 "--max-turns", "3", "--max-new-tokens", "16", "--sanity-check", "ignore_strippable"])
+    assert result.exit_code == 0, result.output
+    [traj] = map(json.loads, out.read_text().splitlines())
+    return traj
+
+
+def test_a_step_that_appends_an_image_with_an_image_tag_shows_it_to_the_model(tmp_path, monkeypatch):
+    traj = image_rollout(tmp_path, monkeypatch, "zoom_c13")
+    assert (traj["status"], traj["error"], traj["num_turns"]) == ("completed", None, 2)
+    # the tag became an image part of the new message, where ms-swift's template puts the image
+    observation = next(m for m in traj["messages"][2:] if m["role"] == "user")
+    assert [p["type"] for p in observation["content"]] == ["text", "image", "text"]
+    assert observation["content"][0]["text"] == "<tool_response>"
+    # both images are in the token stream: the prompt's and the step's (an image pad run in the observation)
+    assert len(traj["images"]) == 2 and traj["images"][0].endswith("pic.png")
+    assert traj["images"][1].startswith("sha256:")
+    pad = 151655  # Qwen-VL's <|image_pad|>
+    observed = [t for t, m in zip(traj["response_ids"], traj["loss_mask"], strict=True) if m == 0]
+    assert pad in observed and "<image>" not in json.dumps(traj["messages"])
+    # rollout_infos['images'] (ms-swift's override of the sample's images) is kept as the images' references
+    assert traj["rollout_infos"]["images"] == traj["images"]
+
+
+def test_new_images_without_a_tag_each_fail_with_a_clear_error(tmp_path, monkeypatch):
+    traj = image_rollout(tmp_path, monkeypatch, "two_images_c13")
+    assert traj["status"] == "failed"
+    assert "step() appended 2 image(s) to request.images, but the messages it added have 1 '<image>' tags" in traj["error"]
