@@ -4,6 +4,7 @@ loaded from a verl tool-config YAML, on rows as verl's preprocessing scripts wri
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import textwrap
@@ -466,3 +467,89 @@ def test_geo3k_score():
     assert geo3k.compute_score("<think>r</think> \\boxed{3}", "3") == pytest.approx(1.0)
     assert geo3k.compute_score("\\boxed{3}", "3") == pytest.approx(0.9)
     assert geo3k.compute_score("<think>r</think> \\boxed{4}", "3") == pytest.approx(0.1)
+
+
+# ---- interactions ----------------------------------------------------------------------------------------
+# verl/interactions/gsm8k_interaction.py (imports changed) and its interaction-config YAML
+# (examples/sglang_multiturn/config/interaction_config/gsm8k_interaction_config.yaml, class_name pointing here).
+GSM8K_INTERACTION = '''
+from typing import Any, Optional
+from uuid import uuid4
+
+from turnrl.compat.verl import BaseInteraction, gsm8k
+
+LIVE = {}
+
+
+class Gsm8kInteraction(BaseInteraction):
+    def __init__(self, config: dict):
+        super().__init__(config)
+        self._instance_dict = LIVE
+
+    async def start_interaction(self, instance_id: Optional[str] = None, ground_truth: Optional[str] = None,
+                                **kwargs) -> str:
+        if instance_id is None:
+            instance_id = str(uuid4())
+        self._instance_dict[instance_id] = {"response": "", "ground_truth": ground_truth, "reward": 0.0}
+        return instance_id
+
+    async def generate_response(self, instance_id: str, messages: list[dict[str, Any]], **kwargs
+                                ) -> tuple[bool, str, float, dict]:
+        content = ""
+        for i in range(len(messages) - 1, -1, -1):
+            item = messages[i]
+            if item.get("role") == "assistant":
+                content = item.get("content")
+                break
+        self._instance_dict[instance_id]["response"] = content
+        reward = await self.calculate_score(instance_id)
+        if reward == 1.0:
+            response = "Your response is correct!"
+            should_terminate_sequence = True
+        else:
+            response = "Your response is incorrect! You need to reflect on your answer and try again."
+            should_terminate_sequence = False
+        return should_terminate_sequence, response, reward, {}
+
+    async def calculate_score(self, instance_id: str, **kwargs) -> float:
+        return gsm8k.compute_score(self._instance_dict[instance_id]["response"],
+                                   self._instance_dict[instance_id]["ground_truth"], method="strict",
+                                   format_score=0.0, score=1.0)
+
+    async def finalize_interaction(self, instance_id: str, **kwargs) -> None:
+        del self._instance_dict[instance_id]
+'''
+INTERACTION_CONFIG = '''
+interaction:
+  - name: "gsm8k"
+    class_name: "verlrepo_i13.gsm8k_interaction.Gsm8kInteraction"
+    config: {}
+'''
+
+
+def test_a_verl_interaction_runs_with_its_config_yaml_on_verls_rows(tmp_path, monkeypatch, qwen3_tokenizer):
+    package = tmp_path / "verlrepo_i13"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "gsm8k_interaction.py").write_text(textwrap.dedent(GSM8K_INTERACTION))
+    (tmp_path / "interaction_config.yaml").write_text(textwrap.dedent(INTERACTION_CONFIG))
+    monkeypatch.chdir(tmp_path)
+    script_the_cli(monkeypatch, qwen3_tokenizer, lambda rid, turn, prompt: "#### 5" if turn == 1 else "#### 72")
+    rows = copy.deepcopy(ROWS)
+    for row in rows:  # as gsm8k_multiturn_w_interaction.py writes them: no agent_name, the interaction's name
+        del row["agent_name"]
+        row["extra_info"]["interaction_kwargs"]["name"] = "gsm8k"
+    out = tmp_path / "out.jsonl"
+    data = write_rows(tmp_path / "rows.jsonl", rows)
+    result = runner.invoke(app, ["rollout", "--model", "tiny-qwen3", "--data", str(data), "--out", str(out), "--env", "turnrl.compat.verl.interaction", "--custom-config",
+                                 "interaction_config.yaml", "--max-turns", "3", "--max-new-tokens", "16",
+                                 "--reward", "env_last"])
+    assert result.exit_code == 0, result.output
+    right, wrong = sorted(map(json.loads, out.read_text().splitlines()), key=lambda t: t["id"])
+    # row 0 (72): wrong, told so, then right: the interaction ends it; row 1 (10) never gets it right
+    assert (right["termination_reason"], right["turn_rewards"], right["reward"]) == ("env_done", [0.0, 1.0], 1.0)
+    assert [m["content"] for m in right["messages"] if m["role"] == "user"][1:] == [
+        "Your response is incorrect! You need to reflect on your answer and try again."]
+    assert (wrong["termination_reason"], wrong["turn_rewards"], wrong["reward"]) == ("max_turns", [0.0] * 3, 0.0)
+    # start_interaction got the row's interaction_kwargs; finalize_interaction released every instance
+    assert sys.modules["verlrepo_i13.gsm8k_interaction"].LIVE == {}

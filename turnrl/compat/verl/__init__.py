@@ -5,6 +5,9 @@
                                              →  from turnrl.compat.verl import OpenAIFunctionToolSchema, ToolResponse
     from verl.utils.rollout_trace import rollout_trace_op   →  from turnrl.compat.verl import rollout_trace_op
     from verl.utils.reward_score import gsm8k               →  from turnrl.compat.verl import gsm8k   (also geo3k)
+    from verl.interactions.base import BaseInteraction      →  from turnrl.compat.verl import BaseInteraction
+                                                               (run with --env turnrl.compat.verl.interaction:
+                                                               turnrl.compat.verl.interaction)
 
 A verl tool-config YAML (`tools: [{class_name, config, tool_schema}]`) whose `class_name` names such a class loads
 with `--tools tools.yaml`. The class keeps verl's lifecycle and signatures, sync or async:
@@ -267,7 +270,10 @@ def verl_num_turns(traj: Trajectory) -> int:
     return 1 + traj.num_turns + len(observed)
 
 
+from turnrl.compat.verl.interaction import BaseInteraction  # noqa: E402 (it imports nothing of this module)
+
 __all__ = [
+    "BaseInteraction",
     "BaseTool",
     "OpenAIFunctionCallSchema",
     "OpenAIFunctionParametersSchema",
