@@ -185,6 +185,77 @@ def test_an_env_error_names_the_missing_args_key(tmp_path, monkeypatch, qwen3_to
 
 
 # ---- the pieces ----------------------------------------------------------------------------------------
+# slime's --custom-rm-path contract (slime/rollout/rm_hub: `await rm_function(args, sample, **kwargs)`, batched
+# `(args, samples)`), written as slime's examples/search-r1 and retool reward functions are: they read
+# sample.prompt + sample.response, sample.label, and check the type.
+SLIME_RM = '''
+import json
+from pathlib import Path
+
+from turnrl.compat.slime import Sample
+
+SEEN = Path(__file__).with_name("seen.jsonl")
+
+
+async def reward_func(args, sample, **kwargs):
+    if not isinstance(sample, Sample):
+        raise TypeError("Sample must be an instance of Sample class.")
+    with SEEN.open("a") as f:
+        f.write(json.dumps({"id": sample.session_id, "prompt": sample.prompt, "response": sample.response,
+                            "label": sample.label, "status": sample.status.value, "tokens": len(sample.tokens),
+                            "response_length": sample.response_length, "metadata": sample.metadata,
+                            "custom_rm_path": args.custom_rm_path, "partial_rollout": args.partial_rollout}) + "\\n")
+    return float(f'"answer": "{sample.label}"' in sample.response)
+
+
+def batched_reward(args, samples, **kwargs):
+    return [float(s.label in s.response) for s in samples]
+'''
+
+
+def test_a_slime_reward_function_gets_args_and_the_finished_sample(tmp_path, monkeypatch, qwen3_tokenizer):
+    config = slime_repo(tmp_path, max_turns=3)
+    (tmp_path / "slime_rm.py").write_text(textwrap.dedent(SLIME_RM))
+    monkeypatch.chdir(tmp_path)
+    script_the_cli(monkeypatch, qwen3_tokenizer, script)
+    trajs = run_cli(tmp_path, "--custom-config", str(config), "--reward", "slime_rm.py:reward_func")
+    seen = {r["id"]: r for r in map(json.loads, (tmp_path / "seen.jsonl").read_text().splitlines())}
+    assert sorted(seen) == sorted(trajs)
+    # row `label` answered 5 three times (label 4); row `answer` answered 6, then 7 (its label, from `answer`)
+    assert {k: t["reward"] for k, t in trajs.items()} == {"label-0": 0.0, "label-1": 0.0, "answer-0": 1.0,
+                                                          "answer-1": 1.0}
+    wrong, right = seen["label-0"], seen["answer-0"]
+    assert (wrong["label"], right["label"]) == ("4", "7")
+    # the prompt as text with the chat template applied, the response all of it after the prompt: every model
+    # turn and the env's feedback between them (special tokens dropped), as slime's sample.response holds it
+    assert right["prompt"].startswith("<|im_start|>user\nWhat is 3+4?") and right["prompt"].endswith(
+        "<|im_start|>assistant\n")
+    assert right["response"].count("<tool_call>") == 2 and "6 is wrong, turn 1 of 3" in right["response"]
+    assert "<|im_end|>" not in right["response"]
+    traj = trajs["answer-0"]
+    assert (right["tokens"], right["response_length"]) == (len(traj["prompt_ids"]) + len(traj["response_ids"]),
+                                                           len(traj["response_ids"]))
+    assert (right["status"], right["metadata"]) == ("completed", {"expect_label": "7"})
+    assert (right["custom_rm_path"], right["partial_rollout"]) == ("slime_rm.py:reward_func", False)
+
+
+def test_a_batched_slime_reward_function_and_slimes_label_key(tmp_path, monkeypatch, qwen3_tokenizer):
+    config = slime_repo(tmp_path, max_turns=2)
+    config.write_text(config.read_text() + "label_key: expected\n")  # slime's --label-key, in the custom config
+    (tmp_path / "slime_rm.py").write_text(textwrap.dedent(SLIME_RM))
+    monkeypatch.chdir(tmp_path)
+    script_the_cli(monkeypatch, qwen3_tokenizer, script)
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"id": "label", "prompt": "What is 2+3?", "expected": "5"}) + "\n")  # answers 5
+    out = tmp_path / "out.jsonl"
+    result = runner.invoke(app, ["rollout", "--model", "tiny-qwen3", "--data", str(data), "--out", str(out),
+                                 "--custom-config", str(config), "--max-new-tokens", "64",
+                                 "--reward", "slime_rm.py:batched_reward"])
+    assert result.exit_code == 0, result.output
+    [traj] = map(json.loads, out.read_text().splitlines())
+    assert (traj["reward"], traj["reward_error"]) == (1.0, None)  # the env's label_key reached sample.label
+
+
 def test_sample_reads_like_a_row_and_like_slimes_sample():
     row = {"prompt": "q", "answer": "7", "metadata": {"k": 1}, "id": "r"}
     sample = Sample.from_row(row)

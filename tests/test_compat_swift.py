@@ -13,7 +13,12 @@ from fakes import script_the_cli
 from typer.testing import CliRunner
 
 from turnrl.cli import app
-from turnrl.compat.swift import ChatCompletionResponseChoice, MultiTurnScheduler, multi_turns
+from turnrl.compat.swift import (
+    ChatCompletionResponseChoice,
+    MultiTurnScheduler,
+    ThinkingModelTipsScheduler,
+    multi_turns,
+)
 from turnrl.data import DataError, prompt_messages
 from turnrl.types import FinishReason, SegmentSource, Trajectory, Turn
 
@@ -217,3 +222,169 @@ def test_messages_rows():
         prompt_messages({"messages": [{"from": "human"}]})
     with pytest.raises(DataError, match="missing field 'prompt' .* or 'messages'"):
         prompt_messages({"question": "?"})
+
+
+# ms-swift's examples/train/grpo/plugin/deepeyes/deepeyes_plugin.py (VisualToolBoxScheduler.step): the tool's cropped
+# image is appended to infer_request.images, the new user message carries an '<image>' tag where it goes, and
+# rollout_infos['images'] overrides the sample's images.
+IMAGE_STEP_PLUGIN = '''
+from PIL import Image
+
+from turnrl.compat.swift import MultiTurnScheduler, multi_turns
+
+
+class ZoomScheduler(MultiTurnScheduler):
+    def check_finished(self, infer_request, response_choice, current_turn):
+        return current_turn >= 2
+
+    def step(self, infer_request, response_choice, current_turn):
+        cropped_img = Image.new("RGB", (56, 56), (0, 0, 255))
+        query = "<tool_response>" + "<image>" + "Here is the zoomed region." + "</tool_response>"
+        infer_request.messages.append({"role": "user", "content": query})
+        infer_request.images.append(cropped_img)
+        return {"infer_request": infer_request, "rollout_infos": {"images": infer_request.images}}
+
+
+class TwoImagesOneTag(ZoomScheduler):
+    def step(self, infer_request, response_choice, current_turn):
+        infer_request.messages.append({"role": "user", "content": "<image>"})
+        infer_request.images += [Image.new("RGB", (56, 56)), Image.new("RGB", (56, 56), (9, 9, 9))]
+        return {"infer_request": infer_request}
+
+
+multi_turns["zoom_c13"] = ZoomScheduler
+multi_turns["two_images_c13"] = TwoImagesOneTag
+'''
+
+
+def image_rollout(tmp_path, monkeypatch, scheduler: str) -> dict:
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from turnrl.models import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("tiny-qwen3-vl"))
+    script_the_cli(monkeypatch, tokenizer, lambda rid, turn, prompt: "zoom in" if turn == 1 else "blue")
+    Image.new("RGB", (56, 56), (255, 0, 0)).save(tmp_path / "pic.png")
+    (tmp_path / "plugin.py").write_text(textwrap.dedent(IMAGE_STEP_PLUGIN))
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "<image>colour?"}],
+                                "images": [str(tmp_path / "pic.png")]}) + "\n")
+    out = tmp_path / "out.jsonl"
+    result = runner.invoke(app, ["rollout", "--model", "tiny-qwen3-vl", "--data", str(data), "--out", str(out),
+                                 "--plugin", str(tmp_path / "plugin.py"), "--scheduler", scheduler,
+                                 "--max-turns", "3", "--max-new-tokens", "16", "--sanity-check", "ignore_strippable"])
+    assert result.exit_code == 0, result.output
+    [traj] = map(json.loads, out.read_text().splitlines())
+    return traj
+
+
+def test_a_step_that_appends_an_image_with_an_image_tag_shows_it_to_the_model(tmp_path, monkeypatch):
+    traj = image_rollout(tmp_path, monkeypatch, "zoom_c13")
+    assert (traj["status"], traj["error"], traj["num_turns"]) == ("completed", None, 2)
+    # the tag became an image part of the new message, where ms-swift's template puts the image
+    observation = next(m for m in traj["messages"][2:] if m["role"] == "user")
+    assert [p["type"] for p in observation["content"]] == ["text", "image", "text"]
+    assert observation["content"][0]["text"] == "<tool_response>"
+    # both images are in the token stream: the prompt's and the step's (an image pad run in the observation)
+    assert len(traj["images"]) == 2 and traj["images"][0].endswith("pic.png")
+    assert traj["images"][1].startswith("sha256:")
+    pad = 151655  # Qwen-VL's <|image_pad|>
+    observed = [t for t, m in zip(traj["response_ids"], traj["loss_mask"], strict=True) if m == 0]
+    assert pad in observed and "<image>" not in json.dumps(traj["messages"])
+    # rollout_infos['images'] (ms-swift's override of the sample's images) is kept as the images' references
+    assert traj["rollout_infos"]["images"] == traj["images"]
+
+
+def test_new_images_without_a_tag_each_fail_with_a_clear_error(tmp_path, monkeypatch):
+    traj = image_rollout(tmp_path, monkeypatch, "two_images_c13")
+    assert traj["status"] == "failed"
+    assert "step() appended 2 image(s) to request.images, but the messages it added have 1 '<image>' tags" in traj["error"]
+
+
+# User plugins subclassing ms-swift's built-in schedulers (swift/rollout/multi_turn.py), as ms-swift documents them:
+# class attributes and hooks overridden, the constructor's `acc_function=` keyword.
+TIPS_PLUGIN = '''
+from turnrl.compat.swift import (MathTipsScheduler, RolloutScheduler, ThinkingModelTipsScheduler, get_logger,
+                                 multi_turns)
+
+
+class ShortTips(MathTipsScheduler):
+    tips_prompt = " Hmm, wait,"
+
+
+class SecondChance(ThinkingModelTipsScheduler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, acc_function=lambda completions, solutions: [
+            float(c.endswith(s)) for c, s in zip(completions, solutions)], **kwargs)
+
+
+class Judged(RolloutScheduler):
+    async def on_turn_end(self, infer_request, response_choice, current_turn):
+        return {"reward": float("4" in response_choice.message.content), "rollout_infos": {"judged": current_turn}}
+
+
+multi_turns["short_tips_c13"] = ShortTips
+multi_turns["second_chance_c13"] = SecondChance
+multi_turns["judged_c13"] = Judged
+'''
+
+
+def tips_rollout(tmp_path, monkeypatch, qwen3_tokenizer, scheduler, replies) -> list[dict]:
+    script = replies if callable(replies) else (lambda rid, turn, prompt: replies[turn - 1])
+    engines = script_the_cli(monkeypatch, qwen3_tokenizer, script)
+    (tmp_path / "tips_plugin.py").write_text(textwrap.dedent(TIPS_PLUGIN))
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "2+2?"}], "solution": "4"}) + "\n")
+    out = tmp_path / "out.jsonl"
+    result = runner.invoke(app, ["rollout", "--model", "tiny-qwen3", "--data", str(data), "--out", str(out),
+                                 "--plugin", str(tmp_path / "tips_plugin.py"), "--scheduler", scheduler,
+                                 "--max-turns", "4", "--max-new-tokens", "48"])
+    assert result.exit_code == 0, result.output
+    trajs = sorted(map(json.loads, out.read_text().splitlines()), key=lambda t: t["id"])
+    assert sum(len(e.calls) for e in engines) == sum(t["num_turns"] for t in trajs)
+    return trajs
+
+
+def test_a_math_tips_scheduler_subclass_cuts_before_the_answer_and_appends_its_tip(tmp_path, monkeypatch,
+                                                                                   qwen3_tokenizer):
+    [traj] = tips_rollout(tmp_path, monkeypatch, qwen3_tokenizer, "short_tips_c13",
+                          ["<think>2+2=5</think><answer>\\boxed{5}</answer>", " it is 4</think><answer>4</answer>"])
+    assert (traj["status"], traj["error"], traj["num_turns"]) == ("completed", None, 2)
+    # one assistant message: the reply up to its </think>, the tip, the continuation
+    assert traj["messages"][-1] == {"role": "assistant",
+                                    "content": "<think>2+2=5 Hmm, wait, it is 4</think><answer>4</answer>"}
+    # the tip's tokens are in the stream with mask 0; the model's own tokens before and after it with mask 1
+    tip_ids = qwen3_tokenizer(" Hmm, wait,", add_special_tokens=False)["input_ids"]
+    ids, mask = traj["response_ids"], traj["loss_mask"]
+    start = next(i for i in range(len(ids)) if ids[i:i + len(tip_ids)] == tip_ids)
+    assert mask[start:start + len(tip_ids)] == [0] * len(tip_ids) and mask[start - 1] == mask[start + len(tip_ids)] == 1
+    assert "<answer>\\boxed{5}" not in qwen3_tokenizer.decode(ids)  # the cut part never reached the stream
+
+
+def test_a_thinking_tips_subclass_asks_again_once_with_earlier_reasoning_dropped(tmp_path, monkeypatch,
+                                                                                qwen3_tokenizer):
+    def script(request_id, turn, prompt):  # the second round is a new sample: its own request id
+        return "<think>check</think>4" if "recheck" in prompt else "<think>guess</think>5"
+
+    first, second = tips_rollout(tmp_path, monkeypatch, qwen3_tokenizer, "second_chance_c13", script)
+    assert [t["num_turns"] for t in (first, second)] == [1, 1]  # one sample per round, as ms-swift returns them
+    assert second["messages"][1:] == [
+        {"role": "assistant", "content": "5"},  # the earlier reply without its <think> block
+        {"role": "user", "content": ThinkingModelTipsScheduler.tips_prompt},
+        {"role": "assistant", "content": "<think>check</think>4"}]  # right (the subclass's acc_function): it ends
+
+
+def test_a_rollout_scheduler_subclass_takes_one_turn_with_its_hooks(tmp_path, monkeypatch, qwen3_tokenizer):
+    [traj] = tips_rollout(tmp_path, monkeypatch, qwen3_tokenizer, "judged_c13", ["4", "never asked"])
+    assert (traj["num_turns"], traj["turn_rewards"], traj["rollout_infos"]["judged"]) == (1, [1.0], 1)
+
+
+def test_ms_swifts_scheduler_classes_subclass_as_in_ms_swift():
+    from turnrl.compat.swift import GYMScheduler, MathTipsScheduler, RolloutScheduler
+
+    assert issubclass(MultiTurnScheduler, RolloutScheduler) and issubclass(GYMScheduler, MultiTurnScheduler)
+    assert issubclass(MathTipsScheduler, MultiTurnScheduler) and issubclass(ThinkingModelTipsScheduler,
+                                                                            MultiTurnScheduler)
+    assert MathTipsScheduler.tips_prompt == "But wait... It seems I made a mistake,"  # ms-swift's
+    assert MathTipsScheduler(None, 3).max_turns == 3

@@ -4,6 +4,7 @@ loaded from a verl tool-config YAML, on rows as verl's preprocessing scripts wri
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import textwrap
@@ -231,8 +232,141 @@ def test_a_verl_reward_function_is_called_with_verls_arguments(verl_repo, monkey
     (verl_repo / "verl_score.py").write_text(textwrap.dedent(VERL_SCORE))
     script_the_cli(monkeypatch, qwen3_tokenizer, script)
     trajs = rollout(verl_repo, write_rows(verl_repo / "rows.jsonl", ROWS), "--reward", "verl_score.py:compute_score")
-    # solution_str is the final reply ("So the answer is #### 72"), ground_truth the row's reward_model.ground_truth
+    # solution_str ends with the final reply ("So the answer is #### 72"), ground_truth is the row's
+    # reward_model.ground_truth
     assert [(t["id"], t["reward"], t["reward_error"]) for t in trajs] == [("0-0", 1.0, None), ("1-0", 0.0, None)]
+
+
+# verl's examples/sglang_multiturn/gsm8k_toolcall_shaping/gsm8k_toolcall_shaping.py (its compute_score, import
+# changed), and verl-recipe retool/retool.py's use of extra_info["num_turns"]; the extra_info keys verl's reward
+# managers add (verl/workers/reward_manager/naive.py) are recorded.
+VERL_SHAPING = '''
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from turnrl.compat.verl.gsm8k import compute_score as gsm8k_compute_score
+
+
+def toolcall_shaping_reward(data_source: Optional[str], solution_str: str, ground_truth: str,
+                            extra_info: Optional[dict[str, Any]] = None, *, method: str = "strict",
+                            format_score: float = 0.1, score: float = 1.0, shaping_reward: float = 0.1,
+                            trigger_substring: str = "<tool_call>", **kwargs) -> float:
+    base = gsm8k_compute_score(solution_str, ground_truth, method, format_score, score)
+    bonus = shaping_reward if (trigger_substring and trigger_substring in solution_str) else 0.0
+    return float(base + bonus)
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    with Path(__file__).with_name("seen.jsonl").open("a") as f:
+        f.write(json.dumps({"solution_str": solution_str, "extra_info": extra_info}) + "\\n")
+    shaped = toolcall_shaping_reward(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
+                                     extra_info=extra_info)
+    return shaped - (extra_info["num_turns"] - 2) / 2 * 0.1  # retool's use of num_turns, sign flipped
+'''
+
+
+def test_verl_reward_functions_get_the_whole_response_and_verls_extra_info(verl_repo, monkeypatch, qwen3_tokenizer):
+    (verl_repo / "shaping.py").write_text(textwrap.dedent(VERL_SHAPING))
+    script_the_cli(monkeypatch, qwen3_tokenizer, script)
+    [traj] = rollout(verl_repo, write_rows(verl_repo / "rows.jsonl", ROWS[:1]), "--reward", "shaping.py:compute_score")
+    [seen] = map(json.loads, (verl_repo / "seen.jsonl").read_text().splitlines())
+    # solution_str: the response tokens decoded as verl's reward manager decodes them (skip_special_tokens=True):
+    # every model turn and the tool responses between them, so the shaping bonus sees the model's <tool_call>
+    assert seen["solution_str"] == qwen3_tokenizer.decode(traj["response_ids"], skip_special_tokens=True)
+    assert seen["solution_str"].count("<tool_call>") == 2 and "submit_answer got answer=72" in seen["solution_str"]
+    assert seen["solution_str"].endswith("So the answer is #### 72")
+    # extra_info: the row's, plus verl's num_turns (prompt + 3 model turns + 2 tool responses, as verl's
+    # ToolAgentLoop counts user_turns + assistant_turns + 1) and rollout_reward_scores (calc_reward by tool)
+    assert seen["extra_info"]["split"] == "train" and seen["extra_info"]["index"] == 0
+    assert (seen["extra_info"]["num_turns"], seen["extra_info"]["rollout_reward_scores"]) == (6, {"submit_answer": 1.0})
+    assert traj["reward"] == pytest.approx(1.0 + 0.1 - 0.2)
+    assert "num_turns" not in traj["sample"]["extra_info"]  # the row itself is unchanged
+
+
+def test_verl_counts_a_single_reply_as_two_turns(tmp_path, qwen3_tokenizer):
+    from turnrl.compat.verl import reward_arguments
+    from turnrl.types import Segment, SegmentSource, Trajectory
+
+    reply = qwen3_tokenizer("#### 3<|im_end|>")["input_ids"]
+    traj = Trajectory("t", "g", 0, [1, 2], [Segment(SegmentSource.MODEL, reply, [1] * len(reply), [-0.1] * len(reply), 1)],
+                      num_turns=1, sample={"reward_model": {"ground_truth": "3"}})
+    names = reward_arguments(traj, qwen3_tokenizer)
+    assert names == {"solution_str": "#### 3", "ground_truth": "3",
+                     "extra_info": {"num_turns": 2, "rollout_reward_scores": {}}}
+    # every tool's calc_reward value, as returned (verl's SearchTool: a list), is in rollout_reward_scores
+    traj.tool_rewards, traj.info["tool_reward_values"] = {"check": 1.0}, {"search": ["doc"]}
+    assert reward_arguments(traj)["extra_info"]["rollout_reward_scores"] == {"check": 1.0, "search": ["doc"]}
+    assert "solution_str" not in reward_arguments(traj)  # no tokenizer: no decoded response
+
+
+# The shape of verl's own verl/tools/search_tool.py (and sandbox_fusion_tools.py, mcp_base_tool.py): the instance's
+# "reward" is a list the tool appends its results to, and calc_reward returns that list; verl never scores it.
+SEARCH = '''
+from uuid import uuid4
+
+from turnrl.compat.verl import BaseTool, ToolResponse
+
+
+class SearchTool(BaseTool):
+    def __init__(self, config, tool_schema):
+        super().__init__(config, tool_schema)
+        self._instance_dict = {}
+
+    async def create(self, instance_id=None, **kwargs):
+        if instance_id is None:
+            instance_id = str(uuid4())
+        self._instance_dict[instance_id] = {"response": "", "ground_truth": kwargs.get("ground_truth"), "reward": []}
+        return instance_id, ToolResponse()
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        result_text = f"Doc 1(Title: {parameters['query']}) Paris is the capital of France."
+        self._instance_dict[instance_id]["reward"].append(result_text.strip())
+        return ToolResponse(text=result_text), 0.0, {"status": "success"}
+
+    async def calc_reward(self, instance_id: str, **kwargs) -> str:
+        return self._instance_dict[instance_id]["reward"]
+
+    async def release(self, instance_id: str, **kwargs) -> None:
+        del self._instance_dict[instance_id]
+'''
+SEARCH_CONFIG = '''
+tools:
+  - class_name: search_tool.py:SearchTool
+    config: {type: native}
+    tool_schema: {type: function, function: {name: search, description: Search the web.,
+                  parameters: {type: object, properties: {query: {type: string}}, required: [query]}}}
+'''
+
+
+def test_a_verl_tool_whose_calc_reward_returns_a_list_does_not_fail_the_trajectory(tmp_path, monkeypatch,
+                                                                                   qwen3_tokenizer):
+    (tmp_path / "search_tool.py").write_text(textwrap.dedent(SEARCH))
+    (tmp_path / "tools.yaml").write_text(textwrap.dedent(SEARCH_CONFIG))
+    (tmp_path / "reward.py").write_text("def reward(response, tool_rewards):\n"
+                                        "    return float('Paris' in response) + sum(tool_rewards.values())\n")
+    script_the_cli(monkeypatch, qwen3_tokenizer, lambda rid, turn, prompt: tool_call("search", query="France")
+                   if turn == 1 else "Paris")
+    data = write_rows(tmp_path / "rows.jsonl", [{"prompt": "Capital of France?", "agent_name": "tool_agent"}])
+    out = tmp_path / "out.jsonl"
+    result = runner.invoke(app, ["rollout", "--model", "tiny-qwen3", "--data", str(data), "--out", str(out),
+                                 "--tools", str(tmp_path / "tools.yaml"), "--max-new-tokens", "32",
+                                 "--reward", str(tmp_path / "reward.py") + ":reward"])
+    assert result.exit_code == 0, result.output
+    [traj] = map(json.loads, out.read_text().splitlines())
+    assert (traj["status"], traj["error"], traj["reward"]) == ("completed", None, 1.0), traj["error"]
+    # the list is no reward: kept as the tool returned it, and said so
+    assert traj["tool_rewards"] == {}
+    assert traj["info"]["tool_reward_values"] == {"search": ["Doc 1(Title: France) Paris is the capital of France."]}
+    [warning] = traj["warnings"]
+    assert "calc_reward() of tool(s) 'search' returned no number (list)" in warning
+
+
+async def test_calc_reward_values_split_into_rewards_and_the_rest():
+    from turnrl.tools import split_tool_rewards
+
+    assert split_tool_rewards({"a": 1, "b": True, "c": 0.5, "d": [1.0], "e": None}) == (
+        {"a": 1.0, "b": 1.0, "c": 0.5}, {"d": [1.0], "e": None})
 
 
 FLAKY = '''
@@ -333,3 +467,89 @@ def test_geo3k_score():
     assert geo3k.compute_score("<think>r</think> \\boxed{3}", "3") == pytest.approx(1.0)
     assert geo3k.compute_score("\\boxed{3}", "3") == pytest.approx(0.9)
     assert geo3k.compute_score("<think>r</think> \\boxed{4}", "3") == pytest.approx(0.1)
+
+
+# ---- interactions ----------------------------------------------------------------------------------------
+# verl/interactions/gsm8k_interaction.py (imports changed) and its interaction-config YAML
+# (examples/sglang_multiturn/config/interaction_config/gsm8k_interaction_config.yaml, class_name pointing here).
+GSM8K_INTERACTION = '''
+from typing import Any, Optional
+from uuid import uuid4
+
+from turnrl.compat.verl import BaseInteraction, gsm8k
+
+LIVE = {}
+
+
+class Gsm8kInteraction(BaseInteraction):
+    def __init__(self, config: dict):
+        super().__init__(config)
+        self._instance_dict = LIVE
+
+    async def start_interaction(self, instance_id: Optional[str] = None, ground_truth: Optional[str] = None,
+                                **kwargs) -> str:
+        if instance_id is None:
+            instance_id = str(uuid4())
+        self._instance_dict[instance_id] = {"response": "", "ground_truth": ground_truth, "reward": 0.0}
+        return instance_id
+
+    async def generate_response(self, instance_id: str, messages: list[dict[str, Any]], **kwargs
+                                ) -> tuple[bool, str, float, dict]:
+        content = ""
+        for i in range(len(messages) - 1, -1, -1):
+            item = messages[i]
+            if item.get("role") == "assistant":
+                content = item.get("content")
+                break
+        self._instance_dict[instance_id]["response"] = content
+        reward = await self.calculate_score(instance_id)
+        if reward == 1.0:
+            response = "Your response is correct!"
+            should_terminate_sequence = True
+        else:
+            response = "Your response is incorrect! You need to reflect on your answer and try again."
+            should_terminate_sequence = False
+        return should_terminate_sequence, response, reward, {}
+
+    async def calculate_score(self, instance_id: str, **kwargs) -> float:
+        return gsm8k.compute_score(self._instance_dict[instance_id]["response"],
+                                   self._instance_dict[instance_id]["ground_truth"], method="strict",
+                                   format_score=0.0, score=1.0)
+
+    async def finalize_interaction(self, instance_id: str, **kwargs) -> None:
+        del self._instance_dict[instance_id]
+'''
+INTERACTION_CONFIG = '''
+interaction:
+  - name: "gsm8k"
+    class_name: "verlrepo_i13.gsm8k_interaction.Gsm8kInteraction"
+    config: {}
+'''
+
+
+def test_a_verl_interaction_runs_with_its_config_yaml_on_verls_rows(tmp_path, monkeypatch, qwen3_tokenizer):
+    package = tmp_path / "verlrepo_i13"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "gsm8k_interaction.py").write_text(textwrap.dedent(GSM8K_INTERACTION))
+    (tmp_path / "interaction_config.yaml").write_text(textwrap.dedent(INTERACTION_CONFIG))
+    monkeypatch.chdir(tmp_path)
+    script_the_cli(monkeypatch, qwen3_tokenizer, lambda rid, turn, prompt: "#### 5" if turn == 1 else "#### 72")
+    rows = copy.deepcopy(ROWS)
+    for row in rows:  # as gsm8k_multiturn_w_interaction.py writes them: no agent_name, the interaction's name
+        del row["agent_name"]
+        row["extra_info"]["interaction_kwargs"]["name"] = "gsm8k"
+    out = tmp_path / "out.jsonl"
+    data = write_rows(tmp_path / "rows.jsonl", rows)
+    result = runner.invoke(app, ["rollout", "--model", "tiny-qwen3", "--data", str(data), "--out", str(out), "--env", "turnrl.compat.verl.interaction", "--custom-config",
+                                 "interaction_config.yaml", "--max-turns", "3", "--max-new-tokens", "16",
+                                 "--reward", "env_last"])
+    assert result.exit_code == 0, result.output
+    right, wrong = sorted(map(json.loads, out.read_text().splitlines()), key=lambda t: t["id"])
+    # row 0 (72): wrong, told so, then right: the interaction ends it; row 1 (10) never gets it right
+    assert (right["termination_reason"], right["turn_rewards"], right["reward"]) == ("env_done", [0.0, 1.0], 1.0)
+    assert [m["content"] for m in right["messages"] if m["role"] == "user"][1:] == [
+        "Your response is incorrect! You need to reflect on your answer and try again."]
+    assert (wrong["termination_reason"], wrong["turn_rewards"], wrong["reward"]) == ("max_turns", [0.0] * 3, 0.0)
+    # start_interaction got the row's interaction_kwargs; finalize_interaction released every instance
+    assert sys.modules["verlrepo_i13.gsm8k_interaction"].LIVE == {}

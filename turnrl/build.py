@@ -182,23 +182,26 @@ def build_rollout_manager(
     )
 
 
-def build_reward_fn(cfg: RewardConfig) -> RewardFn:
-    """The reward function of `cfg`; an LLM judge (function: judge) has a `close()` for its engine."""
-    from turnrl.rewards import bind_reward, boxed_answer_reward, load_reward_fn
+def build_reward_fn(cfg: RewardConfig, tokenizer: Any = None, label_key: str | None = None) -> RewardFn:
+    """The reward function of `cfg`; an LLM judge (function: judge) has a `close()` for its engine. `tokenizer`
+    (the policy's) decodes responses for verl's and slime's reward functions (turnrl.rewards.bind_reward);
+    `label_key` (the --custom-config's, slime's --label-key) names the ground-truth column when
+    `reward.answer_key` is left at its default."""
+    from turnrl.rewards import load_reward_fn
 
     if cfg.judge is not None:
         if cfg.format_weight:
             raise ConfigError("reward.format_weight does not combine with reward.function: judge; put the format "
                               "in the judge's template or write a reward function that calls the judge")
         return build_judge(cfg.judge)
-    if cfg.function == "math" and cfg.answer_key != "answer":
-        key = cfg.answer_key
+    answer_key = cfg.answer_key if cfg.answer_key != "answer" else label_key
+    return load_reward_fn(cfg.function, cfg.format_weight, tokenizer=tokenizer, answer_key=answer_key)
 
-        def math_reward(responses: list[str], sample: dict) -> float:
-            return boxed_answer_reward(responses, str(sample[key]))
 
-        return bind_reward(math_reward, "math")
-    return load_reward_fn(cfg.function, cfg.format_weight)
+def _reward_fn(reward: RewardConfig | None, cfg: RolloutConfig, renderer: ChatRenderer) -> RewardFn | None:
+    if reward is None:
+        return None
+    return build_reward_fn(reward, renderer.tokenizer, env_config(cfg).get("label_key"))
 
 
 def build_judge(cfg: JudgeConfig, name: str = "judge") -> Judge:
@@ -260,7 +263,7 @@ def build_stack(model: str, cfg: RolloutConfig | None, engine_cfg: EngineConfig,
     `reward` scores each trajectory as it finishes (None: rewards stay as the agent set them)."""
     rollout_cfg = cfg or RolloutConfig()
     renderer, image_processor = build_policy_renderer(model, rollout_cfg)
-    reward_fn = build_reward_fn(reward) if reward is not None else None  # a bad reward fails before any weights
+    reward_fn = _reward_fn(reward, rollout_cfg, renderer)  # a bad reward fails before any weights load
     tracer = TrajectoryTracer.from_config(rollout_cfg, renderer.tokenizer)
     if server:
         return _remote_stack(server, model, rollout_cfg, renderer, reward_fn, tracer)
@@ -321,7 +324,7 @@ def _ray_stack(model: str, cfg: RolloutConfig, engine_cfg: EngineConfig, rendere
 def build_worker_manager(model: str, cfg: RolloutConfig, reward: RewardConfig | None, engine: Engine) -> RolloutManager:
     """The RolloutManager of a Ray rollout worker, built in the worker's process (turnrl.dist.ray)."""
     renderer, _ = build_policy_renderer(model, cfg)
-    return build_rollout_manager(cfg, engine, renderer, build_reward_fn(reward) if reward is not None else None)
+    return build_rollout_manager(cfg, engine, renderer, _reward_fn(reward, cfg, renderer))
 
 
 def build_trainer(cfg: TrainConfig, *, checkpoint: Path | None = None, console: Console | None = None,

@@ -130,6 +130,7 @@ def rollout(
     ray_workers: Annotated[int, Opt(help="Rollout workers on Ray, the engine a Ray actor (0 = all in this process).")] = 0,
     limit: Annotated[int | None, Opt(help="Use only the first N rows.")] = None,
     reward: Annotated[str | None, Opt(help="Reward function (env, env_last, math, file.py:fn).")] = None,
+    answer_key: Annotated[str, Opt(help="Ground-truth column of --reward (slime's --label-key).")] = "answer",
     trace_uri: Annotated[str | None, Opt(help="MLflow tracking URI: one trace per trajectory (turnrl.tracing).")] = None,
     max_traces: Annotated[int, Opt(help="Trajectories traced to MLflow (the first to finish).")] = 16,
     server: Annotated[str | None, Opt(help="Rollout server URL (turnrl serve --scheduler/--env/...): it runs the "
@@ -154,22 +155,22 @@ def rollout(
             env_timeout_s=env_timeout or None, env_retries=env_retries, watchdog_s=watchdog or None,
             sanity_check=sanity_check, chat_template_kwargs=_json_flag("--chat-template-kwargs", chat_template_kwargs),
             trace_uri=trace_uri, max_traces_per_step=max_traces,
-            sampling=SamplingConfig(temperature=temperature, top_p=top_p, seed=seed),
-        ))
+            sampling=SamplingConfig(temperature=temperature, top_p=top_p, seed=seed)))
         rows = load_rows(data)[:limit]
         engine_cfg = EngineConfig(max_batch_size=max_batch_size, distributed="ray" if ray_workers else "none",
                                   ray_workers=max(ray_workers, 1))
-    _guarded(verbose, lambda: asyncio.run(_rollout(model, cfg, engine_cfg, rows, out, reward, server=server)))
+    _guarded(verbose, lambda: asyncio.run(_rollout(model, cfg, engine_cfg, rows, out, reward, answer_key, server)))
 
 
-async def _rollout(model_name, cfg, engine_cfg, rows, out: Path, reward: str | None, server: str | None = None) -> None:
+async def _rollout(model_name, cfg, engine_cfg, rows, out: Path, reward: str | None, answer_key: str = "answer",
+                   server: str | None = None) -> None:
     from turnrl.build import build_stack
     from turnrl.config import RewardConfig
     from turnrl.observe import RolloutStats, TrajectoryWriter
 
+    reward_cfg = RewardConfig(function=reward, answer_key=answer_key) if reward else None
     with console.status(f"loading {model_name}"):  # errors: one paragraph from _guarded
-        stack = build_stack(model_name, cfg, engine_cfg, reward=RewardConfig(function=reward) if reward else None,
-                            server=server)
+        stack = build_stack(model_name, cfg, engine_cfg, reward=reward_cfg, server=server)
     stats, tracer = RolloutStats(), stack.tracer
     try:
         with TrajectoryWriter(out) as writer, _progress() as progress:

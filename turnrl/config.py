@@ -284,13 +284,15 @@ class JudgeConfig(Strict):
 
 class RewardConfig(Strict):
     function: str = "env"
-    """env (sum of env step rewards), env_last, math (\\boxed answer vs `answer`), judge (an LLM judge: set
+    """env (sum of env step rewards), env_last, math (\\boxed answer vs the row's ground truth), judge (an LLM judge: set
     `judge`), or path.py:fn / pkg.mod:fn."""
     judge: JudgeConfig | None = None
     """The judge of `function: judge`."""
 
     answer_key: str = "answer"
-    """Dataset column with the reference answer for `math`."""
+    """Dataset column with the reference answer for `math` (and slime reward functions' `sample.label`); at the
+    default, the `answer` column, else `label`, else verl's `reward_model.ground_truth` (or the column the
+    custom config's `label_key` names). `turnrl rollout --answer-key`."""
     format_weight: float = 0.0
     """Weight of a format reward (reply ends with a \\boxed{} answer) added to the main reward."""
 

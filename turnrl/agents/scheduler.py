@@ -64,6 +64,7 @@ from typing import Any, TypeVar
 
 from turnrl.data import prompt_messages
 from turnrl.envs.base import EpisodeEnv
+from turnrl.multimodal import IMAGE_PLACEHOLDER, image_ref, split_placeholders
 from turnrl.rollout import Agent, Episode, EpisodeEnd, RolloutContext, drive
 from turnrl.types import (
     FinishReason,
@@ -92,9 +93,10 @@ class RolloutRequest:
     """The conversation. While the hooks of a turn run, its last message is the model's reply."""
     tools: list[dict] | None = None
     """Tool schemas rendered into the prompt (the row's `tools` column, when it is a list)."""
-    images: list[str] = field(default_factory=list)
-    """The row's images, for reading. Images live in message content parts (`{"type": "image", ...}`);
-    changing this list instead is an error."""
+    images: list[Any] = field(default_factory=list)
+    """The row's images, then those `step()` added. Images live in message content parts (`{"type": "image",
+    ...}`); a `step()` may also add one the ms-swift way, appending it here with an `<image>` tag in its new
+    message (the tag becomes an image part). Removing or replacing images here is an error."""
     data_dict: dict[str, Any] = field(default_factory=dict)
     """The dataset row, every column (always passed; ms-swift needs --vllm_server_pass_dataset)."""
     uuid: str = ""
@@ -272,16 +274,45 @@ def _checked(value: Any, hook: str, allowed: set[str]) -> dict[str, Any]:
     return value
 
 
-def _next_request(result: dict[str, Any], current: RolloutRequest) -> RolloutRequest:
+def _next_request(result: dict[str, Any], current: RolloutRequest, images_before: list[Any], messages_before: int
+                  ) -> RolloutRequest:
+    """The request `step()` returned (`images_before`, `messages_before`: `current`'s images and message count
+    before the call, which may have changed them in place), with the images it added placed (`_place_new_images`)."""
     nxt = result.get("infer_request")
     if isinstance(nxt, dict):
-        nxt = RolloutRequest(**{"uuid": current.uuid, "data_dict": current.data_dict, **nxt})
+        nxt = RolloutRequest(**{"uuid": current.uuid, "data_dict": current.data_dict, "images": current.images, **nxt})
     if not isinstance(nxt, RolloutRequest):
         raise TypeError(f"step() must return {{'infer_request': RolloutRequest, ...}}, got {type(nxt).__name__}")
-    if list(nxt.images) != list(current.images):
-        raise ValueError("step() changed request.images; put images into message content parts "
-                         "({'type': 'image', 'image': ...}) instead")
+    _place_new_images(nxt, images_before, messages_before)
     return nxt
+
+
+def _place_new_images(request: RolloutRequest, images_before: list[Any], messages_before: int) -> None:
+    """ms-swift's way of adding an image in `step()` (its DeepEyes plugin): append it to `request.images` and
+    write an `<image>` tag into the new message, which ms-swift's template replaces with the next image. Here each
+    tag of the new messages becomes an image content part, in order; the counts must match, and the images there
+    before must stay (ms-swift keeps them: they are in the context already)."""
+    images = list(request.images)
+    kept = len(images) >= len(images_before) and all(
+        a is b or (isinstance(a, str) and a == b) for a, b in zip(images, images_before, strict=False))
+    if not kept:
+        raise ValueError(f"step() removed or replaced images of request.images (it had {len(images_before)}, now "
+                         f"{len(images)}); append new ones only, each with an '{IMAGE_PLACEHOLDER}' tag in a new "
+                         "message, or put them into message content parts ({'type': 'image', 'image': ...})")
+    added = images[len(images_before):]
+    if not added:
+        return
+    tagged = [m for m in request.messages[messages_before:]
+              if isinstance(m.get("content"), str) and IMAGE_PLACEHOLDER in m["content"]]
+    tags = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in tagged)
+    if tags != len(added):
+        raise ValueError(f"step() appended {len(added)} image(s) to request.images, but the messages it added have "
+                         f"{tags} '{IMAGE_PLACEHOLDER}' tags; write one tag per new image where it goes (as ms-swift "
+                         "needs), or put the images into message content parts ({'type': 'image', 'image': ...})")
+    for message in tagged:
+        n = message["content"].count(IMAGE_PLACEHOLDER)
+        message["content"] = split_placeholders(message["content"], added[:n], "step()")
+        added = added[n:]
 
 
 def _edit_of(result: dict[str, Any]) -> TokenEdit | None:
@@ -325,8 +356,9 @@ class SchedulerEnv:
             finished = bool(hook["done"])
         if finished or n >= runner.max_turns:
             return StepResult(reward=reward, done=True, termination_reason=self._stop_reason(hook, response, n))
+        images_before, messages_before = list(request.images), len(request.messages)  # step() may change both
         result = _checked(await _maybe_await(scheduler.step(request, shown, n)), "step", STEP_KEYS)
-        nxt = _next_request(result, request)
+        nxt = _next_request(result, request, images_before, messages_before)
         runner.merge_infos(result.get("rollout_infos"), "step")
         step, split = plan_next(turn, nxt.messages, response, _edit_of(result), runner.ctx.renderer)
         step.reward = reward
@@ -388,6 +420,9 @@ class SchedulerRunner:
             return
         if not isinstance(infos, dict):
             raise TypeError(f"{where}() rollout_infos must be a dict, got {type(infos).__name__}")
+        infos = dict(infos)
+        if isinstance(infos.get("images"), list):  # ms-swift's override of the sample's images (DeepEyes): here
+            infos["images"] = [image_ref(im) for im in infos["images"]]  # they are in the stream; keep references
         for key, value in infos.items():
             try:
                 json.dumps(value)

@@ -13,7 +13,9 @@ arguments, tool exceptions, timeouts and calls beyond `max_parallel_calls`. Tool
 CUT (left keeps the tail, right keeps the head, middle keeps both ends), with a marker saying how much.
 
 Stateful tools live for one trajectory: `create` on first use, `calc_reward` when the episode ends (the
-rewards reach reward functions as `tool_rewards`), `release` always, also when the trajectory fails.
+rewards reach reward functions as `tool_rewards`), `release` always, also when the trajectory fails. A
+`calc_reward` value that is not a number (verl's SearchTool returns its list of results) is no reward: it is
+kept in `info["tool_reward_values"]`, with a warning, and the trajectory goes on to be scored.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any, Literal
 
 from turnrl.data import row_tool_selection, row_tools_kwargs
 from turnrl.rollout import RolloutContext, drive
-from turnrl.tools import ToolCallParser, ToolError, ToolSet, get_parser
+from turnrl.tools import ToolCallParser, ToolError, ToolSet, get_parser, split_tool_rewards
 from turnrl.tracing import collect_spans
 from turnrl.types import Message, StepResult, TerminationReason, ToolCall, Trajectory
 
@@ -171,6 +173,18 @@ def _call_example(parser: ToolCallParser, schemas: list[dict]) -> str:
     return f'<tool_call>{{"name": "{name}", "arguments": {{...}}}}</tool_call>'
 
 
+def record_tool_rewards(traj: Trajectory, values: dict[str, Any]) -> None:
+    """The numbers among the tools' `calc_reward()` values become `traj.tool_rewards`; the others are kept in
+    `traj.info["tool_reward_values"]` and named in a warning (module docstring)."""
+    traj.tool_rewards, others = split_tool_rewards(values)
+    if others:
+        traj.info["tool_reward_values"] = others
+        traj.warnings.append(
+            f"calc_reward() of tool(s) {', '.join(map(repr, others))} returned no number "
+            f"({', '.join(type(v).__name__ for v in others.values())}): not in tool_rewards; the values are in "
+            "info.tool_reward_values (verl-signature rewards get them in extra_info['rollout_reward_scores'])")
+
+
 async def tool_agent(ctx: RolloutContext, sample: dict[str, Any]) -> Trajectory:
     """Run the tool agent on one row. Rows may carry `tools_kwargs` and `tool_selection` (a list of names), as
     columns or under verl's `extra_info` (turnrl.data.row_tools_kwargs)."""
@@ -188,7 +202,7 @@ async def tool_agent(ctx: RolloutContext, sample: dict[str, Any]) -> Trajectory:
     traj = None
     try:
         traj = await drive(ctx, env)
-        traj.tool_rewards = await session.calc_rewards()
+        record_tool_rewards(traj, await session.calc_rewards())
     except asyncio.CancelledError:
         raise
     except Exception as e:  # calc_reward raised: the reward would be wrong, so this trajectory fails

@@ -4,6 +4,10 @@
     from slime.rollout.rm_hub import grade_answer_verl          →  from turnrl.compat.slime import grade_answer_verl
     from slime.rollout.rm_hub.math_utils import extract_answer  →  from turnrl.compat.slime import extract_answer
 
+A slime reward function (`--custom-rm-path`: `async def reward_func(args, sample, **kwargs)`, or batched
+`(args, samples)`) runs with `--reward file.py:reward_func`: `reward_caller` recognises the signature and passes
+the finished trajectory as a `Sample` (`reward_sample`: `.prompt`, `.response`, `.label`, `.tokens`, ...).
+
 turnrl calls `build_env(sample, config)` with the row as a `Sample` and the rollout's env config (the
 `--custom-config` YAML under `env_config`) as an `Args`. Both are dicts that also read by attribute, so an env
 written for turnrl (`sample["answer"]`, `config.get("max_turns")`) and one written for slime (`sample.label`,
@@ -15,11 +19,13 @@ import ...` works run from the repository root (turnrl.loading).
 from __future__ import annotations
 
 import enum
+import inspect
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from turnrl.rewards import last_boxed, math_equal
+from turnrl.types import Trajectory
 
 
 class SampleStatus(enum.Enum):
@@ -116,6 +122,74 @@ class Args(dict):
 def env_arguments(row: Mapping[str, Any], config: Mapping[str, Any], **fields: Any) -> tuple[Sample, Args]:
     """The `(sample, config)` that `build_env` receives for a row (see the module docstring)."""
     return Sample.from_row(row, config.get("label_key"), **fields), Args(config)
+
+
+# ---- slime's reward functions (--custom-rm-path) ----------------------------------------------------
+def reward_caller(fn: Callable[..., Any], name: str, tokenizer: Any = None, label_key: str | None = None
+                  ) -> Callable[[Trajectory], Any] | None:
+    """`fn` called as slime calls a `--custom-rm-path` function, when its signature is slime's: first parameter
+    `args`, second `sample` (`reward_func(args, sample, **kwargs)`) or `samples` (batched: `(args, samples)`); else
+    None. The trajectory arrives as a `Sample` (`reward_sample`) and `args` as `reward_args`. turnrl scores each
+    trajectory as it finishes, so a batched function gets a list of one sample and returns a list of one reward."""
+    params = list(inspect.signature(fn).parameters)
+    if len(params) < 2 or params[0] != "args" or params[1] not in ("sample", "samples"):
+        return None
+    if tokenizer is None:
+        raise ValueError(f"reward function {name!r} has slime's signature (args, {params[1]}); its sample.response is "
+                         "the decoded response: bind it with the policy's tokenizer (bind_reward(fn, tokenizer=...))")
+    batched = params[1] == "samples"
+    args = reward_args(name, label_key)
+
+    async def call(traj: Trajectory) -> Any:
+        sample = reward_sample(traj, tokenizer, label_key)
+        value = fn(args, [sample] if batched else sample)
+        if inspect.isawaitable(value):
+            value = await value
+        if batched:
+            if not isinstance(value, list | tuple) or len(value) != 1:
+                raise TypeError(f"batched reward function {name!r} got 1 sample and returned {value!r:.80}; "
+                                "expected a list of 1 reward")
+            [value] = value
+        return value
+
+    call.__name__ = name
+    return call
+
+
+def reward_args(custom_rm_path: str, label_key: str | None = None) -> Args:
+    """The `args` a slime reward function receives: slime's argument names that such functions read and turnrl can
+    answer. `custom_rm_path` (the function), `rm_type` None, `label_key` (reward.answer_key, None for the default),
+    `reward_key` None (a dict reward is scored by its "score"), `partial_rollout` False; any other name raises an
+    AttributeError naming these."""
+    return Args(custom_rm_path=custom_rm_path, rm_type=None, label_key=_given_label_key(label_key), reward_key=None,
+                partial_rollout=False)
+
+
+def reward_sample(traj: Trajectory, tokenizer: Any, label_key: str | None = None) -> Sample:
+    """The finished trajectory as slime's `Sample` after its generate function: the row's columns, and
+
+    - `prompt`: the prompt as text, the chat template applied and its special tokens kept (slime's
+      --apply-chat-template: search-r1's reward looks for `<|im_start|>assistant` in `prompt + response`);
+    - `response`: every token after the prompt decoded with `skip_special_tokens=True`, the text slime's
+      generate functions accumulate from SGLang (model turns, tool and env outputs, and for turns rendered by
+      the chat template its role text; the end-of-turn tokens dropped, as SGLang's text drops them);
+    - `tokens` (prompt + response ids), `response_length`, `loss_mask`, `rollout_log_probs`;
+    - `label`: the `label_key` column when given (reward.answer_key), else `label`, else `answer`;
+    - `status` (Sample.Status of the trajectory's status), `reward` (None: not scored yet), `metadata` (the row's
+      or {}), `session_id` (the trajectory id)."""
+    sample = Sample.from_row(traj.sample, _given_label_key(label_key), session_id=traj.id)
+    sample.update(
+        prompt=tokenizer.decode(traj.prompt_ids, skip_special_tokens=False),
+        response=tokenizer.decode(traj.response_ids, skip_special_tokens=True),
+        tokens=[*traj.prompt_ids, *traj.response_ids], response_length=traj.num_response_tokens,
+        loss_mask=traj.loss_mask, rollout_log_probs=traj.rollout_logprobs, reward=traj.reward,
+        status=SampleStatus(str(traj.status)),
+    )
+    return sample
+
+
+def _given_label_key(label_key: str | None) -> str | None:
+    return None if label_key in (None, "", "answer") else label_key  # "answer": reward.answer_key's default
 
 
 # ---- slime's graders -------------------------------------------------------------------------------

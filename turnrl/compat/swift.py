@@ -1,6 +1,7 @@
 """ms-swift's scheduler and gym-env API on turnrl's schedulers: an ms-swift plugin ports by changing its imports.
 
     from swift.rollout.multi_turn import MultiTurnScheduler, multi_turns      ┐
+    (also RolloutScheduler, MathTipsScheduler, ThinkingModelTipsScheduler)   │
     from swift.rollout.gym_env import Env, envs                              │
     from swift.infer_engine.protocol import (ChatCompletionResponse,         ├→ from turnrl.compat.swift import ...
         ChatCompletionResponseChoice, RolloutInferRequest)                   │
@@ -15,6 +16,10 @@ What the names are here:
   turn's tokens *without* the end-of-turn token the engine sampled (as ms-swift's engines stopping on a stop word
   give them), so ids a `step` builds by extending them continue the assistant message; turnrl closes the turn
   with the template's own tokens when the message really ends. `multi_turns` is turnrl's registry.
+- `RolloutScheduler` (ms-swift's base: one turn, with the hooks), `MathTipsScheduler` and
+  `ThinkingModelTipsScheduler`: ms-swift's classes of those names, to subclass (their `tips_prompt`,
+  `acc_function=` and hooks behave as ms-swift's; see each class). ms-swift's `OpenEnvScheduler` is not here: it
+  drives OpenEnv's own client; turnrl's `remote_env` scheduler speaks OpenEnv-style HTTP.
 - `Env` / `envs`: ms-swift's gym environment (`Env(env_config)`, async `reset(request) -> (observation, info,
   system_message)`, `step(messages) -> (observation, reward, done, info)`, `close()`) and its registry.
   `GYMScheduler` (registered as `gym_scheduler`, ms-swift's name) runs them: the row's whole `env_config`
@@ -31,13 +36,22 @@ import abc
 import copy
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from uuid import uuid4
 
 from turnrl.agents.scheduler import MultiTurnScheduler as _TurnrlScheduler
 from turnrl.agents.scheduler import RolloutInferRequest, TurnResponse, multi_turns
-from turnrl.agents.schedulers_builtin import GYM_ENVS, EnvEpisode, GymScheduler, row_env_config
+from turnrl.agents.schedulers_builtin import (
+    GYM_ENVS,
+    EnvEpisode,
+    GymScheduler,
+    is_correct,
+    row_env_config,
+    strip_reasoning,
+    token_index,
+)
 from turnrl.envs.base import call
 
 Messages = list[dict[str, Any]]
@@ -105,16 +119,113 @@ class ChatCompletionResponse:
     prompt_token_ids: list[int] | None = None
 
 
-# ---- the scheduler -----------------------------------------------------------------------------------
-class MultiTurnScheduler(_TurnrlScheduler):
-    """turnrl's scheduler with ms-swift's constructor and response type (module docstring)."""
+# ---- the schedulers ----------------------------------------------------------------------------------
+class RolloutScheduler(_TurnrlScheduler):
+    """ms-swift's base scheduler: one turn, with the hooks `on_trajectory_start` and `on_turn_end` (which may
+    return `done`, `rollout_infos` and `reward`), ms-swift's constructor and response type (module docstring).
+    A subclass that overrides ms-swift's `run(infer_request, request_config)` calls `self.infer_engine`, which turnrl
+    does not give a scheduler: override turnrl's `run(request, runner)` instead (docs/from-ms-swift.md)."""
 
     def __init__(self, infer_engine: Any = None, max_turns: int | None = None, *args: Any, **kwargs: Any):
         super().__init__(max_turns, **kwargs)
         self.infer_engine = infer_engine
 
+    @property
+    def engine(self) -> Any:
+        """ms-swift's alias of `infer_engine` (None here)."""
+        return self.infer_engine
+
     def hook_response(self, response: TurnResponse) -> ChatCompletionResponseChoice:
         return ChatCompletionResponseChoice.of(response, self.tokenizer)
+
+    def check_finished(self, request: RolloutInferRequest, response: Any, turn: int) -> bool:
+        return True  # a single turn
+
+
+class MultiTurnScheduler(RolloutScheduler):
+    """ms-swift's multi-turn scheduler: `step()` makes the next request, `check_finished()` (by default: a
+    length-truncated turn or `max_turns`) ends the episode."""
+
+    def check_finished(self, request: RolloutInferRequest, response: Any, turn: int) -> bool:
+        return _TurnrlScheduler.check_finished(self, request, response, turn)
+
+
+def math_accuracy(completions: list[str], solutions: list[str]) -> list[float]:
+    """The default `acc_function` of the tips schedulers (ms-swift's `MathAccuracy` ORM, same call): 1.0 per
+    completion whose final answer (after its reasoning; its last `\\boxed{}` when it has one) equals the
+    solution's (its last `\\boxed{}`, or all of it) under math-verify, else 0.0."""
+    return [float(is_correct(completion, {"solution": solution}))
+            for completion, solution in zip(completions, solutions, strict=True)]
+
+
+class MathTipsScheduler(MultiTurnScheduler):
+    """ms-swift's `math_tip_trick`: on a wrong answer, the reply is cut before its `<answer>` or `</think>` (the
+    first of them), `tips_prompt` is appended to the same assistant message (mask 0, no logprobs) and the model
+    continues it, once. `acc_function(completions, solutions) -> [score]` (ms-swift's keyword; default
+    `math_accuracy`) checks the message against the row's `solution` (else `answer`). turnrl's own
+    `--scheduler math_tip_trick` cuts after the `\\boxed{}` instead (turnrl.agents.schedulers_builtin)."""
+
+    tips_prompt = "But wait... It seems I made a mistake,"
+
+    def __init__(self, infer_engine: Any = None, max_turns: int | None = None, *args: Any,
+                 acc_function: Callable[[list[str], list[str]], list[float]] | None = None, **kwargs: Any):
+        super().__init__(infer_engine, max_turns, **kwargs)
+        self.acc_func = acc_function or math_accuracy
+
+    def check_finished(self, request: RolloutInferRequest, response: Any, turn: int) -> bool:
+        last_completion = request.messages[-1]["content"]
+        if self.tips_prompt in last_completion:  # tips once
+            return True
+        if self.acc_func([last_completion], [_solution(request)])[0] == 1:
+            return True
+        return super().check_finished(request, response, turn)
+
+    def step(self, request: RolloutInferRequest, response: Any, turn: int) -> dict[str, Any]:
+        text = response.message.content
+        cut = min([text.index(tag) for tag in ("<answer>", "</think>") if tag in text], default=len(text))
+        kept = response.token_ids[: token_index(self.tokenizer, response.token_ids, cut)]
+        tip_ids = self.tokenizer(self.tips_prompt, add_special_tokens=False)["input_ids"]
+        message = request.messages[-1]
+        before = message["content"][: len(message["content"]) - len(text)]  # the message so far, on a continuation
+        message["content"] = before + self.tokenizer.decode(kept) + self.tips_prompt
+        logprobs = [entry["logprob"] for entry in (response.logprobs or {}).get("content", [])][: len(kept)]
+        return {"infer_request": request, "response_token_ids": kept + tip_ids,
+                "response_loss_mask": [1] * len(kept) + [0] * len(tip_ids), "rollout_logprobs": logprobs}
+
+
+class ThinkingModelTipsScheduler(MultiTurnScheduler):
+    """ms-swift's `thinking_tips_scheduler`: after a wrong answer, a user message `tips_prompt` asks again, once;
+    the next request shows earlier replies without their `<think>` blocks (as thinking templates render history),
+    so each round is its own training sample (ms-swift returns one RolloutOutput per round). `acc_function` as in
+    MathTipsScheduler."""
+
+    tips_prompt = "The answer is not correct, It seems You made a mistake, you need to recheck very carefully."
+
+    def __init__(self, infer_engine: Any = None, max_turns: int | None = None, *args: Any,
+                 acc_function: Callable[[list[str], list[str]], list[float]] | None = None, **kwargs: Any):
+        super().__init__(infer_engine, max_turns, **kwargs)
+        self.acc_func = acc_function or math_accuracy
+
+    def check_finished(self, request: RolloutInferRequest, response: Any, turn: int) -> bool:
+        last_query = request.messages[-2].get("content") if len(request.messages) >= 2 else None
+        if isinstance(last_query, str) and self.tips_prompt in last_query:  # tips once
+            return True
+        if self.acc_func([response.message.content], [_solution(request)])[0] == 1:
+            return True
+        return super().check_finished(request, response, turn)
+
+    def step(self, request: RolloutInferRequest, response: Any, turn: int) -> dict[str, Any]:
+        request.messages[:] = strip_reasoning(request.messages)
+        request.messages.append({"role": "user", "content": self.tips_prompt})
+        return {"infer_request": request}
+
+
+def _solution(request: RolloutInferRequest) -> str:
+    row = request.data_dict
+    if row.get("solution") is None and row.get("answer") is None:
+        raise KeyError(f"the tips schedulers check answers against the row's `solution` (or `answer`) column; this "
+                       f"row has {sorted(row)}")
+    return str(row["solution"] if row.get("solution") is not None else row["answer"])
 
 
 # ---- gym environments ----------------------------------------------------------------------------------
@@ -197,10 +308,14 @@ __all__ = [
     "ChatMessage",
     "Env",
     "GYMScheduler",
+    "MathTipsScheduler",
     "Messages",
     "MultiTurnScheduler",
     "RolloutInferRequest",
+    "RolloutScheduler",
+    "ThinkingModelTipsScheduler",
     "envs",
     "get_logger",
+    "math_accuracy",
     "multi_turns",
 ]

@@ -16,8 +16,13 @@ Names it may ask for:
 - `tool_rewards`: {tool name: calc_reward()} of stateful tools; `num_turns`, `status`, `termination_reason`
 - any key of the trajectory's `rollout_infos` (scheduler/env infos), by name or through `**kwargs`
 - verl's names, so a verl `compute_score(data_source, solution_str, ground_truth, extra_info=None)` is called as
-  it is: `solution_str` (the final reply) and `ground_truth` (`reward_model.ground_truth`), unless the row has
-  columns of those names (turnrl.compat.verl.reward_arguments)
+  it is: `solution_str` (the whole response decoded, as verl's reward managers decode it: every turn after the
+  prompt, tool and env outputs included), `ground_truth` (`reward_model.ground_truth`), unless the row has columns
+  of those names, and `extra_info` (the row's, plus verl's `num_turns` and `rollout_reward_scores`)
+  (turnrl.compat.verl.reward_arguments)
+
+A slime reward function, `async def reward_func(args, sample, **kwargs)` (or batched: `(args, samples)`), is
+recognised by its first two parameter names and called as slime calls it (turnrl.compat.slime.reward_caller).
 
 Rewards are computed by the RolloutManager as each trajectory finishes (streamed, overlapping the rest of
 the rollout). A reward function that raises leaves the reward None with the error recorded; it is never
@@ -26,6 +31,7 @@ silently scored 0.0.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import re
@@ -101,6 +107,29 @@ def math_equal(candidate: str, answer: str) -> bool:
     return bool(verify(gold, _parse(candidate), timeout_seconds=_timeout_s()))
 
 
+def reference_answer(sample: dict[str, Any], answer_key: str | None = None) -> Any:
+    """The ground truth of a row for the built-in graders: the `answer_key` column when one is given (other than
+    the default `answer`), else the `answer` column, else `label` (slime's key), else verl's
+    `reward_model.ground_truth`."""
+    if answer_key and answer_key != "answer":
+        if answer_key not in sample:
+            raise KeyError(f"reward.answer_key {answer_key!r}: the row has no such column (columns: {sorted(sample)})")
+        return sample[answer_key]
+    for key in ("answer", "label"):
+        if key in sample:
+            return sample[key]
+    reward_model = sample.get("reward_model")
+    if isinstance(reward_model, dict) and "ground_truth" in reward_model:
+        return reward_model["ground_truth"]
+    raise KeyError(f"no ground truth in the row: it has no `answer`, `label` or `reward_model.ground_truth` "
+                   f"(columns: {sorted(sample)}); name the column with reward.answer_key (--answer-key)")
+
+
+def math_reward(responses: list[str], sample: dict[str, Any], answer_key: str | None = None) -> float:
+    """The built-in `math`: `boxed_answer_reward` against the row's `reference_answer`."""
+    return boxed_answer_reward(responses, str(reference_answer(sample, answer_key)))
+
+
 def boxed_answer_reward(responses: list[str], answer: str) -> float:
     """1.0 when the last `\\boxed{}` across the model's own replies matches `answer`, else 0.0."""
     for text in reversed(responses):
@@ -129,14 +158,15 @@ def format_reward(response: str) -> float:
 BUILTIN_REWARDS: dict[str, RewardFunction] = {
     "env": env_reward,
     "env_last": env_last_reward,
-    "math": boxed_answer_reward,
+    "math": math_reward,
     "format": format_reward,
 }
 
 
 # ---- calling convention ----------------------------------------------------------------------------
-def reward_kwargs(traj: Trajectory) -> dict[str, Any]:
-    """Everything a reward function may ask for by name (see the module docstring)."""
+def reward_kwargs(traj: Trajectory, tokenizer: Any = None) -> dict[str, Any]:
+    """Everything a reward function may ask for by name (see the module docstring). verl's `solution_str` is
+    there only with the policy's `tokenizer` (it is the response tokens decoded)."""
     responses = [m["content"] for m in traj.messages if m.get("role") == "assistant" and isinstance(m.get("content"), str)]
     rollout_infos = dict(traj.rollout_infos)
     named = {
@@ -149,18 +179,30 @@ def reward_kwargs(traj: Trajectory) -> dict[str, Any]:
     }
     from turnrl.compat.verl import reward_arguments
 
-    verl_names = reward_arguments(traj.sample, responses[-1] if responses else "")
-    return {**verl_names, **traj.sample, **rollout_infos, **named}
+    verl_names = reward_arguments(traj, tokenizer)
+    extra_info = {"extra_info": verl_names.pop("extra_info")}  # verl's, which adds to the row's column of that name
+    return {**verl_names, **traj.sample, **extra_info, **rollout_infos, **named}
 
 
-def bind_reward(fn: RewardFunction, name: str | None = None) -> Callable[[Trajectory], Any]:
-    """Wrap `fn` so it is called with the arguments it names; a missing one is a clear error."""
+def bind_reward(fn: RewardFunction, name: str | None = None, tokenizer: Any = None,
+                answer_key: str | None = None) -> Callable[[Trajectory], Any]:
+    """Wrap `fn` so it is called with the arguments it names; a missing one is a clear error. `tokenizer` (the
+    policy's) decodes the response for verl's `solution_str` and slime's `sample.response`; `answer_key` is
+    `reward.answer_key` (the built-in graders' and slime's `sample.label` column)."""
+    from turnrl.compat.slime import reward_caller
+
+    label = name or str(getattr(fn, "__name__", repr(fn)))
+    slime_call = reward_caller(fn, label, tokenizer, answer_key)
+    if slime_call is not None:
+        return slime_call
     sig = inspect.signature(fn)
     takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values())
-    label = name or str(getattr(fn, "__name__", repr(fn)))
+    if "solution_str" in sig.parameters and tokenizer is None:
+        raise ValueError(f"reward function {label!r} takes verl's solution_str (the decoded response): bind it with "
+                         "the policy's tokenizer (bind_reward(fn, tokenizer=...))")
 
     def call(traj: Trajectory) -> Any:
-        available = reward_kwargs(traj)
+        available = reward_kwargs(traj, tokenizer)
         args = {}
         for pname, p in sig.parameters.items():
             if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
@@ -180,11 +222,15 @@ def bind_reward(fn: RewardFunction, name: str | None = None) -> Callable[[Trajec
     return call
 
 
-def load_reward_fn(spec: str, format_weight: float = 0.0) -> Callable[[Trajectory], Any]:
+def load_reward_fn(spec: str, format_weight: float = 0.0, *, tokenizer: Any = None,
+                   answer_key: str | None = None) -> Callable[[Trajectory], Any]:
     """A built-in name (env, env_last, math, format) or `path.py:fn` / `pkg.module:fn`, optionally plus
-    `format_weight` × format reward."""
+    `format_weight` × format reward; `tokenizer` and `answer_key` as in `bind_reward`."""
     if spec in BUILTIN_REWARDS:
-        main = bind_reward(BUILTIN_REWARDS[spec], spec)
+        builtin = BUILTIN_REWARDS[spec]
+        if answer_key and "answer_key" in inspect.signature(builtin).parameters:
+            builtin = functools.partial(builtin, answer_key=answer_key)
+        main = bind_reward(builtin, spec)
     else:
         from turnrl.loading import load_object
 
@@ -192,7 +238,7 @@ def load_reward_fn(spec: str, format_weight: float = 0.0) -> Callable[[Trajector
             raise ValueError(
                 f"reward {spec!r}: expected one of {sorted(BUILTIN_REWARDS)} or path.py:function / pkg.module:function"
             )
-        main = bind_reward(load_object(spec, what="reward"), spec)
+        main = bind_reward(load_object(spec, what="reward"), spec, tokenizer, answer_key)
     if not format_weight:
         return main
     fmt = bind_reward(format_reward)

@@ -46,6 +46,7 @@ from turnrl.tools.stateful import (
     ToolSet,
     ToolSpec,
     load_tool_config,
+    split_tool_rewards,
 )
 
 __all__ = [
@@ -83,4 +84,5 @@ __all__ = [
     "normalize_result",
     "python_exec",
     "run_python_sandboxed",
+    "split_tool_rewards",
 ]

@@ -5,7 +5,7 @@ instance, which lives from the trajectory's first call of that tool to the end o
 
     create(**create_kwargs)  once, lazily, before the first execute (create_kwargs come from the sample)
     execute(arguments)       once per call; returns anything `normalize_result` accepts
-    calc_reward()            at the end, for the trajectory's reward
+    calc_reward()            at the end, for the trajectory's reward (a number; anything else is kept, not scored)
     release()                always, exactly once, also after failures
 
 (verl's agent loop creates and releases a `BaseTool` around every single call, so state such as "the
@@ -330,6 +330,21 @@ def _fn_qualname(fn: Any) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
+def split_tool_rewards(values: dict[str, Any]) -> tuple[dict[str, float], dict[str, Any]]:
+    """`calc_reward()` values → (the rewards: numbers and bools as floats, the other values as returned).
+
+    A value that is not a number is no error: verl's own SearchTool and SandboxFusionTool return the list of their
+    results from `calc_reward`, and verl never scores it (its reward managers hand the values to the reward
+    function as `extra_info["rollout_reward_scores"]`, as they are)."""
+    rewards, others = {}, {}
+    for name, value in values.items():
+        if isinstance(value, int | float):  # bool is an int
+            rewards[name] = float(value)
+        else:
+            others[name] = value
+    return rewards, others
+
+
 # ---- the per-trajectory session --------------------------------------------------------------------
 
 
@@ -397,18 +412,16 @@ class ToolSession:
         self._instances[spec.name] = instance
         return instance
 
-    async def calc_rewards(self) -> dict[str, float]:
-        """`calc_reward()` of every stateful tool this trajectory created (tools never called have none)."""
-        rewards = {}
+    async def calc_rewards(self) -> dict[str, Any]:
+        """`calc_reward()` of every stateful tool this trajectory created (tools never called have none), each
+        value as the tool returned it: `split_tool_rewards` tells the rewards from the rest."""
+        values = {}
         for name, instance in self._instances.items():
             try:
-                value = await instance.calc_reward()
+                values[name] = await instance.calc_reward()
             except Exception as e:
                 raise ToolLifecycleError(f"calc_reward() of tool {name!r} failed: {e!r}") from e
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ToolLifecycleError(f"calc_reward() of tool {name!r} must return a number, got {value!r}")
-            rewards[name] = float(value)
-        return rewards
+        return values
 
     async def close(self) -> None:
         """Release every instance exactly once, in creation order, even when some releases raise; then

@@ -5,6 +5,9 @@
                                              →  from turnrl.compat.verl import OpenAIFunctionToolSchema, ToolResponse
     from verl.utils.rollout_trace import rollout_trace_op   →  from turnrl.compat.verl import rollout_trace_op
     from verl.utils.reward_score import gsm8k               →  from turnrl.compat.verl import gsm8k   (also geo3k)
+    from verl.interactions.base import BaseInteraction      →  from turnrl.compat.verl import BaseInteraction
+                                                               (run with --env turnrl.compat.verl.interaction:
+                                                               turnrl.compat.verl.interaction)
 
 A verl tool-config YAML (`tools: [{class_name, config, tool_schema}]`) whose `class_name` names such a class loads
 with `--tools tools.yaml`. The class keeps verl's lifecycle and signatures, sync or async:
@@ -12,13 +15,15 @@ with `--tools tools.yaml`. The class keeps verl's lifecycle and signatures, sync
     __init__(config, tool_schema: OpenAIFunctionToolSchema)
     create(instance_id=None, **kwargs) -> (instance_id, ToolResponse)     (a bare instance id is accepted too)
     execute(instance_id, parameters, **kwargs) -> (ToolResponse, reward, metrics)
-    calc_reward(instance_id, **kwargs) -> float
+    calc_reward(instance_id, **kwargs) -> float (or anything: verl's SearchTool returns its list of results)
     release(instance_id, **kwargs)
 
 How turnrl runs it (`__turnrl_tool_spec__`, the hook turnrl.tools.ToolSpec.from_class looks for): the class is
 constructed once per process, as verl constructs it once per worker, and every trajectory gets its own instance
 id: `create` before the trajectory's first call of the tool, `execute` per call, `calc_reward` when the episode
-ends (its value reaches reward functions as `tool_rewards[name]`), `release` always, also after a failure. This is
+ends (a number reaches reward functions as `tool_rewards[name]`; any other value is no reward and is kept in the
+trajectory's `info["tool_reward_values"]` with a warning; verl-signature reward functions get every value in
+`extra_info["rollout_reward_scores"]`, as verl's reward managers pass them), `release` always, also after a failure. This is
 the lifecycle of verl's SGLang multi-turn path; verl's agent loop instead creates and releases around every
 call and never calls `calc_reward`. `create` receives the row's `tools_kwargs[name]["create_kwargs"]` (the
 row's column or verl's `extra_info.tools_kwargs`) both ways verl has passed it: as keyword arguments (the
@@ -44,6 +49,7 @@ from turnrl.tools.function_tool import ToolLifecycleError, normalize_tool_schema
 from turnrl.tools.function_tool import ToolResponse as _TurnrlToolResponse
 from turnrl.tools.stateful import ToolSpec
 from turnrl.tracing import traced
+from turnrl.types import SegmentSource, Trajectory
 
 rollout_trace_op = traced
 """verl's decorator: the decorated function's calls (inputs, outputs, errors, times) are recorded under the tool
@@ -200,7 +206,7 @@ class _TrajectoryTool:
     async def execute(self, arguments: dict[str, Any]) -> Any:
         return _turnrl_result(await call(self.tool.execute, self.instance_id, arguments))
 
-    async def calc_reward(self) -> float:
+    async def calc_reward(self) -> Any:
         return await call(self.tool.calc_reward, self.instance_id)
 
     async def release(self) -> None:
@@ -233,17 +239,41 @@ def _turnrl_response(response: ToolResponse) -> _TurnrlToolResponse:
     return _TurnrlToolResponse(text=response.text or "", images=list(response.image or []))
 
 
-def reward_arguments(row: dict[str, Any], response: str) -> dict[str, Any]:
-    """The arguments verl's reward functions take that turnrl calls otherwise: `solution_str` (the final reply) and
-    `ground_truth` (the row's `reward_model.ground_truth`, when it has one). turnrl.rewards offers them by name."""
-    names: dict[str, Any] = {"solution_str": response}
+def reward_arguments(traj: Trajectory, tokenizer: Any = None) -> dict[str, Any]:
+    """The arguments verl's reward managers pass that turnrl names otherwise (turnrl.rewards offers them by name):
+
+    - `solution_str`: the whole response, every token after the prompt decoded with `skip_special_tokens=True`
+      as verl's reward managers decode it (all assistant turns, tool and env outputs and the template's role
+      text between them, not only the final reply: `response` is that); only with a `tokenizer`;
+    - `ground_truth`: the row's `reward_model.ground_truth`, when it has one;
+    - `extra_info`: the row's `extra_info` (a copy; {} without one) plus what verl's reward managers add:
+      `num_turns` as verl's agent loop counts it (the prompt, each model turn and each tool or env response: 2
+      for a single reply) and `rollout_reward_scores`, `{tool name: calc_reward()}` as the tools returned it.
+    """
+    row = traj.sample
+    names: dict[str, Any] = {}
+    if tokenizer is not None:
+        names["solution_str"] = tokenizer.decode(traj.response_ids, skip_special_tokens=True)
     reward_model = row.get("reward_model")
     if isinstance(reward_model, dict) and "ground_truth" in reward_model:
         names["ground_truth"] = reward_model["ground_truth"]
+    extra_info = row.get("extra_info")
+    names["extra_info"] = {**(extra_info if isinstance(extra_info, dict) else {}), "num_turns": verl_num_turns(traj),
+                           "rollout_reward_scores": {**traj.tool_rewards, **traj.info.get("tool_reward_values", {})}}
     return names
 
 
+def verl_num_turns(traj: Trajectory) -> int:
+    """verl's `__num_turns__`: 1 (the prompt) + the model turns + the observations (tool or env responses) that
+    followed them (verl's ToolAgentLoop: `user_turns + assistant_turns + 1`)."""
+    observed = {s.turn for s in traj.segments if s.source in (SegmentSource.ENV, SegmentSource.TOOL)}
+    return 1 + traj.num_turns + len(observed)
+
+
+from turnrl.compat.verl.interaction import BaseInteraction  # noqa: E402 (it imports nothing of this module)
+
 __all__ = [
+    "BaseInteraction",
     "BaseTool",
     "OpenAIFunctionCallSchema",
     "OpenAIFunctionParametersSchema",
@@ -255,4 +285,5 @@ __all__ = [
     "ToolResponse",
     "reward_arguments",
     "rollout_trace_op",
+    "verl_num_turns",
 ]
