@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from turnrl.rewards import last_boxed, math_equal
+from turnrl.rewards.math import last_boxed, math_equal
 from turnrl.types import Trajectory
 
 
