@@ -24,7 +24,7 @@ from turnrl.data import write_jsonl  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("data/vlm_shapes"))
-    ap.add_argument("--sft", type=int, default=384)
+    ap.add_argument("--sft", type=int, default=2400)
     ap.add_argument("--train", type=int, default=256)
     ap.add_argument("--eval", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
