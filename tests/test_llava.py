@@ -92,17 +92,22 @@ async def test_a_missing_image_is_refused_before_it_joins_a_batch(llava):
         await engine.generate(rendered.ids, SamplingParams(max_new_tokens=2), request_id="x", images=[])
 
 
-def test_sft_on_image_rows_trains_and_turnrl_train_loads_the_llava_checkpoint(tmp_path):
-    from turnrl.build import build_trainer
-    from turnrl.cli import run_sft
-    from turnrl.config import SFTConfig, TrainConfig
-
+def write_colour_rows(tmp_path) -> None:
+    """sft.jsonl in tmp_path: four one-colour pictures and their colour, as chat rows with an image."""
     rows = []
     for k, colour in enumerate(["red", "blue", "green", "black"]):
         picture(colour, (64, 64)).save(tmp_path / f"{k}.png")
         rows.append({"images": [f"{k}.png"], "messages": [{"role": "user", "content": "<image>Which colour?"},
                                                           {"role": "assistant", "content": colour}]})
     (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_sft_on_image_rows_trains_and_turnrl_train_loads_the_llava_checkpoint(tmp_path):
+    from turnrl.build import build_trainer
+    from turnrl.cli import run_sft
+    from turnrl.config import SFTConfig, TrainConfig
+
+    write_colour_rows(tmp_path)
     cfg = SFTConfig.model_validate({
         "model": "tiny-llava", "train_data": str(tmp_path / "sft.jsonl"), "output_dir": str(tmp_path / "run"),
         "steps": 3, "sft": {"batch_size": 4},
@@ -150,12 +155,7 @@ def test_optim_freeze_trains_only_the_vision_side_and_its_checkpoint_exports_fro
     from turnrl.cli import run_sft
     from turnrl.config import SFTConfig
 
-    rows = []
-    for k, colour in enumerate(["red", "blue", "green", "black"]):
-        picture(colour, (64, 64)).save(tmp_path / f"{k}.png")
-        rows.append({"images": [f"{k}.png"], "messages": [{"role": "user", "content": "<image>Which colour?"},
-                                                          {"role": "assistant", "content": colour}]})
-    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_colour_rows(tmp_path)
     cfg = SFTConfig.model_validate({
         "model": "tiny-llava", "train_data": str(tmp_path / "sft.jsonl"), "output_dir": str(tmp_path / "run"),
         "steps": 2, "sft": {"batch_size": 4}, "optim": {"lr": 1e-2, "freeze": ["language_model", "lm_head"]}})

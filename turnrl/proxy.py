@@ -851,8 +851,9 @@ class TextStream:
     def push(self, token: int) -> None:
         if self.stopped or token in self.end_of_turn_ids:
             return
+        start = max(0, len(self.text) - max(map(len, self.stops), default=0) + 1)  # only where a new one can end
         self.text += self.decoder.push(token)
-        found = find_stop(self.text, self.stops)
+        found = find_stop(self.text, self.stops, start)
         if found is not None:
             self.text, self.stopped = self.text[: found[0]], True
         self._send(len(self.text) - (0 if self.stopped else partial_tail(self.text, self.stops)))

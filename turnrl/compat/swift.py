@@ -158,7 +158,17 @@ def math_accuracy(completions: list[str], solutions: list[str]) -> list[float]:
             for completion, solution in zip(completions, solutions, strict=True)]
 
 
-class MathTipsScheduler(MultiTurnScheduler):
+class _AccuracyScheduler(MultiTurnScheduler):
+    """ms-swift's tips schedulers' constructor: `acc_function(completions, solutions) -> [score]` (default
+    `math_accuracy`) as `self.acc_func`."""
+
+    def __init__(self, infer_engine: Any = None, max_turns: int | None = None, *args: Any,
+                 acc_function: Callable[[list[str], list[str]], list[float]] | None = None, **kwargs: Any):
+        super().__init__(infer_engine, max_turns, **kwargs)
+        self.acc_func = acc_function or math_accuracy
+
+
+class MathTipsScheduler(_AccuracyScheduler):
     """ms-swift's `math_tip_trick`: on a wrong answer, the reply is cut before its `<answer>` or `</think>` (the
     first of them), `tips_prompt` is appended to the same assistant message (mask 0, no logprobs) and the model
     continues it, once. `acc_function(completions, solutions) -> [score]` (ms-swift's keyword; default
@@ -166,11 +176,6 @@ class MathTipsScheduler(MultiTurnScheduler):
     `--scheduler math_tip_trick` cuts after the `\\boxed{}` instead (turnrl.agents.schedulers_builtin)."""
 
     tips_prompt = "But wait... It seems I made a mistake,"
-
-    def __init__(self, infer_engine: Any = None, max_turns: int | None = None, *args: Any,
-                 acc_function: Callable[[list[str], list[str]], list[float]] | None = None, **kwargs: Any):
-        super().__init__(infer_engine, max_turns, **kwargs)
-        self.acc_func = acc_function or math_accuracy
 
     def check_finished(self, request: RolloutInferRequest, response: Any, turn: int) -> bool:
         last_completion = request.messages[-1]["content"]
@@ -193,18 +198,13 @@ class MathTipsScheduler(MultiTurnScheduler):
                 "response_loss_mask": [1] * len(kept) + [0] * len(tip_ids), "rollout_logprobs": logprobs}
 
 
-class ThinkingModelTipsScheduler(MultiTurnScheduler):
+class ThinkingModelTipsScheduler(_AccuracyScheduler):
     """ms-swift's `thinking_tips_scheduler`: after a wrong answer, a user message `tips_prompt` asks again, once;
     the next request shows earlier replies without their `<think>` blocks (as thinking templates render history),
     so each round is its own training sample (ms-swift returns one RolloutOutput per round). `acc_function` as in
     MathTipsScheduler."""
 
     tips_prompt = "The answer is not correct, It seems You made a mistake, you need to recheck very carefully."
-
-    def __init__(self, infer_engine: Any = None, max_turns: int | None = None, *args: Any,
-                 acc_function: Callable[[list[str], list[str]], list[float]] | None = None, **kwargs: Any):
-        super().__init__(infer_engine, max_turns, **kwargs)
-        self.acc_func = acc_function or math_accuracy
 
     def check_finished(self, request: RolloutInferRequest, response: Any, turn: int) -> bool:
         last_query = request.messages[-2].get("content") if len(request.messages) >= 2 else None
