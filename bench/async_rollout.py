@@ -1,6 +1,6 @@
 """Asynchronous rollout vs the synchronous batched turn loop, against the lower bound of the schedule.
 
-Workload: N trajectories (default 64), episodes of 1 to 6 turns (`turnrl.testing.LatencyToolEnv`). Each turn the
+Workload: N trajectories (default 64), episodes of 1 to 6 turns (`turnrl.testing.latency.LatencyToolEnv`). Each turn the
 model samples up to --max-new-tokens tokens (seeded, temperature 1), then the tool answers after a latency drawn
 from a lognormal (sigma 1: the slowest of 64 calls is ~6x the mean) with mean 0.1, 0.5 or 1.0 s; one more row
 gives every call exactly 0.5 s. Both methods run the same rows (same turn counts, same latency draws), the same
@@ -8,7 +8,7 @@ sampler seeds, the same engine and the same turn loop (`drive`); only the schedu
 
 - async: `RolloutManager` with concurrency >= N. A trajectory's next turn is generated as soon as its own tool
   answered; the embedded engine batches whatever requests are in flight (continuous batching).
-- sync: the same, through `turnrl.testing.LockstepEngine`: each turn every live trajectory's request is
+- sync: the same, through `turnrl.testing.latency.LockstepEngine`: each turn every live trajectory's request is
   submitted together and awaited together, then that turn's tools run concurrently, and the next turn starts
   when the slowest tool answered. This is TRL's and ms-swift's colocate loop at its best (one batched generate
   per turn, tools of a turn in parallel).
@@ -19,7 +19,7 @@ sampler seeds, the same engine and the same turn loop (`drive`); only the schedu
   Pure generation is measured before and after the settings and the smaller value is kept (the machine may
   be shared; the least contended measurement is the best estimate).
 
-Engines: `fake` is `turnrl.testing.LatencyEngine` (a continuous-batching accelerator modelled in time: a decode
+Engines: `fake` is `turnrl.testing.latency.LatencyEngine` (a continuous-batching accelerator modelled in time: a decode
 step of --fake-per-token-s serves up to --max-batch-size rows; no compute), the others are built-in model names
 on the real embedded engine.
 
@@ -44,7 +44,7 @@ from turnrl.engines.embedded import EmbeddedEngine
 from turnrl.models import load_model, load_tokenizer
 from turnrl.render import ChatRenderer
 from turnrl.rollout import RolloutLimits, RolloutManager, run_groups
-from turnrl.testing import LatencyDraw, LatencyEngine, LockstepEngine, build_env, latency_rows
+from turnrl.testing.latency import LatencyDraw, LatencyEngine, LockstepEngine, build_env, latency_rows
 from turnrl.types import SamplingParams
 
 PROMPTS = [

@@ -1,14 +1,14 @@
 """Synchronous vs asynchronous training where generation, tools and the update are separate resources.
 
-As on GPUs: the accelerator that samples (`turnrl.testing.LatencyEngine`, a continuous-batching server modelled in
-time), the tools (heavy-tailed latency, `turnrl.testing.LatencyToolEnv`) and the trainer (an update of fixed cost,
-`turnrl.testing.simulate_training`) each take time without taking the others'. Every run trains the same number
+As on GPUs: the accelerator that samples (`turnrl.testing.latency.LatencyEngine`, a continuous-batching server modelled in
+time), the tools (heavy-tailed latency, `turnrl.testing.latency.LatencyToolEnv`) and the trainer (an update of fixed cost,
+`turnrl.testing.latency.simulate_training`) each take time without taking the others'. Every run trains the same number
 of steps of `--batch` groups of `--n` trajectories over the same rows (same episode lengths, same latency draws):
 
 - sync: `TrajectoryBuffer(max_staleness=0)`: a step's groups are admitted at the current weights and the step
   waits for all of them; rollouts stop while the trainer updates. (turnrl's sync mode, and every sync trainer.)
 - async K: the same buffer with `max_staleness=K`: rollouts go on during updates, a group is trained within K
-  versions of the policy that sampled it, nothing is dropped (`turnrl.buffer`).
+  versions of the policy that sampled it, nothing is dropped (`turnrl.train.buffer`).
 - drop-stale K (a baseline, for the length-bias column only): the B groups that finished first are trained and
   finished groups older than K versions are discarded, as the drop strategies of other frameworks do.
 - bound: max(generation, update, longest chain): generation = all decode steps packed at full batch, update =
@@ -34,11 +34,11 @@ from rich.console import Console
 from rich.table import Table
 
 from turnrl.agents import AGENTS
-from turnrl.buffer import Group, TrajectoryBuffer
 from turnrl.models import load_tokenizer
 from turnrl.render import ChatRenderer
 from turnrl.rollout import RolloutLimits, RolloutManager
-from turnrl.testing import LatencyDraw, LatencyEngine, build_env, latency_rows, simulate_training
+from turnrl.testing.latency import LatencyDraw, LatencyEngine, build_env, latency_rows, simulate_training
+from turnrl.train.buffer import Group, TrajectoryBuffer
 
 
 class DropStaleBuffer(TrajectoryBuffer):

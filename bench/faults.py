@@ -1,6 +1,6 @@
 """Fault injection: what a rollout returns when envs, engines and the model misbehave, and how long it takes.
 
-Scenarios (tiny-qwen3, real engines, real sync envs on their own threads; `turnrl.faults`):
+Scenarios (tiny-qwen3, real engines, real sync envs on their own threads; `turnrl.testing.faults`):
 
 - env faults: 10% of env steps raise, 5% hang for an hour (env_timeout_s=2): every trajectory must come back,
   the healthy ones completed, the hung calls abandoned (and the process still exits at once).
@@ -11,7 +11,7 @@ Scenarios (tiny-qwen3, real engines, real sync envs on their own threads; `turnr
   live replica (request_timeout_s=3), the trajectories fail over and complete.
 - NaN rewards: 10% of env steps return a NaN reward: those trajectories FAIL (never scored), and every group's
   advantages stay finite.
-- parser fuzz: every tool-call parser on 200,000 hostile replies (turnrl.faults.adversarial_texts).
+- parser fuzz: every tool-call parser on 200,000 hostile replies (turnrl.testing.faults.adversarial_texts).
 
     python bench/faults.py                          # everything (the fuzz takes a few minutes on 2 cores)
     python bench/faults.py --fuzz-inputs 20000 --trajectories 32
@@ -41,13 +41,13 @@ from turnrl.config import TrainConfig
 from turnrl.engines.embedded import EmbeddedEngine
 from turnrl.engines.http import HttpEngine
 from turnrl.engines.router import Router
-from turnrl.faults import Faults, SilentServer, faulty_env_factory, fuzz_parsers
 from turnrl.models import load_model, load_tokenizer
+from turnrl.observe.watchdog import Stalled
 from turnrl.render import ChatRenderer
 from turnrl.rewards import load_reward_fn
 from turnrl.rollout import RolloutLimits, RolloutManager, run_groups
-from turnrl.trainer import group_advantages
-from turnrl.watchdog import Stalled
+from turnrl.testing.faults import Faults, SilentServer, faulty_env_factory, fuzz_parsers
+from turnrl.train.loop import group_advantages
 
 MODEL = "tiny-qwen3"
 

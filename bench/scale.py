@@ -46,7 +46,7 @@ def worker(args: argparse.Namespace) -> None:
     from turnrl.config import TrainConfig
     from turnrl.engines.embedded import EmbeddedEngine
     from turnrl.models import load_model
-    from turnrl.trainer import Trainer, TrainSample
+    from turnrl.train.loop import Trainer, TrainSample
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))

@@ -71,10 +71,10 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from turnrl import algos
 from turnrl.config import TrainConfig
 from turnrl.models import load_model, load_tokenizer
-from turnrl.trainer import Trainer, TrainSample
+from turnrl.train import algos
+from turnrl.train.loop import Trainer, TrainSample
 
 MODEL = "smollm2-135m-instruct"
 LR = 1e-6
@@ -207,7 +207,7 @@ class TurnrlUpdate:
 
 
 def _legacy_varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """turnrl.packing's attention before the "GRPO trainer" issue: a slice per sequence, KV heads repeated per
+    """turnrl.train.packing's attention before the "GRPO trainer" issue: a slice per sequence, KV heads repeated per
     slice. Kept only so that `--before` can time the old code in the same process."""
     cu_seqlens: list[int] = kwargs["turnrl_cu_seqlens"]
     groups = query.shape[1] // key.shape[1]

@@ -1,4 +1,4 @@
-"""The curves of an SFT-then-RL recipe as one PNG (turnrl.plots.plot_sft_then_rl).
+"""The curves of an SFT-then-RL recipe as one PNG (turnrl.observe.plots.plot_sft_then_rl).
 
     python examples/plot_recipe.py runs/calculator_agent --out examples/calculator_agent/curves.png
 
@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from turnrl.plots import plot_sft_then_rl
+from turnrl.observe.plots import plot_sft_then_rl
 
 
 def read(path: Path) -> list[dict]:

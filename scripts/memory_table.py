@@ -4,7 +4,7 @@
 
 Parameter counts come from the models' architectures, built on the meta device (no weights, no download) from
 the shapes of their Hugging Face configs (Qwen3 0.6B to 32B, Qwen3-VL-2B); they match the model cards'
-figures. Per rank, with `trainer.parallel: fsdp` over W ranks (turnrl.parallel):
+figures. Per rank, with `trainer.parallel: fsdp` over W ranks (turnrl.train.parallel):
 
     full fine-tuning   16 P / W bytes: fp32 sharded weights (4) + fp32 gradients (4) + AdamW m and v (8)
     + KL reference      4 P / W       (algo.kl_coef > 0 without LoRA: a frozen fp32 copy, sharded the same way)

@@ -25,9 +25,9 @@ import torch
 
 from turnrl.config import TrainConfig
 from turnrl.models import load_model
-from turnrl.packing import pack_sequences, packed_token_logprobs
-from turnrl.parallel import full_tensor
-from turnrl.trainer import Trainer, TrainSample
+from turnrl.train.loop import Trainer, TrainSample
+from turnrl.train.packing import pack_sequences, packed_token_logprobs
+from turnrl.train.parallel import full_tensor
 from turnrl.types import SamplingParams
 
 # grad_clip below the gradient norms of these steps (~0.6-0.9): the clip acts, on sharded gradients. A small

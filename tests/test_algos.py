@@ -1,11 +1,11 @@
-"""turnrl.algos against values derived by hand; the arithmetic sits next to each expected number."""
+"""turnrl.train.algos against values derived by hand; the arithmetic sits next to each expected number."""
 
 import math
 
 import pytest
 import torch
 
-from turnrl.algos import (
+from turnrl.train.algos import (
     aggregate_loss,
     group_reward_stats,
     grpo_advantages,

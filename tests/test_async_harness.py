@@ -1,4 +1,4 @@
-"""The scheduling harness (turnrl.testing): fake accelerator, latency tool env, lockstep (synchronous) schedule."""
+"""The scheduling harness (turnrl.testing.latency): fake accelerator, latency tool env, lockstep (synchronous) schedule."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from turnrl.agents import AGENTS
 from turnrl.render import ChatRenderer
 from turnrl.rollout import RolloutLimits, RolloutManager, run_groups
-from turnrl.testing import LatencyDraw, LatencyEngine, LockstepEngine, build_env, latency_rows
+from turnrl.testing.latency import LatencyDraw, LatencyEngine, LockstepEngine, build_env, latency_rows
 from turnrl.types import SamplingParams, TerminationReason
 
 

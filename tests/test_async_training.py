@@ -19,7 +19,7 @@ from turnrl.types import Trajectory
 
 
 def _setup(tmp_path, rows=12):
-    data = tmp_path / "rows.jsonl"  # 1-4 tool turns of varied latency (turnrl.testing's env)
+    data = tmp_path / "rows.jsonl"  # 1-4 tool turns of varied latency (turnrl.testing.latency's env)
     data.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"Look up {i}.",
                                         "latencies_s": [0.01 * (i % 4)] * (1 + i % 4)}) + "\n" for i in range(rows)))
     (tmp_path / "reward.py").write_text("def reward(response):\n    return float(len(response) % 3)\n")
@@ -29,7 +29,7 @@ def _setup(tmp_path, rows=12):
 def _config(tmp_path, data, out, steps, **extra):
     cfg = {"model": "tiny-qwen3", "train_data": str(data), "run_dir": str(out), "steps": steps,
            "prompts_per_step": 2, "seed": 3, "save_every": 1,
-           "rollout": {"env": "turnrl.testing", "n": 2, "max_new_tokens": 8, "max_turns": 6,
+           "rollout": {"env": "turnrl.testing.latency", "n": 2, "max_new_tokens": 8, "max_turns": 6,
                        "sanity_check": "disable"},
            "engine": {"max_batch_size": 4}, "optim": {"lr": 1e-3},
            "trainer": {"mode": "async", "max_staleness": 2},

@@ -9,10 +9,10 @@ import json
 import pytest
 
 from turnrl.agents import AGENTS
-from turnrl.buffer import TrajectoryBuffer, produce
 from turnrl.render import ChatRenderer
 from turnrl.rollout import RolloutLimits, RolloutManager
-from turnrl.testing import LatencyDraw, LatencyEngine, build_env, latency_rows, simulate_training
+from turnrl.testing.latency import LatencyDraw, LatencyEngine, build_env, latency_rows, simulate_training
+from turnrl.train.buffer import TrajectoryBuffer, produce
 
 
 def harness(tokenizer, rows, *, per_token_s=0.002):
@@ -108,7 +108,7 @@ async def test_a_checkpoint_loses_no_admitted_prompt(qwen3_tokenizer):
 @pytest.mark.parametrize("pause", ["keep", "wait", "abort"])
 async def test_a_weight_update_mid_turn_keeps_tokens_versions_and_masks(qwen3_tokenizer, pause):
     from turnrl.rollout import RolloutContext, drive
-    from turnrl.testing import LatencyToolEnv
+    from turnrl.testing.latency import LatencyToolEnv
     from turnrl.types import SamplingParams, SegmentSource
 
     reply = qwen3_tokenizer("one two three four five six seven eight nine ten", add_special_tokens=False)["input_ids"]

@@ -12,9 +12,9 @@ from turnrl.build import Stack, build_stack, build_trainer
 from turnrl.config import EngineConfig, RolloutConfig, TrainConfig
 from turnrl.data import DataError
 from turnrl.engines.http import HttpEngine
+from turnrl.observe.tracing import TrajectoryTracer
 from turnrl.render import ChatRenderer
 from turnrl.rollout import RolloutManager
-from turnrl.tracing import TrajectoryTracer
 
 
 @pytest.fixture

@@ -245,8 +245,8 @@ def test_the_start_up_check_names_only_the_dead_replica(qwen3_tokenizer):
     from turnrl.engines.base import EngineError
     from turnrl.engines.http import HttpEngine
     from turnrl.engines.router import Router
-    from turnrl.proxy import ChatProxy
-    from turnrl.serve import ServerThread, create_app
+    from turnrl.serve.app import ServerThread, create_app
+    from turnrl.serve.sessions import ChatProxy
 
     engine = ScriptedEngine(qwen3_tokenizer, lambda *a: "ok")
     server = ServerThread(create_app(engine, ChatProxy(engine, ChatRenderer(qwen3_tokenizer))))

@@ -23,8 +23,8 @@ from turnrl.compat.verl import (
     gsm8k,
     rollout_trace_op,
 )
+from turnrl.observe.tracing import collect_spans
 from turnrl.tools import ToolSet
-from turnrl.tracing import collect_spans
 from turnrl.types import ToolCall
 
 runner = CliRunner()

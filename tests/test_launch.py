@@ -32,7 +32,7 @@ runner = CliRunner()
 
 
 def _write_config(tmp_path: Path, name: str, steps: int, **extra) -> Path:
-    """tiny-qwen3 on turnrl.testing's tool env (1-2 turns whose tools answer after 0.5 s: a step's rollout
+    """tiny-qwen3 on turnrl.testing.latency's tool env (1-2 turns whose tools answer after 0.5 s: a step's rollout
     takes that long at least), a reward that varies (so there is something to train), fp32, seeded, a
     checkpoint every step; epochs 2 so the loss is not the trivial first-epoch one."""
     data = tmp_path / "rows.jsonl"
@@ -41,7 +41,7 @@ def _write_config(tmp_path: Path, name: str, steps: int, **extra) -> Path:
     (tmp_path / "reward.py").write_text("def reward(response):\n    return float(len(response) % 3)\n")
     cfg = {"model": "tiny-qwen3", "train_data": str(data), "output_dir": str(tmp_path / name), "steps": steps,
            "prompts_per_step": 2, "seed": 3, "save_every": 1,
-           "rollout": {"env": "turnrl.testing", "n": 2, "max_new_tokens": 8, "max_turns": 3, "sanity_check": "disable"},
+           "rollout": {"env": "turnrl.testing.latency", "n": 2, "max_new_tokens": 8, "max_turns": 3, "sanity_check": "disable"},
            "engine": {"max_batch_size": 1},  # one request at a time: the same tokens whatever the timing
            "optim": {"lr": 1e-3, "epochs": 2, "micro_batch_tokens": 64},
            "reward": {"function": f"{tmp_path / 'reward.py'}:reward"}, **extra}

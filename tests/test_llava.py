@@ -14,8 +14,8 @@ from PIL import Image, ImageDraw
 from turnrl.engines.embedded import EmbeddedEngine
 from turnrl.models import load_model, resolve_model
 from turnrl.multimodal import VisionRenderer, build_processor
-from turnrl.packing import pack_sequences, packed_token_logprobs, use_varlen_attention
 from turnrl.rollout import RolloutContext, RolloutLimits, drive
+from turnrl.train.packing import pack_sequences, packed_token_logprobs, use_varlen_attention
 from turnrl.types import RolloutStatus, SamplingParams, SegmentSource, StepResult, TerminationReason
 
 
@@ -135,7 +135,7 @@ def test_sft_on_image_rows_trains_and_turnrl_train_loads_the_llava_checkpoint(tm
 
 
 def test_lr_scale_makes_optimizer_groups_and_refuses_a_name_that_matches_nothing():
-    from turnrl.trainer import param_groups
+    from turnrl.train.loop import param_groups
 
     model = load_model("tiny-llava")
     groups = param_groups(model, 1e-5, {"vision_tower": 50, "multi_modal_projector": 50})
@@ -151,9 +151,9 @@ def test_optim_freeze_trains_only_the_vision_side_and_its_checkpoint_exports_fro
     trained model and in a Hugging Face directory exported from the sharded state, which leaves it out."""
     from safetensors.torch import load_file
 
-    from turnrl.checkpoint import export_checkpoint
     from turnrl.cli import run_sft
     from turnrl.config import SFTConfig
+    from turnrl.train.checkpoint import export_checkpoint
 
     write_colour_rows(tmp_path)
     cfg = SFTConfig.model_validate({

@@ -19,13 +19,13 @@ import dist_worker as worker
 import pytest
 import torch
 
-from turnrl.checkpoint import export_checkpoint
 from turnrl.config import ConfigError, TrainConfig, load_config
 from turnrl.models import load_model
-from turnrl.packing import pack_sequences, packed_token_logprobs, use_varlen_attention
-from turnrl.parallel import balanced_split
-from turnrl.trainer import Trainer
-from turnrl.weights import plan_buckets
+from turnrl.train.checkpoint import export_checkpoint
+from turnrl.train.loop import Trainer
+from turnrl.train.packing import pack_sequences, packed_token_logprobs, use_varlen_attention
+from turnrl.train.parallel import balanced_split
+from turnrl.train.weights import plan_buckets
 
 ROOT = Path(__file__).resolve().parents[1]
 

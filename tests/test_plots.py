@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from turnrl.plots import plot_curves, plot_sft_curves, plot_sft_then_rl
+from turnrl.observe.plots import plot_curves, plot_sft_curves, plot_sft_then_rl
 
 TRAIN = [{"step": float(s), "rollout/reward_mean": 0.1 * s, "train/loss": 1.0 / s, "rollout/model_tokens_mean": 9.0, "rollout/turns_mean": 1.5,
           "rollout/tool_call_rate": 0.5, "rollout/tool_invalid_call_rate": 0.1} for s in range(1, 4)]

@@ -9,9 +9,9 @@ import httpx
 import pytest
 from fakes import ScriptedEngine
 
-from turnrl.proxy import ChatProxy
 from turnrl.render import ChatRenderer
-from turnrl.serve import ServerThread, create_app
+from turnrl.serve.app import ServerThread, create_app
+from turnrl.serve.sessions import ChatProxy
 from turnrl.types import SamplingParams
 
 TOOLS = [{"type": "function", "function": {"name": "f", "description": "f", "parameters": {

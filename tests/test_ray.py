@@ -27,14 +27,14 @@ from turnrl.build import (  # noqa: E402
     load_engine,
 )
 from turnrl.config import EngineConfig, RolloutConfig, SamplingConfig, TrainConfig  # noqa: E402
-from turnrl.dist.ray import EngineActor, RayEngineGroup, RayRollout, RolloutWorker  # noqa: E402
 from turnrl.models import load_model  # noqa: E402
 from turnrl.rollout import group_ids, run_groups  # noqa: E402
-from turnrl.testing import LatencyDraw, latency_rows  # noqa: E402
+from turnrl.rollout.ray import EngineActor, RayEngineGroup, RayRollout, RolloutWorker  # noqa: E402
+from turnrl.testing.latency import LatencyDraw, latency_rows  # noqa: E402
 from turnrl.types import SamplingParams, TerminationReason, Trajectory  # noqa: E402
 
 MODEL = "tiny-qwen3"
-ENV_CFG = RolloutConfig(env="turnrl.testing", max_turns=6, max_new_tokens=8, sanity_check="disable",
+ENV_CFG = RolloutConfig(env="turnrl.testing.latency", max_turns=6, max_new_tokens=8, sanity_check="disable",
                         sampling=SamplingConfig(temperature=1.0, seed=3))
 
 
@@ -222,9 +222,9 @@ def test_trainer_launcher_ray_trains_on_two_actor_ranks(cluster, tmp_path):
     engine actor (step 2's logprobs are those of the step-1 policy, as `turnrl export` writes it)."""
     from test_launch import _assert_sampled_by, _write_config
 
-    from turnrl.checkpoint import export_checkpoint
     from turnrl.cli import run_training
     from turnrl.config import load_config
+    from turnrl.train.checkpoint import export_checkpoint
 
     config = _write_config(tmp_path, "run", steps=2, trainer={"parallel": "fsdp", "world_size": 2, "launcher": "ray"},
                            engine={"max_batch_size": 1, "distributed": "ray", "ray_workers": 1})
@@ -242,7 +242,7 @@ def test_trainer_launcher_ray_trains_on_two_actor_ranks(cluster, tmp_path):
 
 
 def test_trainer_launcher_ray_raises_the_error_of_a_failing_rank(cluster, tmp_path):
-    from turnrl.dist.ray import train_on_ray
+    from turnrl.train.ray import train_on_ray
 
     def train(rank, world_size, init_method):
         if rank == 1:
@@ -260,10 +260,10 @@ def test_trainer_launcher_ray_raises_the_error_of_a_failing_rank(cluster, tmp_pa
 
 def test_trainer_actors_join_one_process_group(cluster):
     from turnrl.config import TrainerConfig
-    from turnrl.dist.ray import train_on_ray
+    from turnrl.train.ray import train_on_ray
 
     def train(rank, world_size, init_method):
-        from turnrl.parallel import Parallel
+        from turnrl.train.parallel import Parallel
 
         cfg = TrainerConfig(parallel="fsdp", world_size=world_size, launcher="ray")
         parallel = Parallel.start(cfg, rank=rank, world_size=world_size, init_method=init_method)

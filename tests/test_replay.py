@@ -13,9 +13,9 @@ from turnrl.cli import app
 from turnrl.engines.embedded import EmbeddedEngine
 from turnrl.models import load_model
 from turnrl.render import ChatRenderer
-from turnrl.replay import replay
 from turnrl.rollout import RolloutLimits, RolloutManager
-from turnrl.testing import build_env
+from turnrl.rollout.replay import replay
+from turnrl.testing.latency import build_env
 from turnrl.types import SamplingParams
 
 ROWS = [{"id": i, "prompt": f"Look up item {i} with the tool.", "latencies_s": [0.0, 0.01 * (i % 3), 0.0]}

@@ -431,7 +431,7 @@ async def test_a_scheduler_edit_of_a_turn_that_spans_versions_merges_its_segment
 
 
 async def test_a_render_mismatch_is_explained_once_and_then_only_counted(qwen3_tokenizer, caplog, monkeypatch):
-    import turnrl.rollout as rollout_module
+    import turnrl.rollout.episode as rollout_module
 
     monkeypatch.setattr(rollout_module, "_WARNED_MISMATCH", set())
     think = "<think>\nAdd them.\n</think>\n\n"  # Qwen3 drops earlier reasoning in a full render: strippable

@@ -1,4 +1,4 @@
-"""Rollout-server mode (`turnrl serve --scheduler X --plugin F.py`, client `turnrl.remote.RemoteRollout`): the
+"""Rollout-server mode (`turnrl serve --scheduler X --plugin F.py`, client `turnrl.rollout.remote.RemoteRollout`): the
 scheduler scenarios of test_scheduler.py re-run through the server give the same trajectories as in one process;
 plugins are imported by the server; rewards are computed by the client; weights pushed through the client reach
 the server's engine; `/rollout` needs the bearer token."""
@@ -23,10 +23,10 @@ from turnrl.build import build_rollout_manager
 from turnrl.cli import app as cli_app
 from turnrl.config import RolloutConfig, TrainConfig
 from turnrl.engines.base import EngineError
-from turnrl.remote import RemoteRollout
 from turnrl.render import ChatRenderer
 from turnrl.rollout import run_groups
-from turnrl.serve import ServerThread, create_app
+from turnrl.rollout.remote import RemoteRollout
+from turnrl.serve.app import ServerThread, create_app
 from turnrl.types import RolloutStatus, SamplingParams, TerminationReason, Trajectory
 
 ROW = scenarios.ROW

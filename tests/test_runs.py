@@ -11,10 +11,10 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from turnrl.checkpoint import MANIFEST, checkpoint_problem, load_checkpoint_model, select_checkpoint
 from turnrl.cli import app, run_training
 from turnrl.config import ConfigError, TrainConfig, load_config
-from turnrl.runs import find_checkpoint, prepare_run, runs_under
+from turnrl.train.checkpoint import MANIFEST, checkpoint_problem, load_checkpoint_model, select_checkpoint
+from turnrl.train.runs import find_checkpoint, prepare_run, runs_under
 
 
 def _files(tmp_path: Path) -> Path:

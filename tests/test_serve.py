@@ -20,12 +20,12 @@ from turnrl.config import TrainConfig
 from turnrl.engines.base import EngineError, InvalidRequest
 from turnrl.engines.embedded import EmbeddedEngine
 from turnrl.engines.http import HttpEngine
-from turnrl.proxy import ChatProxy
 from turnrl.render import ChatRenderer
 from turnrl.rewards import bind_reward
 from turnrl.rollout import RolloutLimits, RolloutManager, run_groups
-from turnrl.serve import BindError, ServerThread, check_bind, create_app
-from turnrl.trainer import group_advantages
+from turnrl.serve.app import BindError, ServerThread, check_bind, create_app
+from turnrl.serve.sessions import ChatProxy
+from turnrl.train.loop import group_advantages
 from turnrl.types import RolloutStatus, SamplingParams, SegmentSource, TerminationReason, Trajectory
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -19,9 +19,9 @@ import pytest
 from test_serve import QUESTION, RecordingEngine, calculator_script
 
 from turnrl.engines.embedded import EmbeddedEngine
-from turnrl.proxy import ChatProxy, ReplyStream
 from turnrl.render import ChatRenderer
-from turnrl.serve import ServerThread, create_app
+from turnrl.serve.app import ServerThread, create_app
+from turnrl.serve.sessions import ChatProxy, ReplyStream
 from turnrl.types import RolloutStatus, SegmentSource, TerminationReason, Trajectory
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,9 +16,9 @@ import pytest
 from test_serve import RecordingEngine, calculator_script
 
 from turnrl.engines.embedded import EmbeddedEngine
-from turnrl.proxy import ChatProxy
 from turnrl.render import ChatRenderer
-from turnrl.serve import ServerThread, create_app
+from turnrl.serve.app import ServerThread, create_app
+from turnrl.serve.sessions import ChatProxy
 
 CONTEXT = 96
 

@@ -14,11 +14,11 @@ from turnrl.agents import AGENTS
 from turnrl.agents.tool_agent import ToolAgentSettings
 from turnrl.config import SFTConfig, TrainConfig
 from turnrl.data import DataError
-from turnrl.observe import TrajectoryWriter
+from turnrl.observe.stats import TrajectoryWriter
 from turnrl.render import ChatRenderer
 from turnrl.rollout import RolloutLimits, RolloutManager, run_groups
-from turnrl.sft import load_sft_samples, parse_filter, reply_text, sft_trajectories
 from turnrl.tools import ToolSet, function_tool
+from turnrl.train.sft import load_sft_samples, parse_filter, reply_text, sft_trajectories
 from turnrl.types import RolloutStatus, SegmentSource
 
 

@@ -18,9 +18,9 @@ from turnrl.engines.embedded import EmbeddedEngine
 from turnrl.engines.http import HttpEngine
 from turnrl.engines.router import Router
 from turnrl.engines.sglang import SGLangEngine
-from turnrl.faults import SilentServer
 from turnrl.render import ChatRenderer
-from turnrl.serve import ServerThread
+from turnrl.serve.app import ServerThread
+from turnrl.testing.faults import SilentServer
 from turnrl.types import FinishReason, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -200,7 +200,7 @@ async def test_pause_modes_map_onto_sglangs_pause_and_update_calls(embedded, fak
     while engine.stats["generated_tokens"] == 0 or not engine._active:  # the request is decoding on the server
         await asyncio.sleep(0.01)
     fake.calls.clear()
-    options = {} if pause == "keep" else {"pause": pause}  # how turnrl.weights passes it
+    options = {} if pause == "keep" else {"pause": pause}  # how turnrl.train.weights passes it
     await sglang.update_weights(tiny_qwen3.state_dict(), version=11 + len(pause), **options)
     out = await running
     assert fake.calls == calls

@@ -247,7 +247,7 @@ def test_bad_options_are_rejected():
 
 
 def test_rollout_stats_give_tool_call_and_invalid_call_rates(qwen3_tokenizer):
-    from turnrl.observe import RolloutStats
+    from turnrl.observe.stats import RolloutStats
 
     replies = {"s-0": [call("add", a=1, b=2), "3"], "s-1": ['<tool_call>\n{"name": "add", "arguments": {"a": 1,}}'
                                                            '\n</tool_call>', call("nope"), "?"], "s-2": ["4"]}

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from turnrl.faults import fuzz_parsers
+from turnrl.testing.faults import fuzz_parsers
 from turnrl.tools import PARSERS, get_parser
 from turnrl.types import ToolCall
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from test_tool_agent import THINK, call, run, scripted
 
-from turnrl.tracing import TrajectoryTracer
+from turnrl.observe.tracing import TrajectoryTracer
 
 mlflow = pytest.importorskip("mlflow")
 
@@ -122,7 +122,7 @@ def test_broken_trajectory_record_is_counted_not_raised(mlflow_server, qwen3_tok
     [traj], _ = run(qwen3_tokenizer, scripted("No tools needed."))
     traj.turns = [None]  # a corrupt record: the tracer cannot convert it
     tracer = TrajectoryTracer(mlflow_server, "test-tracing")
-    with caplog.at_level(logging.WARNING, logger="turnrl.tracing"):
+    with caplog.at_level(logging.WARNING, logger="turnrl.observe.tracing"):
         assert tracer.export(traj) is None
     tracer.close()  # the partial trace (marked ERROR) is sent now, while the server is up
     assert tracer.failures == 1 and tracer.exported == 0
@@ -131,7 +131,7 @@ def test_broken_trajectory_record_is_counted_not_raised(mlflow_server, qwen3_tok
 
 def test_unreachable_server_turns_tracing_off_without_raising(qwen3_tokenizer, caplog):
     [traj], _ = run(qwen3_tokenizer, scripted("No tools needed."))
-    with caplog.at_level(logging.WARNING, logger="turnrl.tracing"):
+    with caplog.at_level(logging.WARNING, logger="turnrl.observe.tracing"):
         tracer = TrajectoryTracer(f"http://127.0.0.1:{_free_port()}", "nowhere")
     assert not tracer.enabled and tracer.failures == 1
     assert "tracing is off" in caplog.text

@@ -15,8 +15,8 @@ import torch
 from turnrl.cli import run_training
 from turnrl.config import TrainConfig, load_config
 from turnrl.engines.embedded import EmbeddedEngine
-from turnrl.packing import pack_sequences, packed_token_logprobs, use_varlen_attention
-from turnrl.trainer import PromptSampler, Trainer, TrainSample, group_advantages
+from turnrl.train.loop import PromptSampler, Trainer, TrainSample, group_advantages
+from turnrl.train.packing import pack_sequences, packed_token_logprobs, use_varlen_attention
 from turnrl.types import RolloutStatus, SamplingParams, TerminationReason, Trajectory
 
 
@@ -246,7 +246,7 @@ def test_mismatch_is_reported_per_staleness_and_the_anchor_is_chosen(tiny_qwen3,
 
 PROBE = """
 import os, sys, torch
-from turnrl.trainer import map_large_allocations
+from turnrl.train.loop import map_large_allocations
 def rss_mb():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 if sys.argv[1] == "on":

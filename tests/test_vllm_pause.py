@@ -9,7 +9,7 @@ from fastapi import FastAPI, Request
 
 from turnrl.engines.base import InvalidRequest
 from turnrl.engines.vllm import VLLMServerEngine
-from turnrl.serve import ServerThread
+from turnrl.serve.app import ServerThread
 
 
 @pytest.fixture(scope="module")

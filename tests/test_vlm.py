@@ -33,10 +33,10 @@ from turnrl.multimodal import (
     VisionRenderer,
     build_processor,
 )
-from turnrl.observe import TrajectoryWriter
-from turnrl.packing import pack_sequences, packed_token_logprobs, use_varlen_attention
+from turnrl.observe.stats import TrajectoryWriter
 from turnrl.render import Rendered
 from turnrl.rollout import RolloutContext, RolloutLimits, drive
+from turnrl.train.packing import pack_sequences, packed_token_logprobs, use_varlen_attention
 from turnrl.types import RolloutStatus, SamplingParams, SegmentSource, StepResult, TerminationReason
 
 FAMILIES = {"qwen3_vl": "tiny-qwen3-vl", "qwen2_5_vl": "tiny-qwen2.5-vl", "qwen2_vl": "tiny-qwen2-vl"}

@@ -16,12 +16,12 @@ from turnrl.config import RolloutConfig
 from turnrl.engines.base import EngineError
 from turnrl.engines.http import HttpEngine
 from turnrl.engines.router import Router
-from turnrl.faults import SilentServer
+from turnrl.observe.watchdog import Stalled, Watchdog, abandon_after
 from turnrl.render import ChatRenderer
 from turnrl.rollout import RolloutLimits, RolloutManager, run_groups
-from turnrl.trainer import Trainer
+from turnrl.testing.faults import SilentServer
+from turnrl.train.loop import Trainer
 from turnrl.types import SamplingParams, StepResult
-from turnrl.watchdog import Stalled, Watchdog, abandon_after
 
 # ---- the watchdog on its own -------------------------------------------------------------------------
 
@@ -39,7 +39,7 @@ async def test_a_wait_with_nothing_progressing_fails_naming_the_activity_and_log
 
     calls = [asyncio.ensure_future(generate_call()) for _ in range(3)]
     start = time.perf_counter()
-    with caplog.at_level(logging.ERROR, logger="turnrl.watchdog"), pytest.raises(Stalled) as stalled:
+    with caplog.at_level(logging.ERROR, logger="turnrl.observe.watchdog"), pytest.raises(Stalled) as stalled:
         await watchdog.wait(asyncio.gather(*calls))
     assert time.perf_counter() - start < 2.0
     assert str(stalled.value).startswith("no progress for 0 s: 3 × engine.generate (replica a (http://x), oldest 0 s)")

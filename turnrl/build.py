@@ -30,18 +30,19 @@ from turnrl.config import (
     TrainConfig,
 )
 from turnrl.engines.base import Engine
+from turnrl.observe.tracing import TrajectoryTracer
 from turnrl.render import ChatRenderer
-from turnrl.rollout import RewardFn, Rollout, RolloutLimits, RolloutManager
-from turnrl.tracing import TrajectoryTracer
+from turnrl.rollout.episode import RolloutLimits
+from turnrl.rollout.manager import RewardFn, Rollout, RolloutManager
 from turnrl.types import SamplingParams
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from turnrl.parallel import Parallel
     from turnrl.rewards.judge import Judge
-    from turnrl.sft import SFTTrainer
-    from turnrl.trainer import Trainer
+    from turnrl.train.loop import Trainer
+    from turnrl.train.parallel import Parallel
+    from turnrl.train.sft import SFTTrainer
 
 log = logging.getLogger(__name__)
 
@@ -256,8 +257,8 @@ def build_stack(model: str, cfg: RolloutConfig | None, engine_cfg: EngineConfig,
                 engine_model: Callable[[], torch.nn.Module] | None = None) -> Stack:
     """The engine, renderer, rollout and tracer of a run of the policy `model` (a name or directory).
 
-    The turns run on `server` (a `turnrl serve` rollout server: turnrl.remote), else on Ray workers
-    (`engine_cfg.distributed == "ray"`: turnrl.dist.ray), else in this process (a RolloutManager). Engines load
+    The turns run on `server` (a `turnrl serve` rollout server: turnrl.rollout.remote), else on Ray workers
+    (`engine_cfg.distributed == "ray"`: turnrl.rollout.ray), else in this process (a RolloutManager). Engines load
     their weights from `weights` (a checkpoint's model directory) when given, else from `model`, in `dtype`;
     an embedded engine runs the module `engine_model()` gives, when given (the policy's tensors: `build_trainer`).
     `reward` scores each trajectory as it finishes (None: rewards stay as the agent set them)."""
@@ -290,7 +291,7 @@ def _closers(reward_fn: Any) -> tuple[Callable[[], None], ...]:
 
 def _remote_stack(server: str, model: str, cfg: RolloutConfig, renderer: ChatRenderer, reward_fn: RewardFn | None,
                   tracer: TrajectoryTracer) -> Stack:
-    from turnrl.remote import RemoteRollout
+    from turnrl.rollout.remote import RemoteRollout
 
     if cfg.scheduler or cfg.plugins or cfg.env or cfg.tools or cfg.agents:
         log.warning("a rollout server is set: rollout.scheduler/plugins/env/tools/agents are not used here; "
@@ -301,9 +302,9 @@ def _remote_stack(server: str, model: str, cfg: RolloutConfig, renderer: ChatRen
 
 def _ray_stack(model: str, cfg: RolloutConfig, engine_cfg: EngineConfig, renderer: ChatRenderer, image_processor: Any,
                reward: RewardConfig | None, weights: str, dtype: str, tracer: TrajectoryTracer) -> Stack:
-    """Engine replicas and rollout workers as Ray actors (turnrl.dist.ray), each built in its own process by
+    """Engine replicas and rollout workers as Ray actors (turnrl.rollout.ray), each built in its own process by
     the builders a single process uses, so plugins are imported where the turns run, never here."""
-    from turnrl.dist.ray import RayRollout
+    from turnrl.rollout.ray import RayRollout
 
     if engine_cfg.kind != "embedded":
         raise ConfigError(f"engine.distributed=ray runs embedded engines as Ray actors; engine.kind={engine_cfg.kind!r} "
@@ -322,7 +323,7 @@ def _ray_stack(model: str, cfg: RolloutConfig, engine_cfg: EngineConfig, rendere
 
 
 def build_worker_manager(model: str, cfg: RolloutConfig, reward: RewardConfig | None, engine: Engine) -> RolloutManager:
-    """The RolloutManager of a Ray rollout worker, built in the worker's process (turnrl.dist.ray)."""
+    """The RolloutManager of a Ray rollout worker, built in the worker's process (turnrl.rollout.ray)."""
     renderer, _ = build_policy_renderer(model, cfg)
     return build_rollout_manager(cfg, engine, renderer, _reward_fn(reward, cfg, renderer))
 
@@ -336,8 +337,8 @@ def build_trainer(cfg: TrainConfig, *, checkpoint: Path | None = None, console: 
     samples rank 0 sends them each step (their stack holds nothing)."""
     from turnrl.data import load_rows
     from turnrl.models import DTYPES, load_model
-    from turnrl.parallel import Parallel
-    from turnrl.trainer import Trainer
+    from turnrl.train.loop import Trainer
+    from turnrl.train.parallel import Parallel
 
     parallel = parallel or Parallel.start(cfg.trainer, cfg.device)  # first: a launch error before anything loads
     _seed_everything(cfg)
@@ -378,14 +379,14 @@ def build_trainer(cfg: TrainConfig, *, checkpoint: Path | None = None, console: 
 
 def build_sft(cfg: SFTConfig, *, console: Console | None = None,
               parallel: Parallel | None = None) -> tuple[SFTTrainer, Stack]:
-    """The SFTTrainer of `cfg` (turnrl.sft) and the stack to close: the policy's renderer turns the SFT rows into
+    """The SFTTrainer of `cfg` (turnrl.train.sft) and the stack to close: the policy's renderer turns the SFT rows into
     samples before any weights load; the engine and rollout are the ones `turnrl train` builds, for evaluation
     on `eval_data` (without it no engine is loaded). With N trainer ranks (`parallel`, as in build_trainer)
     every rank renders the samples and trains; only rank 0 has the engine and evaluates."""
     from turnrl.data import load_rows
     from turnrl.models import DTYPES, load_model
-    from turnrl.parallel import Parallel
-    from turnrl.sft import SFTTrainer, load_sft_samples, sft_steps
+    from turnrl.train.parallel import Parallel
+    from turnrl.train.sft import SFTTrainer, load_sft_samples, sft_steps
 
     parallel = parallel or Parallel.start(cfg.trainer, cfg.device)  # first: a launch error before anything loads
     _seed_everything(cfg)
@@ -437,7 +438,7 @@ def shares_weights(cfg: TrainConfig) -> bool:
     """Whether the engine may sample from the policy's own tensors (`engine.share_weights`). Safe only when
     nothing samples while the optimizer writes them and the engine would hold the same tensors anyway: sync
     mode (every step's groups have finished before its update starts, and the next are admitted after the
-    weight push: turnrl.buffer with K = 0), one embedded engine in this process, whole fp weights on the CPU
+    weight push: turnrl.train.buffer with K = 0), one embedded engine in this process, whole fp weights on the CPU
     (no FSDP shards, no LoRA whose engine weights are merged, no device the engine is not on)."""
     e, t = cfg.engine, cfg.trainer
     return (e.share_weights and e.kind == "embedded" and e.distributed == "none" and e.replicas == 1

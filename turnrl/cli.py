@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 if TYPE_CHECKING:
     from turnrl.config import RolloutConfig, TrainConfig
-    from turnrl.parallel import Parallel
+    from turnrl.train.parallel import Parallel
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Multi-turn agentic RL for LLMs and VLMs.")
 console = Console(soft_wrap=not sys.stdout.isatty())  # into a file or a pipe: one line per line, never wrapped
@@ -77,7 +77,7 @@ def _guarded(verbose: bool, body: Callable[[], T]) -> T:
 
 
 def _one_paragraph(e: BaseException) -> str:
-    from turnrl.watchdog import Stalled
+    from turnrl.observe.watchdog import Stalled
 
     if isinstance(e, SyntaxError):
         message = f"{e.filename} line {e.lineno}: {type(e).__name__}: {e.msg}"
@@ -131,7 +131,7 @@ def rollout(
     limit: Annotated[int | None, Opt(help="Use only the first N rows.")] = None,
     reward: Annotated[str | None, Opt(help="Reward function (env, env_last, math, file.py:fn).")] = None,
     answer_key: Annotated[str, Opt(help="Ground-truth column of --reward (slime's --label-key).")] = "answer",
-    trace_uri: Annotated[str | None, Opt(help="MLflow tracking URI: one trace per trajectory (turnrl.tracing).")] = None,
+    trace_uri: Annotated[str | None, Opt(help="MLflow tracking URI: one trace per trajectory (turnrl.observe.tracing).")] = None,
     max_traces: Annotated[int, Opt(help="Trajectories traced to MLflow (the first to finish).")] = 16,
     server: Annotated[str | None, Opt(help="Rollout server URL (turnrl serve --scheduler/--env/...): it runs the "
                                            "turns with its own rollout settings; n, sampling and rewards stay here.")] = None,
@@ -166,7 +166,7 @@ async def _rollout(model_name, cfg, engine_cfg, rows, out: Path, reward: str | N
                    server: str | None = None) -> None:
     from turnrl.build import build_stack
     from turnrl.config import RewardConfig
-    from turnrl.observe import RolloutStats, TrajectoryWriter
+    from turnrl.observe.stats import RolloutStats, TrajectoryWriter
 
     reward_cfg = RewardConfig(function=reward, answer_key=answer_key) if reward else None
     with console.status(f"loading {model_name}"):  # errors: one paragraph from _guarded
@@ -242,8 +242,8 @@ def train(
     trainer.launcher: ray it starts the ranks itself (docs/distributed.md)."""
     _setup_logging(verbose)
     from turnrl.config import ConfigError, TrainConfig, load_config
-    from turnrl.parallel import check_launch
-    from turnrl.runs import prepare_run
+    from turnrl.train.parallel import check_launch
+    from turnrl.train.runs import prepare_run
 
     with _bad_input(ConfigError):
         overrides, resume_path = _resume_path(overrides or [], resume)
@@ -274,16 +274,16 @@ def _resume_path(items: list[str], resume: bool) -> tuple[list[str], str | None]
 
 def run_training(cfg: TrainConfig, console: Console | None = None, parallel: Parallel | None = None, *,
                  overwrite: bool = False) -> list[dict[str, float]]:
-    """`turnrl train`: choose the run directory (turnrl.runs.prepare_run: a ConfigError for a non-empty one
+    """`turnrl train`: choose the run directory (turnrl.train.runs.prepare_run: a ConfigError for a non-empty one
     without resume or `overwrite`), build the trainer (turnrl.build), train, close; returns the metrics history
     (rank 0's is the one logged). This process is one trainer rank: `parallel`, else as torchrun's environment
     says (one process without it). With `trainer.launcher: ray` and no `parallel` it starts the ranks as Ray
     actors (each runs this function with its own `parallel`, in the run directory chosen here) and returns rank
     0's history."""
     from turnrl.build import build_trainer
-    from turnrl.observe import peak_rss_gb
-    from turnrl.plots import plot_curves
-    from turnrl.runs import discard_if_empty, prepare_run
+    from turnrl.observe.plots import plot_curves
+    from turnrl.observe.stats import peak_rss_gb
+    from turnrl.train.runs import discard_if_empty, prepare_run
 
     console = console or Console()
     if parallel is None:  # a Ray trainer rank (parallel given) runs in the directory its driver chose
@@ -292,7 +292,7 @@ def run_training(cfg: TrainConfig, console: Console | None = None, parallel: Par
     run_dir = Path(cfg.run_dir)
     said = f"run directory: {run_dir}" + (" (resuming)" if cfg.resume else "")
     if cfg.trainer.launcher == "ray" and parallel is None:
-        from turnrl.dist.ray import train_on_ray
+        from turnrl.train.ray import train_on_ray
 
         console.print(said, soft_wrap=True)
         return train_on_ray(functools.partial(_train_rank, cfg), cfg.trainer.world_size,
@@ -327,7 +327,7 @@ def sft(
                                                         "sampling from rollouts); overrides sft.filter.")] = None,
     verbose: Annotated[bool, Opt("--verbose", "-v")] = False,
 ) -> None:
-    """Multi-turn SFT on chat-message rows or trajectory JSONL, with the masks RL trains on (turnrl.sft); the
+    """Multi-turn SFT on chat-message rows or trajectory JSONL, with the masks RL trains on (turnrl.train.sft); the
     checkpoint's model directory (output_dir/model) is a `model` for `turnrl train`."""
     _setup_logging(verbose)
     from turnrl.config import ConfigError, SFTConfig, load_config
@@ -342,7 +342,7 @@ def sft(
 def run_sft(cfg: Any, console: Console | None = None) -> list[dict[str, float]]:
     """`turnrl sft`: build the SFT trainer (turnrl.build), train, close; returns the metrics history."""
     from turnrl.build import build_sft
-    from turnrl.plots import plot_sft_curves
+    from turnrl.observe.plots import plot_sft_curves
 
     with _bad_input(ValueError, FileNotFoundError):  # DataError among them
         trainer, stack = build_sft(cfg, console=console)
@@ -361,8 +361,8 @@ def run_sft(cfg: Any, console: Console | None = None) -> list[dict[str, float]]:
 
 
 def _train_rank(cfg: TrainConfig, rank: int, world_size: int, init_method: str) -> list[dict[str, float]]:
-    """What each Ray trainer actor runs (turnrl.dist.ray.TrainerActor): join the process group, train."""
-    from turnrl.parallel import Parallel
+    """What each Ray trainer actor runs (turnrl.train.ray.TrainerActor): join the process group, train."""
+    from turnrl.train.parallel import Parallel
 
     parallel = Parallel.start(cfg.trainer, cfg.device, rank=rank, world_size=world_size, init_method=init_method)
     return run_training(cfg, parallel=parallel)
@@ -377,7 +377,7 @@ def export_command(
     """Write a checkpoint as a Hugging Face directory (safetensors, config, tokenizer or processor, chat template)
     that transformers and vLLM load: from its sharded state, whatever world size wrote it; LoRA merged in."""
     _setup_logging(verbose)
-    from turnrl.checkpoint import export_checkpoint
+    from turnrl.train.checkpoint import export_checkpoint
 
     out = _guarded(verbose, lambda: export_checkpoint(checkpoint, out_dir))
     files = sorted(f.name for f in out.iterdir())
@@ -421,16 +421,16 @@ def run_evaluation(cfg: TrainConfig, checkpoint: Path | None = None, out: Path |
                    console: Console | None = None, *, greedy: bool = True,
                    sampled_n: int | None = None) -> dict[str, float]:
     """`turnrl eval`: the trainer's evaluation of `checkpoint` (a checkpoint folder, run directory or directory
-    of runs: turnrl.runs.find_checkpoint; None = the base model) on `eval_data`, written to `out`."""
+    of runs: turnrl.train.runs.find_checkpoint; None = the base model) on `eval_data`, written to `out`."""
     import tempfile
 
     import torch
 
     from turnrl.build import build_trainer
-    from turnrl.checkpoint import export_checkpoint, has_hf_weights
-    from turnrl.parallel import Parallel
-    from turnrl.runs import find_checkpoint
-    from turnrl.trainer import format_step_line, sampled_path
+    from turnrl.train.checkpoint import export_checkpoint, has_hf_weights
+    from turnrl.train.loop import format_step_line, sampled_path
+    from turnrl.train.parallel import Parallel
+    from turnrl.train.runs import find_checkpoint
 
     console = console or Console()
     ckpt = None
@@ -465,7 +465,7 @@ def view(
     html: Annotated[Path | None, Opt(help="Write an HTML page (with images) instead of printing.")] = None,
 ) -> None:
     """Show trajectories: model tokens (trained) vs injected tokens, statuses, rewards, images."""
-    from turnrl.viewer import print_trajectories, write_html
+    from turnrl.observe.viewer import print_trajectories, write_html
 
     if not path.exists():
         _fail(f"{path} does not exist")
@@ -487,9 +487,9 @@ def replay_command(
                                              "checkpoint of the policy version that answered it.")] = None,
 ) -> None:
     """Re-issue every model call of a recorded trajectory and check that the same tokens and logprobs come out
-    (exit 1 when a call's tokens differ). See turnrl/replay.py for what is reproducible."""
+    (exit 1 when a call's tokens differ). See turnrl/rollout/replay.py for what is reproducible."""
     _setup_logging(False)
-    from turnrl.replay import report_table, run_replay, verdict
+    from turnrl.rollout.replay import report_table, run_replay, verdict
     from turnrl.types import Trajectory
 
     if not path.exists():
@@ -536,12 +536,12 @@ def serve(
 ) -> None:
     """Serve a token-level engine (for HttpEngine) and per-session OpenAI endpoints that record exact tokens; with
     a rollout configuration (--scheduler, --env, --agent, --plugin, --tools or --rollout-config) also `/rollout`,
-    which runs whole trajectories here and streams them to `turnrl.remote.RemoteRollout`."""
+    which runs whole trajectories here and streams them to `turnrl.rollout.remote.RemoteRollout`."""
     _setup_logging(verbose)
     from turnrl.build import build_stack
     from turnrl.config import EngineConfig
     from turnrl.engines.base import EngineError
-    from turnrl.serve import BindError, check_bind, run_server
+    from turnrl.serve.app import BindError, check_bind, run_server
     from turnrl.types import SamplingParams
 
     with _bad_input(BindError, ValueError):  # ConfigError among them

@@ -52,7 +52,7 @@ class EngineConfig(Strict):
     weights in memory), where that is safe: one embedded engine in this process, trainer.mode sync (no rollout
     runs during an update), one process without FSDP or LoRA, the policy on the CPU. Elsewhere it has a copy."""
     distributed: Literal["none", "ray"] = "none"
-    """ray: each replica is a Ray actor and rollouts run in `ray_workers` Ray workers (turnrl.dist.ray)."""
+    """ray: each replica is a Ray actor and rollouts run in `ray_workers` Ray workers (turnrl.rollout.ray)."""
     ray_workers: int = Field(1, ge=1)
     """Rollout worker actors with distributed=ray; each runs its shard of the rows with the same RolloutManager."""
     ray_address: str | None = None
@@ -105,7 +105,7 @@ class RolloutConfig(Strict):
     chat_template_kwargs: dict[str, Any] = {}
     """Passed to the chat template (e.g. enable_thinking: false)."""
     trace_uri: str | None = None
-    """MLflow tracking URI that receives one trace per trajectory (turnrl.tracing); None = no tracing."""
+    """MLflow tracking URI that receives one trace per trajectory (turnrl.observe.tracing); None = no tracing."""
     trace_experiment: str = "turnrl"
     """MLflow experiment of the traces (and of the training run's params and metrics)."""
     max_traces_per_step: int = Field(16, ge=0)
@@ -212,13 +212,13 @@ class TrainerConfig(Strict):
     """Write the policy's weights into the checkpoint's Hugging Face directory (checkpoint/model) beside the
     sharded state: "final" = only in the run's last checkpoint (the others keep only what resuming needs: the
     weights are in the sharded state once), true = in every checkpoint, false = never. Config and tokenizer
-    always go there; `turnrl eval` and `turnrl.checkpoint.export_checkpoint` make the weights from the state."""
+    always go there; `turnrl eval` and `turnrl.train.checkpoint.export_checkpoint` make the weights from the state."""
     lora: LoraConfig | None = None
     """Train LoRA adapters (peft) instead of every weight; None = full fine-tuning."""
     mode: Literal["sync", "async"] = "sync"
     """sync: a step trains groups sampled by the current policy, and rollouts wait while it updates. async:
     rollouts go on during updates (the update runs beside the event loop), and groups are trained within
-    `max_staleness` policy versions of the one that sampled them (turnrl.buffer; docs/async-training.md)."""
+    `max_staleness` policy versions of the one that sampled them (turnrl.train.buffer; docs/async-training.md)."""
     max_staleness: int = Field(0, ge=0)
     """async: the most policy versions between sampling a group and training on it, time in the buffer
     included (0 = on-policy). Nothing is dropped for staleness: admission and earliest-deadline-first batches
@@ -379,13 +379,13 @@ class SFTSection(Strict):
     filter: str | None = None
     """Keep only rows that pass, e.g. `reward>=1` (rejection sampling from rollouts) or `reward>=1 and
     num_turns<=2`: comparisons (== != >= <= > <) of a row's field (dotted for nested: `sample.level`) with a
-    number or a word, joined by `and` (turnrl.sft.parse_filter). A row without the field fails it."""
+    number or a word, joined by `and` (turnrl.train.sft.parse_filter). A row without the field fails it."""
     max_tokens: int | None = Field(None, ge=1)
     """Drop samples longer than this (prompt + response tokens); None keeps every sample."""
 
 
 class SFTConfig(TrainConfig):
-    """`turnrl sft`: multi-turn SFT through the RL renderer (turnrl.sft). `train_data` holds chat-message rows
+    """`turnrl sft`: multi-turn SFT through the RL renderer (turnrl.train.sft). `train_data` holds chat-message rows
     (`messages`) or trajectory JSONL (`turnrl rollout` / `turnrl train` output); `eval_data` holds RL prompt rows,
     evaluated through `rollout` and `reward` as `turnrl train` does. The checkpoint's `model/` directory (linked
     as `output_dir/model`) is what `turnrl train` takes as its `model`. `prompts_per_step` and `algo` (except

@@ -11,10 +11,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import turnrl.agents.schedulers_builtin  # noqa: F401  (registers the built-in schedulers into SCHEDULERS)
+from turnrl.calling import env_arguments
 from turnrl.envs.base import EnvError, call
 from turnrl.envs.single_turn import SingleTurnEnv
 from turnrl.loading import load_object, split_object_spec
-from turnrl.rollout import Agent, RolloutContext, drive
+from turnrl.rollout.episode import RolloutContext, drive
+from turnrl.rollout.manager import Agent
 from turnrl.types import Trajectory
 
 
@@ -25,9 +27,7 @@ async def single_turn(ctx: RolloutContext, sample: dict[str, Any]) -> Trajectory
 
 async def env_agent(ctx: RolloutContext, sample: dict[str, Any]) -> Trajectory:
     """The slime-style loop: `build_env(sample, config)` from `--env`, then the turn loop. The row and the config
-    arrive as dicts that also read by attribute, like slime's `sample` and `args` (turnrl.compat.slime)."""
-    from turnrl.compat.slime import env_arguments
-
+    arrive as dicts that also read by attribute, like slime's `sample` and `args` (turnrl.calling)."""
     if ctx.env_factory is None:
         raise ValueError("agent 'env_agent' needs an environment: pass --env NAME|module|file.py")
     env_sample, env_config = env_arguments(sample, ctx.env_config, session_id=ctx.trajectory_id)

@@ -20,7 +20,7 @@ block, since the engine calls its requests trigger run on the same event loop) a
 For each trajectory this agent opens a session on an in-process `ChatProxy` that shares the rollout's
 engine and chat template, served over HTTP on 127.0.0.1 (a random bearer token, one server per engine), and
 calls `run` with that session's base_url. The proxy records every call's exact tokens; when `run` returns,
-the session is assembled into trajectories (turnrl/proxy.py): one when the agent keeps its history, several
+the session is assembled into trajectories (turnrl/serve/sessions.py): one when the agent keeps its history, several
 when it drops or rewrites it. They share the episode's reward and `episode_id`, so the trainer counts
 them as one episode in their group.
 
@@ -50,12 +50,12 @@ from urllib.parse import quote
 
 from turnrl.engines.base import Engine
 from turnrl.loading import load_object
-from turnrl.proxy import ChatProxy, Session, assemble_trajectories
+from turnrl.observe.watchdog import abandon_after
 from turnrl.render import ChatRenderer
-from turnrl.rollout import RolloutContext
-from turnrl.serve import ServerThread, create_app
+from turnrl.rollout.episode import RolloutContext
+from turnrl.serve.app import ServerThread, create_app
+from turnrl.serve.sessions import ChatProxy, Session, assemble_trajectories
 from turnrl.types import TerminationReason, Trajectory
-from turnrl.watchdog import abandon_after
 
 log = logging.getLogger(__name__)
 

@@ -65,7 +65,8 @@ from typing import Any, TypeVar
 from turnrl.data import prompt_messages
 from turnrl.envs.base import EpisodeEnv
 from turnrl.multimodal import IMAGE_PLACEHOLDER, image_ref, split_placeholders
-from turnrl.rollout import Agent, Episode, EpisodeEnd, RolloutContext, drive
+from turnrl.rollout.episode import Episode, EpisodeEnd, RolloutContext, drive
+from turnrl.rollout.manager import Agent
 from turnrl.types import (
     FinishReason,
     Message,

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from turnrl.data import row_tool_selection, row_tools_kwargs
-from turnrl.rollout import RolloutContext, drive
+from turnrl.observe.tracing import collect_spans
+from turnrl.rollout.episode import RolloutContext, drive
 from turnrl.tools import ToolCallParser, ToolError, ToolSet, get_parser, split_tool_rewards
-from turnrl.tracing import collect_spans
 from turnrl.types import Message, StepResult, TerminationReason, ToolCall, Trajectory
 
 log = logging.getLogger(__name__)

@@ -31,8 +31,8 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from turnrl.engines.base import Engine, EngineError, InvalidRequest, NamedTensors
+from turnrl.observe.watchdog import abandon_after
 from turnrl.types import GenerateOutput, SamplingParams
-from turnrl.watchdog import abandon_after
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -120,7 +120,7 @@ class Router:
         return self._sticky.get(request_id)
 
     def replica_label(self, request_id: str) -> str:
-        """`replica NAME (URL)` serving `request_id`, for progress reports (turnrl.watchdog)."""
+        """`replica NAME (URL)` serving `request_id`, for progress reports (turnrl.observe.watchdog)."""
         name = self._sticky.get(request_id)
         replica = self._replicas.get(name) if name is not None else None
         if replica is None:

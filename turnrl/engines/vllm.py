@@ -189,7 +189,7 @@ class VLLMEngine:
         items = named_tensors.items() if hasattr(named_tensors, "items") else named_tensors
 
         def push() -> None:
-            # a streamed update sends whole layers per bucket (turnrl.weights.plan_buckets): vLLM's reload
+            # a streamed update sends whole layers per bucket (turnrl.train.weights.plan_buckets): vLLM's reload
             # processes a fused layer (qkv, gate_up) from all of its parts at once
             weights = ((name, tensor.detach()) for name, tensor in items)
             self.engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})

@@ -19,10 +19,10 @@ Names it may ask for:
   it is: `solution_str` (the whole response decoded, as verl's reward managers decode it: every turn after the
   prompt, tool and env outputs included), `ground_truth` (`reward_model.ground_truth`), unless the row has columns
   of those names, and `extra_info` (the row's, plus verl's `num_turns` and `rollout_reward_scores`)
-  (turnrl.compat.verl.reward_arguments)
+  (turnrl.calling.reward_arguments)
 
 A slime reward function, `async def reward_func(args, sample, **kwargs)` (or batched: `(args, samples)`), is
-recognised by its first two parameter names and called as slime calls it (turnrl.compat.slime.reward_caller).
+recognised by its first two parameter names and called as slime calls it (turnrl.calling.reward_caller).
 
 Rewards are computed by the RolloutManager as each trajectory finishes (streamed, overlapping the rest of
 the rollout). A reward function that raises leaves the reward None with the error recorded; it is never
@@ -36,6 +36,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from turnrl.calling import reward_arguments, reward_caller
 from turnrl.rewards.math import last_boxed, math_equal, reference_parses
 from turnrl.types import Trajectory
 
@@ -113,8 +114,6 @@ def reward_kwargs(traj: Trajectory, tokenizer: Any = None) -> dict[str, Any]:
         "termination_reason": None if traj.termination_reason is None else str(traj.termination_reason),
         "rollout_infos": rollout_infos,
     }
-    from turnrl.compat.verl import reward_arguments
-
     verl_names = reward_arguments(traj, tokenizer)
     extra_info = {"extra_info": verl_names.pop("extra_info")}  # verl's, which adds to the row's column of that name
     return {**verl_names, **traj.sample, **extra_info, **rollout_infos, **named}
@@ -125,8 +124,6 @@ def bind_reward(fn: RewardFunction, name: str | None = None, tokenizer: Any = No
     """Wrap `fn` so it is called with the arguments it names; a missing one is a clear error. `tokenizer` (the
     policy's) decodes the response for verl's `solution_str` and slime's `sample.response`; `answer_key` is
     `reward.answer_key` (the built-in graders' and slime's `sample.label` column)."""
-    from turnrl.compat.slime import reward_caller
-
     label = name or str(getattr(fn, "__name__", repr(fn)))
     slime_call = reward_caller(fn, label, tokenizer, answer_key)
     if slime_call is not None:

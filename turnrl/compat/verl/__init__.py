@@ -44,12 +44,12 @@ from uuid import uuid4
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from turnrl.calling import reward_arguments, verl_num_turns
 from turnrl.envs.base import call
+from turnrl.observe.tracing import traced
 from turnrl.tools.function_tool import ToolLifecycleError, normalize_tool_schema
 from turnrl.tools.function_tool import ToolResponse as _TurnrlToolResponse
 from turnrl.tools.stateful import ToolSpec
-from turnrl.tracing import traced
-from turnrl.types import SegmentSource, Trajectory
 
 rollout_trace_op = traced
 """verl's decorator: the decorated function's calls (inputs, outputs, errors, times) are recorded under the tool
@@ -237,37 +237,6 @@ def _turnrl_response(response: ToolResponse) -> _TurnrlToolResponse:
     if response.video:
         raise ToolLifecycleError("a tool returned ToolResponse(video=...): video tool responses are not supported")
     return _TurnrlToolResponse(text=response.text or "", images=list(response.image or []))
-
-
-def reward_arguments(traj: Trajectory, tokenizer: Any = None) -> dict[str, Any]:
-    """The arguments verl's reward managers pass that turnrl names otherwise (turnrl.rewards offers them by name):
-
-    - `solution_str`: the whole response, every token after the prompt decoded with `skip_special_tokens=True`
-      as verl's reward managers decode it (all assistant turns, tool and env outputs and the template's role
-      text between them, not only the final reply: `response` is that); only with a `tokenizer`;
-    - `ground_truth`: the row's `reward_model.ground_truth`, when it has one;
-    - `extra_info`: the row's `extra_info` (a copy; {} without one) plus what verl's reward managers add:
-      `num_turns` as verl's agent loop counts it (the prompt, each model turn and each tool or env response: 2
-      for a single reply) and `rollout_reward_scores`, `{tool name: calc_reward()}` as the tools returned it.
-    """
-    row = traj.sample
-    names: dict[str, Any] = {}
-    if tokenizer is not None:
-        names["solution_str"] = tokenizer.decode(traj.response_ids, skip_special_tokens=True)
-    reward_model = row.get("reward_model")
-    if isinstance(reward_model, dict) and "ground_truth" in reward_model:
-        names["ground_truth"] = reward_model["ground_truth"]
-    extra_info = row.get("extra_info")
-    names["extra_info"] = {**(extra_info if isinstance(extra_info, dict) else {}), "num_turns": verl_num_turns(traj),
-                           "rollout_reward_scores": {**traj.tool_rewards, **traj.info.get("tool_reward_values", {})}}
-    return names
-
-
-def verl_num_turns(traj: Trajectory) -> int:
-    """verl's `__num_turns__`: 1 (the prompt) + the model turns + the observations (tool or env responses) that
-    followed them (verl's ToolAgentLoop: `user_turns + assistant_turns + 1`)."""
-    observed = {s.turn for s in traj.segments if s.source in (SegmentSource.ENV, SegmentSource.TOOL)}
-    return 1 + traj.num_turns + len(observed)
 
 
 from turnrl.compat.verl.interaction import BaseInteraction  # noqa: E402 (it imports nothing of this module)

@@ -39,9 +39,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from turnrl import lora
-from turnrl.parallel import Parallel
-from turnrl.weights import weight_buckets, weight_sources
+from turnrl.train import lora
+from turnrl.train.parallel import Parallel
+from turnrl.train.weights import weight_buckets, weight_sources
 
 HF_SHARD_BYTES = 4 * 2**30  # safetensors files of a Hugging Face directory (transformers' own default is 5 GB)
 WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json")

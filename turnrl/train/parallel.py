@@ -55,7 +55,7 @@ class Parallel:
         ("tcp://host:port", what Ray trainer actors pass). gloo on CPU, NCCL on CUDA."""
         if cfg.launcher == "ray" and world_size is None:
             raise ConfigError("trainer.launcher is ray: the trainer ranks are the Ray actors `turnrl train` starts "
-                              "(turnrl.dist.ray.train_on_ray), each given its rank, world_size and init_method")
+                              "(turnrl.train.ray.train_on_ray), each given its rank, world_size and init_method")
         check_launch(cfg, world_size)
         if cfg.parallel == "none":
             return cls(device=torch.device(device))

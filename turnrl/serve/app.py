@@ -13,7 +13,7 @@ Token level, what `HttpEngine` speaks (wire format in turnrl/engines/http.py; a 
     POST /release           {request_id} -> {"ok": true}
     GET  /health            -> {status, model, policy_version, sessions}
 
-The chat APIs (turnrl/proxy.py records exact tokens; turnrl/chat_apis.py converts the Responses and Anthropic
+The chat APIs (turnrl/serve/sessions.py records exact tokens; turnrl/serve/chat_apis.py converts the Responses and Anthropic
 APIs), at the root and per session, streaming with `stream: true` (docs/serving.md):
     POST /v1/chat/completions, /v1/responses, /v1/messages       the session rule names the episode
     POST /sessions/{id}/v1/chat/completions, .../responses, .../messages
@@ -31,7 +31,7 @@ unknown form is a 404 listing the URL forms, never another route. Errors are Ope
 Rollout server (only when started with a rollout configuration: `--scheduler`, `--env`, `--agent`, `--plugin`,
 `--tools` or `--rollout-config`; ms-swift's `swift rollout --multi_turn_scheduler`). The server builds a
 RolloutManager over its engine with `turnrl.build.build_stack`, as `turnrl rollout` does, so plugins are imported
-and the scheduler resolved in this process; the client is `turnrl.remote.RemoteRollout`:
+and the scheduler resolved in this process; the client is `turnrl.rollout.remote.RemoteRollout`:
     GET  /rollout           -> {model, policy_version, agent, agent_loop, agents, sampling, limits, concurrency,
                             chat_template_kwargs}
     POST /rollout           {rows: [...], n: 1, id_prefix: "", sampling?: {SamplingParams fields, over the
@@ -68,7 +68,15 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from turnrl.chat_apis import (
+from turnrl.engines.base import Engine, EngineError, InvalidRequest
+from turnrl.engines.http import (
+    TOKEN_ENV,
+    output_to_json,
+    sampling_from_json,
+    sampling_to_json,
+    tensors_from_safetensors_bytes,
+)
+from turnrl.serve.chat_apis import (
     AnthropicEvents,
     ChatEvents,
     CompletionEvents,
@@ -81,15 +89,7 @@ from turnrl.chat_apis import (
     completion_request,
     responses_body,
 )
-from turnrl.engines.base import Engine, EngineError, InvalidRequest
-from turnrl.engines.http import (
-    TOKEN_ENV,
-    output_to_json,
-    sampling_from_json,
-    sampling_to_json,
-    tensors_from_safetensors_bytes,
-)
-from turnrl.proxy import (
+from turnrl.serve.sessions import (
     ChatCall,
     ChatProxy,
     ChatRequestError,
@@ -787,7 +787,7 @@ def _add_rollout_routes(app: Any, manager: Any, model_name: str, heartbeat_s: fl
 
 def _rollout_request(body: dict[str, Any], manager: Any) -> tuple[list[dict[str, Any]], int, str, Any]:
     """Validate a /rollout body (ValueError -> 400 before anything streams)."""
-    from turnrl.rollout import group_ids
+    from turnrl.rollout.manager import group_ids
 
     unknown = set(body) - {"rows", "n", "id_prefix", "sampling"}
     if unknown:

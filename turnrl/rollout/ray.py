@@ -1,4 +1,4 @@
-"""Ray: engine replicas, rollout workers and trainer ranks as actors around the components a single process uses.
+"""Ray: engine replicas and rollout workers as actors around the components a single process uses.
 
     driver (Trainer)                              worker processes
     RayRollout.stream(rows, n)      ─ shard k ─▶  RolloutWorker k: build_manager(engine)        (imports
@@ -24,10 +24,8 @@ What crosses a process boundary is what already crosses the Engine and RolloutMa
   there. A failure on any actor raises: a replica left on stale weights must not keep serving.
 - Failures: a worker's Router fails over between engine actors as between local replicas; a failing env or
   agent fails its own trajectory inside the worker, as in one process; a dead worker raises in `stream`.
-- Trainer ranks (`trainer.launcher: ray`): `train_on_ray` starts `trainer.world_size` TrainerActors that join
-  one process group at rank 0's address; each builds and runs its trainer as a torchrun rank does
-  (`turnrl.cli.run_training`). Rank 0 is the "driver" of the picture above (it holds the RayRollout and the
-  RayEngineGroup, or an engine in its own process); the other ranks only train. The first rank to fail stops all.
+- Trainer ranks (`trainer.launcher: ray`) live in turnrl.train.ray; rank 0 is the "driver" of the picture
+  above (it holds the RayRollout and the RayEngineGroup, or an engine in its own process).
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ import ray
 
 from turnrl.engines.base import Engine, NamedTensors
 from turnrl.engines.router import Router
-from turnrl.rollout import RolloutManager, drain, group_ids
+from turnrl.rollout.manager import RolloutManager, drain, group_ids
 from turnrl.types import GenerateOutput, SamplingParams, Trajectory
 
 log = logging.getLogger(__name__)
@@ -258,53 +256,3 @@ async def _pump(worker: Any, rows: list[dict[str, Any]], n: int, ids: list[str],
             ray.cancel(trajectories)
         raise
 
-
-# ---------------------------------------------------------------------------------------------------
-# Trainer ranks (trainer.launcher: ray)
-# ---------------------------------------------------------------------------------------------------
-@ray.remote
-class TrainerActor:
-    """One trainer rank in its own process: `run` calls `train(rank, world_size, init_method)`, which the
-    driver's CLI gives (`turnrl.cli._train_rank`: join the process group at `init_method`, build the trainer,
-    train). Rank 0 builds the engines and the rollout there, as torchrun's rank 0 does; with
-    engine.distributed: ray those are further actors, started by this one."""
-
-    def __init__(self, train: Callable[[int, int, str], Any]):
-        self.train = train
-
-    def address(self) -> str:
-        """Where rank 0 listens for the others: this node's address and a port free on it."""
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
-
-    def run(self, rank: int, world_size: int, init_method: str) -> Any:
-        return self.train(rank, world_size, init_method)
-
-
-def train_on_ray(train: Callable[[int, int, str], Any], world_size: int, *, address: str | None = None,
-                 gpus_per_rank: float = 0.0) -> Any:
-    """Start `world_size` trainer actors (on the cluster at `address`, else a local one), each with
-    `gpus_per_rank` GPUs, run `train` on all of them and return rank 0's result. The first rank to fail stops
-    the others (they would wait for it in their next collective) and its error is raised here."""
-    init_ray(address)
-    gpus = ray.cluster_resources().get("GPU", 0.0)
-    if gpus < world_size * gpus_per_rank:  # else the actors would wait for GPUs that never come
-        raise ValueError(f"trainer.world_size={world_size} Ray trainer actors need {world_size * gpus_per_rank:g} GPUs "
-                         f"(device cuda: one each) but the Ray cluster at {address or 'this machine'} has {gpus:g}")
-    actors = [TrainerActor.options(num_gpus=gpus_per_rank).remote(train)  # type: ignore[attr-defined]
-              for _ in range(world_size)]
-    try:
-        init_method = ray.get(actors[0].address.remote())
-        runs = [actor.run.remote(rank, world_size, init_method) for rank, actor in enumerate(actors)]
-        pending = list(runs)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            ray.get(done[0])  # a failed rank raises here; `finally` stops the rest
-        return ray.get(runs[0])
-    finally:
-        for actor in actors:
-            ray.kill(actor)

@@ -1,7 +1,7 @@
 """GRPO for multi-turn agents, in one loop you can read top to bottom.
 
     producer: admit a prompt group whenever the buffer allows, roll it out (local, Ray or remote; rewards
-              streamed), hand it to the buffer                                 # turnrl.buffer, in the background
+              streamed), hand it to the buffer                                 # turnrl.train.buffer, in the background
     for step in steps:
         groups   = buffer.take(step)                          # earliest deadline first; waits for what is due
         samples  = advantages(groups)                         # per group, over the trajectories we train on
@@ -18,7 +18,7 @@ producer, the buffer and the engines, takes the groups and broadcasts the sample
 updates on its token-balanced share, takes part in the weight sync and writes its part of each checkpoint;
 logging and evaluation happen on rank 0.
 
-What is kept from GRPO/PPO and what is not (see turnrl.algos for the formulas):
+What is kept from GRPO/PPO and what is not (see turnrl.train.algos for the formulas):
 - Advantages are group-relative (GRPO mean/std, Dr. GRPO mean-only, or RLOO), computed over the
   trajectories whose status is in `algo.train_on` and whose reward exists. Failed trajectories and reward
   errors never enter a group; a group left with one trajectory contributes zero advantage.
@@ -59,9 +59,15 @@ import yaml
 from rich.console import Console
 from rich.progress import Progress
 
-from turnrl import algos
-from turnrl.buffer import Group, TrajectoryBuffer, produce
-from turnrl.checkpoint import (
+from turnrl.config import TrainConfig
+from turnrl.models import DTYPES, freeze
+from turnrl.observe.stats import RolloutStats, TrajectoryWriter, peak_rss_gb
+from turnrl.observe.tracing import TrajectoryTracer
+from turnrl.observe.watchdog import Watchdog
+from turnrl.rollout.manager import Rollout
+from turnrl.train import algos
+from turnrl.train.buffer import Group, TrajectoryBuffer, produce
+from turnrl.train.checkpoint import (
     checkpoint_problem,
     checkpoint_step,
     load_rng,
@@ -74,23 +80,17 @@ from turnrl.checkpoint import (
     supersede_newer,
     write_hf,
 )
-from turnrl.config import TrainConfig
-from turnrl.lora import apply_lora
-from turnrl.models import DTYPES, freeze
-from turnrl.observe import RolloutStats, TrajectoryWriter, peak_rss_gb
-from turnrl.packing import (
+from turnrl.train.lora import apply_lora
+from turnrl.train.packing import (
     PackedRow,
     pack_sequences,
     packed_token_logprobs,
     unpack_to_padded,
     use_varlen_attention,
 )
-from turnrl.parallel import Parallel
-from turnrl.rollout import Rollout
-from turnrl.tracing import TrajectoryTracer
+from turnrl.train.parallel import Parallel
+from turnrl.train.weights import push_weights
 from turnrl.types import SamplingParams, Trajectory
-from turnrl.watchdog import Watchdog
-from turnrl.weights import push_weights
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ class Trainer:
         self.train_rows, self.eval_rows = train_rows, eval_rows
         self.console = console or Console()
         self.out = Path(cfg.run_dir or cfg.output_dir)
-        """The run directory (`turnrl train` sets cfg.run_dir: turnrl.runs); without one, output_dir itself."""
+        """The run directory (`turnrl train` sets cfg.run_dir: turnrl.train.runs); without one, output_dir itself."""
         self.out.mkdir(parents=True, exist_ok=True)
         self.policy, self.reference = self._prepare(policy)
         self.device = self.parallel.device
@@ -594,12 +594,12 @@ class Trainer:
         self.console.print(self.format_line(metrics))
 
     def format_line(self, metrics: dict[str, Any]) -> str:
-        """The console line of a step's or an evaluation's metrics (turnrl.sft prints its own step lines)."""
+        """The console line of a step's or an evaluation's metrics (turnrl.train.sft prints its own step lines)."""
         return format_step_line(metrics, self.cfg.steps)
 
     def save_checkpoint(self, final: bool = True) -> Path:
         """Sharded state that resumes exactly (every rank writes its part) and a Hugging Face model dir
-        (turnrl.checkpoint), written into a staging folder and renamed into place once complete (with its
+        (turnrl.train.checkpoint), written into a staging folder and renamed into place once complete (with its
         manifest), then named by `latest`. `final`: the run's last checkpoint (trainer.save_hf="final" gives
         it the Hugging Face weights; the others keep only what resuming needs)."""
         path = self.out / "checkpoints" / f"step_{self.step:06d}"

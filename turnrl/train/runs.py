@@ -5,7 +5,7 @@
         20261201-103200/                a run directory (`--run-dir` names one yourself)
             config.yaml                 the config the run started with (resolved: every key)
             metrics.jsonl  groups.jsonl  curves.png  trajectories/
-            checkpoints/step_000030/ ... checkpoints/latest    (turnrl.checkpoint)
+            checkpoints/step_000030/ ... checkpoints/latest    (turnrl.train.checkpoint)
 
 `prepare_run` decides the directory before anything loads:
 - a new run: `run_dir` if given (it must be empty or absent; `overwrite` deletes the previous run's files
@@ -26,8 +26,8 @@ import shutil
 import time
 from pathlib import Path
 
-from turnrl.checkpoint import checkpoint_problem, checkpoint_step, select_checkpoint
 from turnrl.config import ConfigError, TrainConfig
+from turnrl.train.checkpoint import checkpoint_problem, checkpoint_step, select_checkpoint
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "groups.jsonl", "curves.png", "checkpoints", "trajectories")
 """What a run writes into its directory (what `overwrite` deletes; anything else there is left alone)."""

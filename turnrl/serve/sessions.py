@@ -1,8 +1,8 @@
 """The chat proxy: chat requests in, exact tokens recorded per session, trajectories out.
 
 An external agent (a plain `openai` or `anthropic` client loop, LangGraph, the OpenAI Agents SDK, anything) talks
-to `/v1` or `/sessions/{id}/v1` as if it were OpenAI or Anthropic (turnrl/serve.py; the Responses and Anthropic
-APIs are converted to chat messages by turnrl/chat_apis.py, so one `ChatCall` path serves all three). For every
+to `/v1` or `/sessions/{id}/v1` as if it were OpenAI or Anthropic (turnrl/serve/app.py; the Responses and Anthropic
+APIs are converted to chat messages by turnrl/serve/chat_apis.py, so one `ChatCall` path serves all three). For every
 call the proxy records the exact prompt token ids it sent to the engine, the completion token ids and their
 sampling logprobs. Nothing recorded is ever re-tokenized text.
 
@@ -79,7 +79,8 @@ from typing import Any
 from turnrl.engines.base import Engine
 from turnrl.reasoning import REASONING_MARKERS, split_reasoning
 from turnrl.render import ChatRenderer, RenderError
-from turnrl.rollout import TrajectoryBuilder, derive_seed
+from turnrl.rollout.builder import TrajectoryBuilder
+from turnrl.rollout.episode import derive_seed
 from turnrl.tools.parsers import CALL_OPEN, get_parser
 from turnrl.types import (
     FinishReason,
@@ -185,7 +186,7 @@ class Session:
 @dataclass
 class ChatCall:
     """One model call in the proxy's own terms (chat-completions messages and tools), whichever API it came
-    through: `chat_call_from_openai`, `turnrl.chat_apis` for the Responses and Anthropic APIs."""
+    through: `chat_call_from_openai`, `turnrl.serve.chat_apis` for the Responses and Anthropic APIs."""
 
     messages: list[Message]
     tools: list[dict] | None = None

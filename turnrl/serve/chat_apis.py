@@ -1,6 +1,6 @@
 """The Responses and Anthropic Messages APIs over the chat proxy, and server-sent events for all three APIs.
 
-`turnrl.proxy.ChatProxy` speaks chat-completions messages. This module converts the other two APIs to them and
+`turnrl.serve.sessions.ChatProxy` speaks chat-completions messages. This module converts the other two APIs to them and
 back, so one recording path (exact token ids, continuation, trajectories) serves every client:
 
     OpenAI Responses   (`POST /v1/responses`: the OpenAI Agents SDK's default model)
@@ -34,7 +34,7 @@ import time
 import uuid
 from typing import Any
 
-from turnrl.proxy import (
+from turnrl.serve.sessions import (
     ChatCall,
     ChatRequestError,
     RecordedCall,

@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from turnrl.rollout import Rollout
+from turnrl.rollout.manager import Rollout
 from turnrl.types import SegmentSource, Trajectory
 
 

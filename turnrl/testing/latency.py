@@ -7,11 +7,11 @@
   schedule of TRL and ms-swift's colocate mode (every live trajectory's turn is generated as one batch,
   then that turn's tools run, then the next turn). Same turn loop, same tokens, only the schedule differs.
 
-- `simulate_training`: the trainer's side of asynchronous training (`turnrl.buffer`) with an update of fixed cost,
+- `simulate_training`: the trainer's side of asynchronous training (`turnrl.train.buffer`) with an update of fixed cost,
   so staleness policies can be measured where generation, tools and the update are separate resources.
 
-`bench/async_rollout.py`, `bench/async_train.py` and the tests use them; `turnrl.testing` is also an env module
-(`--env turnrl.testing`).
+`bench/async_rollout.py`, `bench/async_train.py` and the tests use them; `turnrl.testing.latency` is also an env module
+(`--env turnrl.testing.latency`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from turnrl.buffer import Group, TrajectoryBuffer, produce
 from turnrl.engines.base import Engine, NamedTensors
+from turnrl.train.buffer import Group, TrajectoryBuffer, produce
 from turnrl.types import FinishReason, GenerateOutput, SamplingParams, StepResult, TerminationReason, Turn
 
 
@@ -240,7 +240,7 @@ class LatencyToolEnv:
 def build_env(sample: dict[str, Any], config: dict[str, Any]) -> LatencyToolEnv:
     """`sample["latencies_s"]` (one per turn, see `latency_rows`), optional `sample["fail_on_turn"]`."""
     if "latencies_s" not in sample:
-        raise ValueError("turnrl.testing env: the row needs `latencies_s` (a list, one tool latency per turn)")
+        raise ValueError("turnrl.testing.latency env: the row needs `latencies_s` (a list, one tool latency per turn)")
     return LatencyToolEnv(sample["latencies_s"], sample.get("fail_on_turn"))
 
 
@@ -289,7 +289,7 @@ class SimulatedRun:
 async def simulate_training(rollout: Any, engine: LatencyEngine, rows: Sequence[dict[str, Any]], *, steps: int,
                             update_s: float, n: int = 1, buffer: TrajectoryBuffer | None = None,
                             reissue: Sequence[Group] = ()) -> SimulatedRun:
-    """What `turnrl.trainer.Trainer` does in either mode — `buffer.take`, update, push weights, repeat — with the
+    """What `turnrl.train.loop.Trainer` does in either mode — `buffer.take`, update, push weights, repeat — with the
     update replaced by `update_s` seconds of waiting (an accelerator busy with the backward pass). Rows are used
     in order, cycling; `buffer` defaults to a synchronous one of batch 8."""
     buffer = buffer or TrajectoryBuffer(8, 0)

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from turnrl import lora
-from turnrl.parallel import Parallel, full_tensor
+from turnrl.train import lora
+from turnrl.train.parallel import Parallel, full_tensor
 
 
 @dataclass

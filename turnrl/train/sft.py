@@ -35,12 +35,12 @@ from typing import Any
 
 import torch
 
-from turnrl import algos
 from turnrl.data import DataError, conversation_messages, read_rows, resolve_image_paths
-from turnrl.packing import PackedRow, packed_token_logprobs, unpack_to_padded
 from turnrl.render import ChatRenderer, RenderError, SanityMode
-from turnrl.rollout import RolloutContext, RolloutLimits, drive
-from turnrl.trainer import PromptSampler, Trainer, TrainSample, format_step_line, save_tokenizer, to_sample
+from turnrl.rollout.episode import RolloutContext, RolloutLimits, drive
+from turnrl.train import algos
+from turnrl.train.loop import PromptSampler, Trainer, TrainSample, format_step_line, save_tokenizer, to_sample
+from turnrl.train.packing import PackedRow, packed_token_logprobs, unpack_to_padded
 from turnrl.types import (
     FinishReason,
     GenerateOutput,

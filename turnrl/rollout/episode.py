@@ -1,4 +1,4 @@
-"""The turn loop (`drive`), the trajectory builder that enforces the invariants, and the RolloutManager.
+"""The turn loop (`drive`) and the `Episode` whose steps it runs.
 
 `drive` is THE turn loop: every agent style (slime env, verl tool agent, ms-swift scheduler, custom
 agent) goes through it or through the same `Episode` and `TrajectoryBuilder`. One turn:
@@ -28,41 +28,33 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import itertools
 import logging
-import math
-import numbers
 import time
-import weakref
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from turnrl.data import prompt_messages
 from turnrl.engines.base import Engine
 from turnrl.envs.base import Env, EnvFactory, EnvStepError, EnvThreads, EpisodeEnv, TurnEnv
-from turnrl.multimodal import ImageBuffer, check_parity, image_ref
+from turnrl.multimodal import check_parity, image_ref
+from turnrl.observe.watchdog import Detail, Watchdog, abandon_after, engine_label
 from turnrl.render import ChatRenderer, SanityMode
+from turnrl.rollout.builder import TokenEditError, TrajectoryBuilder
 from turnrl.types import (
     EnvSpan,
     FinishReason,
     GenerateOutput,
     GenerateSpan,
     Message,
-    RolloutStatus,
     SamplingParams,
-    Segment,
     SegmentSource,
     StepResult,
     TerminationReason,
-    TokenEdit,
     Trajectory,
     Turn,
     TurnRecord,
-    validate_segment,
 )
-from turnrl.watchdog import Detail, Watchdog, abandon_after, engine_label
 
 log = logging.getLogger(__name__)
 
@@ -96,144 +88,6 @@ class RolloutLimits:
             raise ValueError(f"token_budget must be >= 1 or None, got {self.token_budget}")
 
 
-# ---------------------------------------------------------------------------------------------------
-# Building a trajectory
-# ---------------------------------------------------------------------------------------------------
-class TokenEditError(ValueError):
-    """Token edits that break the invariants (ids and mask of unequal length, mask values outside {0, 1})."""
-
-
-class TrajectoryBuilder:
-    """Appends segments to a trajectory, checking each one as it arrives (masks are born with tokens)."""
-
-    def __init__(self, trajectory: Trajectory):
-        self.trajectory = trajectory
-        self._ids = list(trajectory.prompt_ids)
-        self._response_len = 0
-        self.images = ImageBuffer()
-        """Both image stores (inference list, training tensors per chunk) of a VLM trajectory."""
-
-    @property
-    def token_ids(self) -> list[int]:
-        """Prompt + response so far: exactly what the next generate call receives. Do not mutate."""
-        return self._ids
-
-    @property
-    def response_len(self) -> int:
-        return self._response_len
-
-    def add(self, segment: Segment) -> Segment:
-        validate_segment(segment, f"trajectory {self.trajectory.id!r} new segment ({segment.source})")
-        self.trajectory.segments.append(segment)
-        self._ids.extend(segment.token_ids)
-        self._response_len += len(segment.token_ids)
-        return segment
-
-    def add_model(self, out: GenerateOutput, turn: int, *, extend: bool = False) -> None:
-        """Append the engine's tokens (mask 1, its logprobs), one segment per policy version that sampled them (a
-        call can go on across a weight update); `extend` continues the last model segment if its version is the
-        same."""
-        start, versions = 0, out.versions()
-        for version, run in itertools.groupby(versions):
-            end = start + len(list(run))
-            ids, logprobs, last = out.token_ids[start:end], out.logprobs[start:end], self._last_model()
-            if extend and last is not None and last.policy_version == version:
-                self._extend(last, ids, 1, logprobs)
-            else:
-                self.add(Segment(SegmentSource.MODEL, list(ids), [1] * len(ids), list(logprobs), turn, version))
-            start = end
-
-    def add_injected(self, token_ids: Sequence[int], source: SegmentSource, turn: int) -> Segment | None:
-        if not token_ids:
-            return None
-        return self.add(Segment(source, list(token_ids), [0] * len(token_ids), [None] * len(token_ids), turn))
-
-    def continue_model(self, token_ids: Sequence[int], turn: int) -> None:
-        """A continuation: injected tokens (mask 0) inside the current model segment, e.g. a tip the model reads
-        and then goes on after, in the same assistant message."""
-        last = self._last_model()
-        if last is None:
-            self.add_injected(token_ids, SegmentSource.TEMPLATE, turn)
-        else:
-            self._extend(last, token_ids, 0, [None] * len(token_ids))
-
-    def apply_edit(self, edit: TokenEdit, turn_ids: Sequence[int], turn_logprobs: Sequence[float]) -> list[int]:
-        """Replace the last turn's tokens (`turn_ids`, the tail of the last model segment) by `edit`; returns the
-        new ids. Raises TokenEditError on ids/mask that break the invariants; unusable logprobs only switch importance
-        correction off for this trajectory (the segment gets None logprobs, and `warnings` says why)."""
-        traj = self.trajectory
-        ids = list(edit.token_ids if edit.token_ids is not None else turn_ids)
-        mask = list(edit.loss_mask if edit.loss_mask is not None else [1] * len(ids))
-        if len(mask) != len(ids) or any(m not in (0, 1) for m in mask):
-            raise TokenEditError(
-                f"trajectory {traj.id!r} turn {traj.num_turns}: the token edit (response_token_ids) has {len(ids)} "
-                f"tokens and its loss mask (response_loss_mask) {len(mask)} values {sorted(set(mask))}; they must "
-                "have equal length and values in {0, 1}")
-        logprobs, issue = _edit_logprobs(edit, turn_ids, turn_logprobs, ids, mask)
-        if issue is not None:
-            log.warning("trajectory %s turn %d: %s; importance-sampling correction is off for this trajectory",
-                        traj.id, traj.num_turns, issue)
-            traj.warnings.append(f"turn {traj.num_turns}: {issue}")
-            traj.metrics["logprob_issues"] = traj.metrics.get("logprob_issues", 0) + 1
-        n_old = len(turn_ids)
-        last = self._merged_tail(n_old)
-        if last is None or n_old > len(last.token_ids):
-            raise TokenEditError(f"trajectory {traj.id!r}: no model turn of {n_old} tokens to replace")
-        keep = len(last.token_ids) - n_old
-        last.token_ids[keep:], last.loss_mask[keep:] = ids, mask
-        last.logprobs = None if logprobs is None or last.logprobs is None else last.logprobs[:keep] + logprobs
-        validate_segment(last, f"trajectory {traj.id!r} edited model segment")
-        self._ids[len(self._ids) - n_old:] = ids
-        self._response_len += len(ids) - n_old
-        return ids
-
-    def finish(self, reason: TerminationReason, error: str | None = None) -> Trajectory:
-        self.trajectory.finish(reason, error)
-        self.trajectory.validate()
-        return self.trajectory
-
-    def _last_model(self) -> Segment | None:
-        segments = self.trajectory.segments
-        return segments[-1] if segments and segments[-1].source == SegmentSource.MODEL else None
-
-    def _merged_tail(self, n_tokens: int) -> Segment | None:
-        """The last model segment, merged with the model segments of its turn before it until it holds `n_tokens`
-        (a turn that went on across a weight update spans one segment per version; the merged one keeps the
-        oldest version, the conservative staleness anchor)."""
-        segments = self.trajectory.segments
-        while (len(segments) >= 2 and len(segments[-1]) < n_tokens and segments[-1].source == SegmentSource.MODEL
-               and segments[-2].source == SegmentSource.MODEL and segments[-2].turn == segments[-1].turn):
-            tail, head = segments.pop(), segments[-1]
-            head.token_ids += tail.token_ids
-            head.loss_mask += tail.loss_mask
-            head.logprobs = None if head.logprobs is None or tail.logprobs is None else head.logprobs + tail.logprobs
-        return self._last_model()
-
-    def _extend(self, seg: Segment, token_ids: Sequence[int], mask: int, logprobs: Sequence[float | None]) -> None:
-        seg.token_ids.extend(token_ids)
-        seg.loss_mask.extend([mask] * len(token_ids))
-        if seg.logprobs is not None:
-            seg.logprobs.extend(logprobs)
-        self._ids.extend(token_ids)
-        self._response_len += len(token_ids)
-
-
-def _edit_logprobs(edit: TokenEdit, turn_ids: Sequence[int], turn_logprobs: Sequence[float], ids: list[int],
-                   mask: list[int]) -> tuple[list[float | None] | None, str | None]:
-    """Logprobs aligned with an edit's ids (None at mask 0), or None and why they cannot be had."""
-    n_trained = sum(mask)
-    if edit.logprobs is not None:
-        if len(edit.logprobs) != n_trained:
-            return None, f"rollout_logprobs has {len(edit.logprobs)} values for {n_trained} mask-1 tokens"
-        trained: list[float] = list(edit.logprobs)
-    elif ids[:n_trained] == list(turn_ids[:n_trained]) and all(mask[:n_trained]):
-        trained = list(turn_logprobs[:n_trained])  # a cut of the engine's own tokens keeps their logprobs
-    else:
-        return None, f"{n_trained} mask-1 tokens are not the engine's own tokens and no rollout_logprobs were given"
-    it = iter(trained)
-    return [next(it) if m else None for m in mask], None
-
-
 @dataclass
 class RolloutContext:
     """What an agent gets for one trajectory: shared components plus this trajectory's identity."""
@@ -257,7 +111,7 @@ class RolloutContext:
     partial: Trajectory | None = None
     """Set by `drive` when the trajectory is cancelled, so a timeout keeps the content produced so far."""
     watchdog: Watchdog | None = None
-    """The run's watchdog (turnrl.watchdog): engine and env calls report to it through `watch`."""
+    """The run's watchdog (turnrl.observe.watchdog): engine and env calls report to it through `watch`."""
 
     def watch(self, component: str, detail: Detail = "") -> contextlib.AbstractContextManager[None]:
         """A call in progress: shown by the watchdog's report if nothing progresses, progress when it ends."""
@@ -618,6 +472,8 @@ def _sanity_check(ctx: RolloutContext, traj: Trajectory, messages: list[Message]
 
 
 _WARNED_MISMATCH: set[bool] = set()
+
+
 _MISMATCH_ADVICE = {
     True: "its token stream differs from a full chat-template re-render only in reasoning or whitespace. Harmless: "
           "the template rewrites history (e.g. drops earlier reasoning), and training uses exactly the tokens the "
@@ -628,219 +484,3 @@ _MISMATCH_ADVICE = {
            "Further mismatches are only counted (metric rollout/render_mismatch, info.render_check).",
 }
 
-
-# ---------------------------------------------------------------------------------------------------
-# Many trajectories at once
-# ---------------------------------------------------------------------------------------------------
-Agent = Callable[[RolloutContext, dict[str, Any]], Awaitable[Trajectory | list[Trajectory]]]
-RewardFn = Callable[[Trajectory], Any]
-
-
-class RolloutManager:
-    """Runs rows × n trajectories concurrently (one task each, bounded), streaming them as they finish.
-
-    Each row picks its agent by `agent_name` (else `default_agent`). Rewards are computed as each
-    trajectory finishes, while the others are still generating. A failing agent, env or reward function
-    ends only its own trajectory.
-    """
-
-    def __init__(
-        self,
-        engine: Engine,
-        renderer: ChatRenderer,
-        *,
-        agents: dict[str, Agent],
-        default_agent: str = "env_agent",
-        sampling: SamplingParams | None = None,
-        limits: RolloutLimits | None = None,
-        env_factory: EnvFactory | None = None,
-        env_config: dict[str, Any] | None = None,
-        tools: Any = None,
-        concurrency: int = 64,
-        sanity_mode: SanityMode | str = SanityMode.STRICT,
-        reward_fn: RewardFn | None = None,
-        watchdog_s: float | None = None,
-    ):
-        if default_agent not in agents:
-            raise ValueError(f"unknown default agent {default_agent!r}; registered: {sorted(agents)}")
-        self.engine, self.renderer, self.agents, self.default_agent = engine, renderer, agents, default_agent
-        self.sampling = sampling or SamplingParams()
-        self.limits = limits or RolloutLimits()
-        self.env_factory, self.env_config, self.tools = env_factory, dict(env_config or {}), tools
-        self.concurrency, self.sanity_mode, self.reward_fn = concurrency, SanityMode(sanity_mode), reward_fn
-        self.env_threads = EnvThreads(concurrency)
-        self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
-            weakref.WeakKeyDictionary())  # `concurrency` across every stream of this manager (one per event loop)
-        self.watchdog = Watchdog(watchdog_s)
-        """Fails `stream` (Stalled) when no trajectory, engine call or env call progresses for `watchdog_s`."""
-
-    def context(self, row: dict[str, Any], trajectory_id: str, group_id: str, sample_index: int,
-                sampling: SamplingParams | None = None) -> RolloutContext:
-        agent_name = row.get("agent_name") or self.default_agent
-        if agent_name not in self.agents:
-            raise ValueError(f"row {group_id}: unknown agent_name {agent_name!r}; registered: {sorted(self.agents)}")
-        return RolloutContext(
-            engine=self.engine, renderer=self.renderer, sampling=sampling or self.sampling, limits=self.limits,
-            trajectory_id=trajectory_id, group_id=group_id, sample_index=sample_index, sample=row,
-            agent_name=agent_name, env_factory=self.env_factory, env_config=self.env_config, tools=self.tools,
-            sanity_mode=self.sanity_mode, env_threads=self.env_threads, watchdog=self.watchdog,
-        )
-
-    async def stream(
-        self, rows: Sequence[dict[str, Any]], n: int = 1, *, id_prefix: str = "",
-        sampling: SamplingParams | None = None, row_group_ids: Sequence[str] | None = None,
-    ) -> AsyncIterator[Trajectory]:
-        """Yield trajectories as they finish (rewards already computed). `row_group_ids` replaces the ids
-        derived from the rows: a Ray rollout worker gets its shard's ids from the driver, so trajectory ids
-        (and the sampling seeds derived from them) are those of a single-process run."""
-        semaphore = self._slots.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(self.concurrency))
-        groups = group_ids(rows, id_prefix) if row_group_ids is None else list(row_group_ids)
-        contexts = [
-            self.context(row, f"{group}-{k}", group, k, sampling)
-            for row, group in zip(rows, groups, strict=True) for k in range(n)
-        ]
-        tasks = [asyncio.create_task(self._run_one(ctx, semaphore)) for ctx in contexts]
-        try:
-            for next_done in asyncio.as_completed(tasks):
-                for traj in await self.watchdog.wait(next_done):
-                    yield traj
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _run_one(self, ctx: RolloutContext, semaphore: asyncio.Semaphore) -> list[Trajectory]:
-        async with semaphore, self.watchdog.busy("trajectory", ctx.agent_name):
-            agent = self.agents[ctx.agent_name]
-            try:
-                result = await asyncio.wait_for(agent(ctx, ctx.sample), ctx.limits.trajectory_timeout_s)
-                trajs = result if isinstance(result, list) else [result]
-            except TimeoutError:
-                trajs = [_timed_out(ctx)]
-            except Exception as e:  # a broken agent fails its trajectory, never the batch
-                log.info("agent %s raised on %s", ctx.agent_name, ctx.trajectory_id, exc_info=True)  # -v
-                trajs = [ctx.failed(TerminationReason.ENV_ERROR, e)]
-            for traj in trajs:
-                await score(traj, self.reward_fn)
-                if traj.status == RolloutStatus.FAILED:  # one line each; tracebacks at -v (INFO)
-                    log.warning("trajectory %s failed (%s): %.300s", traj.id, traj.termination_reason,
-                                " ".join(str(traj.error).split()))
-            return trajs
-
-
-def _timed_out(ctx: RolloutContext) -> Trajectory:
-    traj = ctx.partial
-    message = f"trajectory exceeded trajectory_timeout_s={ctx.limits.trajectory_timeout_s}"
-    if traj is None:
-        return ctx.failed(TerminationReason.TIMEOUT, message)
-    traj.finish(TerminationReason.TIMEOUT, message)
-    return traj
-
-
-async def _maybe_await(value: Any) -> Any:
-    if asyncio.iscoroutine(value) or isinstance(value, asyncio.Future):
-        return await value
-    return value
-
-
-class Rollout(Protocol):
-    """Whatever runs the rollouts of a run: a local RolloutManager, a RayRollout (turnrl.dist.ray) or a
-    RemoteRollout (turnrl.remote, a `turnrl serve` rollout server). `stream` yields trajectories as they
-    finish, rewards already computed (`score`); `run_groups` groups any of them."""
-
-    @property
-    def engine(self) -> Engine: ...
-    @property
-    def renderer(self) -> ChatRenderer: ...
-    @property
-    def sampling(self) -> SamplingParams: ...
-
-    def stream(self, rows: Sequence[dict[str, Any]], n: int = 1, *, id_prefix: str = "",
-               sampling: SamplingParams | None = None) -> AsyncIterator[Trajectory]: ...
-
-
-async def run_groups(
-    rollout: Rollout, rows: Sequence[dict[str, Any]], n: int = 1, *, id_prefix: str = "",
-    sampling: SamplingParams | None = None, on_trajectory: Callable[[Trajectory], None] | None = None,
-) -> list[list[Trajectory]]:
-    """All trajectories of `rollout.stream(rows, n)` grouped by prompt, in row order, each group sorted by
-    sample index; `on_trajectory` sees each one as it arrives."""
-    groups: dict[str, list[Trajectory]] = {}
-    async for traj in rollout.stream(rows, n, id_prefix=id_prefix, sampling=sampling):
-        groups.setdefault(traj.group_id, []).append(traj)
-        if on_trajectory is not None:
-            on_trajectory(traj)
-    return [sorted(groups.get(g, []), key=lambda t: (t.sample_index, t.id)) for g in group_ids(rows, id_prefix)]
-
-
-async def score(traj: Trajectory, reward_fn: RewardFn | None) -> None:
-    """Set `traj.reward` with `reward_fn` (sync or async), unless the agent set one. A raising reward
-    function, or one returning anything but a finite number (a bool counts as 0/1; verl's `{"score": x, ...}`
-    gives x, its other keys go to `info["reward_extra"]`), leaves the reward None and records `reward_error`:
-    a crash is never scored 0.0, and a NaN or a string never reaches the group's advantages."""
-    if reward_fn is None or traj.reward is not None:
-        return
-    try:
-        value = await _maybe_await(reward_fn(traj))
-        if isinstance(value, dict) and "score" in value:
-            traj.info["reward_extra"] = {k: v for k, v in value.items() if k != "score"}
-            value = value["score"]
-        traj.reward = _finite_reward(value)
-    except Exception as e:
-        traj.reward_error = f"{type(e).__name__}: {e}"
-        log.warning("reward function failed on %s: %s", traj.id, traj.reward_error)
-
-
-def _finite_reward(value: Any) -> float:
-    if isinstance(value, numbers.Real) and math.isfinite(float(value)):  # bools and numpy scalars too
-        return float(value)
-    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a 0-d numpy array or torch tensor
-        return _finite_reward(value.item())
-    raise ValueError(f"the reward function returned {value!r:.60} ({type(value).__name__}); expected a finite "
-                     "number (or verl's {'score': number, ...})")
-
-
-Producer = Callable[[Callable[[Trajectory], None]], Awaitable[None]]
-"""`async (put) -> None`: puts trajectories as it gets them; returns when it has no more."""
-
-
-async def drain(producers: Sequence[Producer]) -> AsyncIterator[Trajectory]:
-    """Run `producers` concurrently and yield what they put, in arrival order, until all have returned.
-    A producer that raises ends the stream with its error (after what was put before it) and cancels the
-    others; leaving the stream early cancels them all."""
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def run(produce: Producer) -> None:
-        try:
-            await produce(queue.put_nowait)
-            queue.put_nowait(done)
-        except Exception as e:  # a dead worker or server: the caller's batch fails loudly
-            queue.put_nowait(e)
-
-    tasks = [asyncio.create_task(run(p)) for p in producers]
-    try:
-        running = len(tasks)
-        while running:
-            item = await queue.get()
-            if item is done:
-                running -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def group_ids(rows: Sequence[dict[str, Any]], id_prefix: str = "") -> list[str]:
-    """One id per row: its `id` column (else its index), with `#k` added when a row repeats in a batch."""
-    seen: dict[str, int] = {}
-    out = []
-    for i, row in enumerate(rows):
-        base = f"{id_prefix}{row.get('id', i)}"
-        seen[base] = seen.get(base, 0) + 1
-        out.append(base if seen[base] == 1 else f"{base}#{seen[base] - 1}")
-    return out
