@@ -155,6 +155,9 @@ def build_rollout_manager(
         load_module(plugin, what="plugin")
     agents = agent_registry(cfg.agents)
     env_factory = load_env_factory(cfg.env) if cfg.env else None
+    check = getattr(env_factory, "check", None)
+    if callable(check):  # an ecosystem env checks its config once here (a bad generator config fails at start-up)
+        check(env_config(cfg))
     default_agent = cfg.agent
     if cfg.scheduler is not None:
         from turnrl.agents.scheduler import scheduler_agent
@@ -181,6 +184,16 @@ def build_rollout_manager(
         limits=rollout_limits(cfg), env_factory=env_factory, env_config=env_config(cfg), tools=tools,
         concurrency=cfg.concurrency, sanity_mode=cfg.sanity_check, reward_fn=reward_fn, watchdog_s=cfg.watchdog_s,
     )
+
+
+def env_opens_episode(cfg: RolloutConfig) -> bool:
+    """Whether the rollout's env gives each episode's first message itself (reasoning-gym, OpenEnv, TextArena:
+    its rows need no prompt, and `turnrl rollout` needs no --data)."""
+    from turnrl.config import effective_rollout_config
+    from turnrl.envs.base import load_env_factory
+
+    env = effective_rollout_config(cfg).env
+    return bool(env) and bool(getattr(load_env_factory(env), "opens_episode", False))
 
 
 def build_reward_fn(cfg: RewardConfig, tokenizer: Any = None, label_key: str | None = None) -> RewardFn:
@@ -354,8 +367,9 @@ def build_trainer(cfg: TrainConfig, *, checkpoint: Path | None = None, console: 
         return sharing_view(loaded[0])
 
     if parallel.is_main:
-        train_rows = load_rows(cfg.train_data)
-        eval_rows = load_rows(cfg.eval_data) if cfg.eval_data else []
+        prompt_required = not env_opens_episode(cfg.rollout)
+        train_rows = load_rows(cfg.train_data, prompt_required)
+        eval_rows = load_rows(cfg.eval_data, prompt_required) if cfg.eval_data else []
         stack = build_stack(cfg.model, cfg.rollout, cfg.engine, reward=cfg.reward, server=cfg.rollout_server,
                             weights=weights, dtype=cfg.dtype,
                             engine_model=policy_view if shares_weights(cfg) else None)
