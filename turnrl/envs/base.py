@@ -278,6 +278,7 @@ class EpisodeEnv:
         """Extra prompt messages from `reset()` (slime's reset returns (obs, info), which it ignores)."""
         reset = getattr(self.env, "reset", None)
         extra = await self._call(reset) if reset is not None else None
+        self.tools = getattr(self.env, "tools", None)  # an env may learn its tools in reset (an MCP environment)
         return self._messages(extra, "reset") if isinstance(extra, dict | list) else []
 
     async def step(self, turn: Turn) -> tuple[StepResult, int]:
