@@ -121,7 +121,9 @@ def rollout(
     seed: Annotated[int | None, Opt(help="Seed of the samplers (reproducible trajectories).")] = None,
     agent: Annotated[str | None, Opt(help="Agent of rows without agent_name (default env_agent; tool_agent: --tools).")] = None,
     agents: Annotated[list[str], Opt("--agent-path", help="Extra agent loop: [name=]file.py:function.")] = [],
-    tools: Annotated[list[str], Opt(help="Function-tool .py file or tool-config .yaml (repeatable).")] = [],
+    tools: Annotated[list[str], Opt(help="Function-tool .py file, tool-config .yaml, or MCP server: 'mcp:COMMAND "
+                                         "[ARGS...]' (stdio) or mcp+http://HOST:PORT/PATH (repeatable).")] = [],
+    tool_timeout: Annotated[float | None, Opt(help="Seconds a tool call may take (tool agent; default 30).")] = None,
     tool_parser: Annotated[str, Opt(help="Tool-call format (hermes, qwen3_coder).")] = "hermes",
     scheduler: Annotated[str | None, Opt(help="ms-swift-style scheduler by name.")] = None,
     gym_env: Annotated[str | None, Opt(help="Gym env of the gym scheduler (ms-swift's --gym_env; env_config.gym_env).")] = None,
@@ -155,6 +157,7 @@ def rollout(
         cfg = effective_rollout_config(RolloutConfig(
             env=env, custom_config=str(custom_config) if custom_config else None, agents=agents,
             tools=tools, tool_parser=tool_parser, scheduler=scheduler, plugins=plugin, n=n, **given,
+            tool_agent={"tool_timeout_s": tool_timeout} if tool_timeout else {},
             env_config={**_json_flag("--env-config", env_config), **({"gym_env": gym_env} if gym_env else {})},
             max_new_tokens=max_new_tokens, token_budget=token_budget, concurrency=concurrency,
             env_timeout_s=env_timeout or None, env_retries=env_retries, watchdog_s=watchdog or None,

@@ -139,7 +139,9 @@ class _Connection:
         try:
             return tool_result(await self.session.call_tool(name, arguments))
         except Exception as e:  # a protocol error (unknown tool, bad arguments) or a dead transport
-            raise ToolExecutionError(f"MCP tool {name!r} ({self.server.where}): {_cause(e)}") from e
+            dead = self.error is not None or "closed" in str(e).lower()
+            raise ToolExecutionError(f"MCP tool {name!r} ({self.server.where}): {_cause(e)}"
+                                     f"{self.server.stderr_tail() if dead else ''}") from e
 
     async def list_tools(self) -> list[dict[str, Any]]:
         result = _wire(await self.session.list_tools())
@@ -229,22 +231,28 @@ class MCPServer:
 
 
 class MCPToolSession:
-    """One trajectory's use of an MCP server (every tool of the server shares it: `ToolSpec.group`)."""
+    """One trajectory's use of an MCP server (every tool of the server shares it: `ToolSpec.group`). The
+    connection opens on the first call, shielded: a call that times out while the server starts leaves the start
+    going on for the next call (a create() that failed would fail every later call of the trajectory)."""
 
     def __init__(self, server: MCPServer):
         self.server = server
-        self.connection: _Connection | None = None
+        self._opening: asyncio.Future | None = None
 
     async def create(self, **create_kwargs: Any) -> None:
         if create_kwargs:
             raise ValueError(f"MCP server {self.server.where} takes no create_kwargs, got {sorted(create_kwargs)}")
-        self.connection = await self.server.connection()
 
     async def execute_tool(self, name: str, arguments: dict[str, Any]) -> ToolResult:
-        assert self.connection is not None, "create() first"
-        return await self.connection.call(name, arguments)
+        if self._opening is None:
+            self._opening = asyncio.ensure_future(self.server.connection())
+        connection = await asyncio.shield(self._opening)
+        return await connection.call(name, arguments)
 
     async def release(self) -> None:
-        if self.connection is not None and self.server.url is not None:  # stdio's connection is the run's
-            await self.connection.close()
-        self.connection = None
+        opening, self._opening = self._opening, None
+        if opening is None or self.server.url is None:  # stdio's connection is the run's
+            return
+        with contextlib.suppress(BaseException):
+            connection = await asyncio.wait_for(opening, self.server.start_timeout_s)
+            await connection.close()
