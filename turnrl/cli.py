@@ -97,20 +97,23 @@ def _is_bad_input(e: BaseException) -> bool:
 
 
 Opt = typer.Option
+_DATA_HELP = ("JSONL/parquet rows with a `prompt` (string or chat messages). An env that opens its episodes itself "
+              "(reasoning_gym:, openenv:, textarena:) takes rows without prompt, or none: --limit N runs seeds 0..N-1.")
+_ENV_HELP = ("Environment: built-in name, dotted module, .py file with build_env, or reasoning_gym:NAME, "
+             "openenv:MODULE:CLASS, openenv+http://HOST:PORT, textarena:GAME-v0 (docs/ecosystems.md).")
+_SERVER_HELP = ("Rollout server URL (turnrl serve --scheduler/--env/...): it runs the turns with its own rollout "
+                "settings; n, sampling and rewards stay here.")
+_TOOLS_HELP = ("Function-tool .py file, tool-config .yaml, or MCP server: 'mcp:COMMAND [ARGS...]' (stdio) or "
+               "mcp+http://HOST:PORT/PATH (repeatable).")
 
 
 @app.command()
 def rollout(
     model: Annotated[str, Opt(help="Local HF directory, hub id, or built-in name (smollm2-135m-instruct, tiny-qwen3).")],
     out: Annotated[Path, Opt(help="Output trajectory JSONL (docs/trajectory-format.md).")],
-    data: Annotated[Path | None, Opt(help="JSONL/parquet rows with a `prompt` (string or chat messages). An env that "
-                                          "opens its episodes itself (reasoning_gym:, openenv:, textarena:) takes "
-                                          "rows without prompt, or none: --limit N runs seeds 0..N-1.")] = None,
-    env: Annotated[str | None, Opt(help="Environment: built-in name, dotted module, .py file with build_env, or "
-                                        "reasoning_gym:NAME, openenv:MODULE:CLASS, openenv+http://HOST:PORT, "
-                                        "textarena:GAME-v0 (docs/ecosystems.md).")] = None,
-    env_config: Annotated[str | None, Opt(help='JSON object passed to the env as its config, over --custom-config, '
-                                               'e.g. \'{"size": 200, "seed": 1}\'.')] = None,
+    data: Annotated[Path | None, Opt(help=_DATA_HELP)] = None,
+    env: Annotated[str | None, Opt(help=_ENV_HELP)] = None,
+    env_config: Annotated[str | None, Opt(help='JSON env config over --custom-config, e.g. \'{"size": 200}\'.')] = None,
     n: Annotated[int, Opt(help="Samples per prompt.")] = 1,
     max_turns: Annotated[int | None, Opt(help="Model turns per trajectory (default 4, or --custom-config's).")] = None,
     max_new_tokens: Annotated[int, Opt(help="Tokens per model turn.")] = 256,
@@ -121,8 +124,7 @@ def rollout(
     seed: Annotated[int | None, Opt(help="Seed of the samplers (reproducible trajectories).")] = None,
     agent: Annotated[str | None, Opt(help="Agent of rows without agent_name (default env_agent; tool_agent: --tools).")] = None,
     agents: Annotated[list[str], Opt("--agent-path", help="Extra agent loop: [name=]file.py:function.")] = [],
-    tools: Annotated[list[str], Opt(help="Function-tool .py file, tool-config .yaml, or MCP server: 'mcp:COMMAND "
-                                         "[ARGS...]' (stdio) or mcp+http://HOST:PORT/PATH (repeatable).")] = [],
+    tools: Annotated[list[str], Opt(help=_TOOLS_HELP)] = [],
     tool_timeout: Annotated[float | None, Opt(help="Seconds a tool call may take (tool agent; default 30).")] = None,
     tool_parser: Annotated[str, Opt(help="Tool-call format (hermes, qwen3_coder).")] = "hermes",
     scheduler: Annotated[str | None, Opt(help="ms-swift-style scheduler by name.")] = None,
@@ -141,8 +143,7 @@ def rollout(
     answer_key: Annotated[str, Opt(help="Ground-truth column of --reward (slime's --label-key).")] = "answer",
     trace_uri: Annotated[str | None, Opt(help="MLflow tracking URI: one trace per trajectory (turnrl.observe.tracing).")] = None,
     max_traces: Annotated[int, Opt(help="Trajectories traced to MLflow (the first to finish).")] = 16,
-    server: Annotated[str | None, Opt(help="Rollout server URL (turnrl serve --scheduler/--env/...): it runs the "
-                                           "turns with its own rollout settings; n, sampling and rewards stay here.")] = None,
+    server: Annotated[str | None, Opt(help=_SERVER_HELP)] = None,
     verbose: Annotated[bool, Opt("--verbose", "-v")] = False,
 ) -> None:
     """Roll out trajectories of a model in an environment and write them as JSONL."""
@@ -151,8 +152,7 @@ def rollout(
         _fail("--env, --scheduler, --plugin, --tools, --agent-path and --ray-workers configure where the turns run; "
               "with --server the rollout server runs them: pass these to `turnrl serve` instead")
     from turnrl.config import EngineConfig, RolloutConfig, SamplingConfig, effective_rollout_config
-
-    with _bad_input(ValueError, FileNotFoundError, ImportError):  # ConfigError, DataError and pydantic's errors among them
+    with _bad_input(ValueError, FileNotFoundError, ImportError):  # ConfigError, DataError, pydantic's errors...
         given = {k: v for k, v in {"max_turns": max_turns, "agent": agent}.items() if v is not None}
         cfg = effective_rollout_config(RolloutConfig(
             env=env, custom_config=str(custom_config) if custom_config else None, agents=agents,

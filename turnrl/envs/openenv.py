@@ -37,7 +37,7 @@ import typing
 import weakref
 from typing import Any
 
-from turnrl.envs.base import DEFAULT_THREADS, EnvError, EnvFactory, call, episode_seed, episode_settings
+from turnrl.envs.base import DEFAULT_THREADS, EnvFactory, call, episode_seed, episode_settings
 from turnrl.loading import load_object, split_object_spec
 from turnrl.reasoning import split_reasoning
 from turnrl.types import Message, StepResult, TerminationReason

@@ -9,12 +9,15 @@ Every generator registered in `reasoning_gym.factory.DATASETS` works, `composite
                              (defaults: reasoning-gym's size 500, seed 0)
       any other key          the generator's own config (`min_terms`, `max_digits`, ...); unknown keys are errors
       system_prompt          the system message (default: reasoning-gym's "default" prompt); null for none
+      question_template      the user message, `{question}` standing for the task's question (default: the question)
       feedback               false (default): one answer, scored. true: a wrong answer gets the grader's verdict
                              and another try, up to max_turns
+      answer_from            tags (default): the answer is what the reply's last <answer>...</answer> holds
+                             (reasoning-gym's own `extract_answer`); reply: the whole reply, stripped (for small
+                             models told to "reply with just the answer")
     row `seed`               the task: item `seed` of that dataset (`--limit N` without --data: items 0..N-1)
 
-A reply's answer is what its last `<answer>...</answer>` holds (reasoning-gym's own `extract_answer`), graded by
-the dataset's own `score_answer` (1.0 exact; some generators give partial credit). The reward is the score of the
+A reply's answer (`answer_from`, reasoning removed first) is graded by the dataset's own `score_answer` (1.0 exact; some generators give partial credit). The reward is the score of the
 last answer, given on the step that ends the episode; every attempt's score is in rollout_infos (`scores`), with
 `source_dataset`, `index` and the dataset seed (replay: the same row and config give the same task).
 """
@@ -30,7 +33,7 @@ from typing import Any
 from turnrl.envs.base import EnvError, EnvFactory, episode_settings
 from turnrl.types import Message, StepResult
 
-ADAPTER_KEYS = frozenset({"system_prompt", "feedback", "max_turns", "label_key"})
+ADAPTER_KEYS = frozenset({"system_prompt", "question_template", "feedback", "answer_from", "max_turns", "label_key"})
 """env_config keys this adapter reads (or the rollout sets); the others configure the generator."""
 
 
@@ -106,7 +109,13 @@ class ReasoningGymEnv:
             raise EnvError(f"reasoning_gym:{name}: row seed {index} is outside the dataset (env_config.size = "
                            f"{len(self.dataset)}): raise size or use seeds below it")
         self.system_prompt = settings.get("system_prompt", _reasoning_gym().utils.SYSTEM_PROMPTS["default"])
+        self.question_template = str(settings.get("question_template", "{question}"))
+        if "{question}" not in self.question_template:
+            raise EnvError(f"reasoning_gym:{name}: env_config.question_template must contain {{question}}")
         self.feedback = bool(settings.get("feedback", False))
+        self.answer_from = settings.get("answer_from", "tags")
+        if self.answer_from not in ("tags", "reply"):
+            raise EnvError(f"reasoning_gym:{name}: env_config.answer_from must be tags or reply, got {self.answer_from!r}")
         self.max_turns = int(settings.get("max_turns") or 1)
         self.entry: dict[str, Any] = {}
         self.scores: list[float] = []
@@ -114,14 +123,16 @@ class ReasoningGymEnv:
     def reset(self) -> list[Message]:
         self.entry = self.dataset[self.index]
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        return [*system, {"role": "user", "content": self.entry["question"]}]
+        question = self.question_template.replace("{question}", self.entry["question"])
+        return [*system, {"role": "user", "content": question}]
 
     def step(self, text: str) -> StepResult:
         from reasoning_gym.utils import extract_answer
 
         from turnrl.reasoning import split_reasoning
 
-        answer = extract_answer(split_reasoning(text)[1])
+        body = split_reasoning(text)[1]
+        answer = extract_answer(body) if self.answer_from == "tags" else (body.strip() or None)
         score = float(self.dataset.score_answer(answer, self.entry))
         self.scores.append(score)
         done = score >= 1.0 or not self.feedback or len(self.scores) >= self.max_turns
@@ -131,8 +142,9 @@ class ReasoningGymEnv:
         return StepResult(observation, reward=score if done else None, done=done,
                           info={"answer": answer, "score": score}, rollout_infos=infos)
 
-    @staticmethod
-    def _verdict(answer: str | None, score: float) -> str:
+    def _verdict(self, answer: str | None, score: float) -> str:
+        if answer is None and self.answer_from == "reply":
+            return "Your reply is empty. Try again."
         if answer is None:
             return ("No answer found: put your final answer between <answer> and </answer>. Try again.")
         return f"Your answer {answer!r} is not correct (score {score:.2f} of 1). Try again."

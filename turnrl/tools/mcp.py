@@ -139,7 +139,7 @@ class _Connection:
         try:
             return tool_result(await self.session.call_tool(name, arguments))
         except Exception as e:  # a protocol error (unknown tool, bad arguments) or a dead transport
-            dead = self.error is not None or "closed" in str(e).lower()
+            dead = self.error is not None or "closed" in f"{type(e).__name__} {e}".lower()  # 1.x: ClosedResourceError
             raise ToolExecutionError(f"MCP tool {name!r} ({self.server.where}): {_cause(e)}"
                                      f"{self.server.stderr_tail() if dead else ''}") from e
 
@@ -166,7 +166,8 @@ class MCPServer:
     def __init__(self, *, argv: list[str] | None = None, url: str | None = None, where: str,
                  start_timeout_s: float = START_TIMEOUT_S):
         self.argv, self.url, self.where, self.start_timeout_s = argv, url, where, start_timeout_s
-        self._stderr = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace") if argv else None
+        # the server's stderr, kept for the error that names a server that failed (a file: the pipe never fills)
+        self._stderr = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace") if argv else None  # noqa: SIM115
         self._shared: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Future] = weakref.WeakKeyDictionary()
 
     def transport(self) -> Any:
