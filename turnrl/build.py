@@ -203,7 +203,7 @@ def env_opens_episode(cfg: RolloutConfig) -> bool:
     from turnrl.envs.base import load_env_factory
 
     env = effective_rollout_config(cfg).env
-    return bool(env) and bool(getattr(load_env_factory(env), "opens_episode", False))
+    return env is not None and bool(getattr(load_env_factory(env), "opens_episode", False))
 
 
 def build_reward_fn(cfg: RewardConfig, tokenizer: Any = None, label_key: str | None = None) -> RewardFn:

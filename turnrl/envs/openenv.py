@@ -38,6 +38,7 @@ import weakref
 from typing import Any
 
 from turnrl.envs.base import DEFAULT_THREADS, EnvFactory, call, episode_seed, episode_settings
+from turnrl.envs.openenv_client import openai_tool, validation_problem
 from turnrl.loading import load_object, split_object_spec
 from turnrl.reasoning import split_reasoning
 from turnrl.types import Message, StepResult, TerminationReason
@@ -287,7 +288,7 @@ def _local_backend_factory(spec: str, target: str) -> Any:
     return lambda settings: LocalBackend(env_cls, action_cls, settings)
 
 
-def _action_class(env_cls: type) -> type:
+def _action_class(env_cls: Any) -> Any:
     from openenv.core.env_server.mcp_environment import MCPEnvironment
     from openenv.core.env_server.mcp_types import CallToolAction
 
@@ -314,7 +315,7 @@ _SLOTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[type, asyncio.
 class LocalBackend:
     """An `Environment` instance of this trajectory; sync methods run on turnrl's env threads."""
 
-    def __init__(self, env_cls: type, action_cls: type, settings: dict[str, Any]):
+    def __init__(self, env_cls: Any, action_cls: Any, settings: dict[str, Any]):
         from openenv.core.env_server.mcp_environment import MCPEnvironment
 
         self.env_cls, self.action_cls, self.settings = env_cls, action_cls, settings
@@ -344,7 +345,7 @@ class LocalBackend:
         try:
             typed = self.action_cls.model_validate(action)
         except ValidationError as e:
-            return {"invalid_action": _validation_problem(e.errors())}
+            return {"invalid_action": validation_problem(e.errors())}
         return await self._run("step", {"action": typed})
 
     async def _run(self, method: str, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -362,7 +363,7 @@ class LocalBackend:
         from openenv.core.env_server.mcp_types import ListToolsAction
 
         observation = await self.env.step_async(ListToolsAction())
-        return [_openai_tool(t.model_dump()) for t in observation.tools]
+        return [openai_tool(t.model_dump()) for t in observation.tools]
 
     def rubric_scores(self) -> dict[str, float]:
         rubric = getattr(self.env, "rubric", None)
@@ -389,19 +390,6 @@ def _accepted(fn: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     if any(p.kind == p.VAR_KEYWORD for p in params.values()):
         return kwargs
     return {k: v for k, v in kwargs.items() if k in params}
-
-
-def _validation_problem(errors: list[dict[str, Any]]) -> str:
-    first = errors[0]
-    where = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "action"))
-    got = f" (got {first['input']!r:.60})" if "input" in first and not isinstance(first["input"], dict) else ""
-    return f"field {where!r}: {first.get('msg')}{got}" if where else f"{first.get('msg')}{got}"
-
-
-def _openai_tool(tool: dict[str, Any]) -> dict[str, Any]:
-    schema = tool.get("input_schema") or tool.get("inputSchema") or {"type": "object", "properties": {}}
-    return {"type": "function", "function": {"name": tool["name"], "description": tool.get("description") or "",
-                                             "parameters": schema}}
 
 
 # ---- a server --------------------------------------------------------------------------------------

@@ -147,9 +147,7 @@ class RemoteBackend:
             return answer["data"]
         data = answer.get("data") or {}
         if what == "step" and data.get("code") == "VALIDATION_ERROR" and data.get("errors"):
-            from turnrl.envs.openenv import _validation_problem
-
-            return {"invalid_action": _validation_problem(data["errors"])}
+            return {"invalid_action": validation_problem(data["errors"])}
         raise EnvError(f"OpenEnv server at {self.info.url}: {what} failed: {data.get('code', '?')}: "
                        f"{data.get('message', answer)}")
 
@@ -159,10 +157,8 @@ class RemoteBackend:
         return self._observation(await self._send({"type": "step", "data": action}), "step")
 
     async def list_tools(self) -> list[dict]:
-        from turnrl.envs.openenv import _openai_tool
-
         result = await self.step({"type": "list_tools"})
-        return [_openai_tool(t) for t in result["observation"].get("tools", [])]
+        return [openai_tool(t) for t in result["observation"].get("tools", [])]
 
     def rubric_scores(self) -> dict[str, float]:
         return {}  # a server does not send its rubric; its scores are in each step's metadata when it puts them there
@@ -176,9 +172,7 @@ class RemoteBackend:
         except httpx.HTTPError as e:
             raise EnvError(f"OpenEnv server at {self.info.url}: POST /{route} failed: {type(e).__name__}: {e}") from None
         if answer.status_code == 422 and route == "step":
-            from turnrl.envs.openenv import _validation_problem
-
-            return {"invalid_action": _validation_problem(answer.json().get("detail") or [{"msg": answer.text}])}
+            return {"invalid_action": validation_problem(answer.json().get("detail") or [{"msg": answer.text}])}
         if answer.status_code >= 400:
             raise EnvError(f"OpenEnv server at {self.info.url}: POST /{route} → {answer.status_code}: {answer.text[:200]}")
         return answer.json()
@@ -195,3 +189,18 @@ class RemoteBackend:
             if self._held:
                 self._held = False
                 await self.info.release()
+
+
+def validation_problem(errors: Any) -> str:
+    """The first of pydantic's (or an OpenEnv server's) validation errors, naming the field."""
+    first = errors[0]
+    where = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "action"))
+    got = f" (got {first['input']!r:.60})" if "input" in first and not isinstance(first["input"], dict) else ""
+    return f"field {where!r}: {first.get('msg')}{got}" if where else f"{first.get('msg')}{got}"
+
+
+def openai_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """An MCP tool (as OpenEnv lists it) as an OpenAI function-tool schema."""
+    schema = tool.get("input_schema") or tool.get("inputSchema") or {"type": "object", "properties": {}}
+    return {"type": "function", "function": {"name": tool["name"], "description": tool.get("description") or "",
+                                             "parameters": schema}}

@@ -31,7 +31,6 @@ import weakref
 from typing import Any
 
 from turnrl.tools.function_tool import ToolExecutionError, ToolResult, normalize_tool_schema
-from turnrl.tools.stateful import ToolSpec
 
 START_TIMEOUT_S = 60.0
 
@@ -174,12 +173,14 @@ class MCPServer:
         if self.url is not None:
             from mcp.client import streamable_http
 
-            client = getattr(streamable_http, "streamable_http_client", None) or streamable_http.streamablehttp_client
+            names = vars(streamable_http)  # SDK 2.x's name, else 1.x's older one
+            client: Any = names.get("streamable_http_client") or names["streamablehttp_client"]
             return client(self.url)
         from mcp.client.stdio import StdioServerParameters, stdio_client
 
         assert self.argv is not None
-        return stdio_client(StdioServerParameters(command=self.argv[0], args=self.argv[1:]), errlog=self._stderr)
+        errlog: Any = self._stderr
+        return stdio_client(StdioServerParameters(command=self.argv[0], args=self.argv[1:]), errlog=errlog)
 
     def stderr_tail(self) -> str:
         if self._stderr is None:
@@ -197,8 +198,10 @@ class MCPServer:
             self._shared[loop] = asyncio.ensure_future(_Connection(self).open())
         return await asyncio.shield(self._shared[loop])
 
-    def tool_specs(self) -> list[ToolSpec]:
-        """The server's tools, listed once at start-up (in a thread: the caller may be inside an event loop)."""
+    def tools(self) -> list[dict[str, Any]]:
+        """The server's tools as `ToolSpec` fields (turnrl.tools.stateful builds the specs), listed once at start-up
+        (in a thread: the caller may be inside an event loop). Every tool of the server shares one instance per
+        trajectory (`group`)."""
         listed: list[Any] = []
 
         def run() -> None:
@@ -221,14 +224,14 @@ class MCPServer:
             raise RuntimeError(f"MCP server {self.where}: listing its tools hung{self.stderr_tail()}")
         if isinstance(listed[0], BaseException):
             raise RuntimeError(f"MCP server {self.where}: {_cause(listed[0])}") from None
-        return [self._spec(tool) for tool in listed[0]]
+        return [self._fields(tool) for tool in listed[0]]
 
-    def _spec(self, tool: dict[str, Any]) -> ToolSpec:
+    def _fields(self, tool: dict[str, Any]) -> dict[str, Any]:
         schema = normalize_tool_schema({"name": tool["name"], "description": tool.get("description") or "",
                                         "parameters": tool.get("inputSchema") or tool.get("input_schema")},
                                        f"MCP server {self.where}, tool {tool['name']!r}")
-        return ToolSpec(name=tool["name"], cls=lambda config, schema: MCPToolSession(self), config={}, schema=schema,
-                        source=f"MCP server {self.where}", group=f"mcp:{self.where}")
+        return {"name": tool["name"], "cls": lambda config, schema: MCPToolSession(self), "config": {},
+                "schema": schema, "source": f"MCP server {self.where}", "group": f"mcp:{self.where}"}
 
 
 class MCPToolSession:

@@ -210,13 +210,18 @@ def load_tool_config(path: str | Path) -> list[ToolSpec]:
 def _specs_from_entry(entry: Any, where: str, config_path: Path) -> list[ToolSpec]:
     """A `class_name:` entry's spec, or the tools of an `mcp:` entry's server (turnrl.tools.mcp)."""
     if isinstance(entry, dict) and set(entry) == {"mcp"}:
-        from turnrl.tools.mcp import mcp_server
-
         target = entry["mcp"]
         if not isinstance(target, str):
             raise ValueError(f"{where}: `mcp:` must be a command line or an http(s) URL, got {target!r:.60}")
-        return mcp_server(target if target.startswith("http") else f"mcp:{target}", where).tool_specs()
+        return mcp_tool_specs(target if target.startswith("http") else f"mcp:{target}", where)
     return [_spec_from_entry(entry, where, config_path)]
+
+
+def mcp_tool_specs(source: str, where: str | None = None) -> list[ToolSpec]:
+    """The tools of the MCP server `source` names (`mcp:COMMAND ...`, `mcp+http://...`: turnrl.tools.mcp)."""
+    from turnrl.tools.mcp import mcp_server
+
+    return [ToolSpec(**fields) for fields in mcp_server(source, where).tools()]
 
 
 def _spec_from_entry(entry: Any, where: str, config_path: Path) -> ToolSpec:
@@ -284,9 +289,7 @@ class ToolSet:
         ...`, `mcp+http://...`: turnrl.tools.mcp), and tool objects, merged."""
         toolset = cls()
         for source in mcp_servers:
-            from turnrl.tools.mcp import mcp_server
-
-            for spec in mcp_server(source).tool_specs():
+            for spec in mcp_tool_specs(source):
                 toolset.add(spec)
         for path in function_tool_files:
             for tool in load_function_tools(path):
