@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 from fakes import script_the_cli
@@ -162,3 +163,26 @@ def test_a_bad_row_fails_only_its_trajectory(tmp_path, monkeypatch, qwen3_tokeni
     assert by_id["ok-0"]["status"] == "completed"
     assert by_id["bad-0"]["status"] == "failed" and "max_terms must be >= min_terms" in by_id["bad-0"]["error"]
     assert by_id["far-0"]["status"] == "failed" and "outside the dataset (env_config.size = 500)" in by_id["far-0"]["error"]
+
+
+def test_the_recipe_trains_on_seed_only_rows(tmp_path, monkeypatch):
+    """examples/reasoning_gym: its rows have no prompt; `turnrl train` reads them (one small step on tiny-qwen3)."""
+    import runpy
+    import sys
+
+    from turnrl.cli import run_training
+    from turnrl.config import TrainConfig, load_config
+
+    root = Path(__file__).resolve().parent.parent
+    monkeypatch.setattr(sys, "argv", ["prepare_data.py", "--out", str(tmp_path / "data"), "--train", "8", "--eval", "2"])
+    runpy.run_path(str(root / "examples" / "reasoning_gym" / "prepare_data.py"), run_name="__main__")
+    assert json.loads((tmp_path / "data" / "eval.jsonl").read_text().splitlines()[0]) == \
+        {"id": "eval-0", "seed": 0, "env_config": {"seed": 1000}}
+    cfg = load_config(TrainConfig, root / "examples" / "reasoning_gym" / "config.yaml", [
+        "model=tiny-qwen3", f"train_data={tmp_path / 'data' / 'train.jsonl'}", f"eval_data={tmp_path / 'data' / 'eval.jsonl'}",
+        f"run_dir={tmp_path / 'run'}", "steps=1", "prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=6",
+        "eval_every=0", "eval_sampled_n=0"])
+    history = run_training(cfg)
+    assert history[-1]["step"] == 1 and "eval/reward_mean" in history[-1]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "trajectories" / "last_step.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(r["messages"][0]["content"].endswith("Reply with just the number.") for r in rows)

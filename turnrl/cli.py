@@ -176,7 +176,12 @@ def _rollout_rows(data: Path | None, limit: int | None, cfg: RolloutConfig) -> l
     from turnrl.build import env_opens_episode
     from turnrl.data import load_rows, seed_rows
 
-    opens = env_opens_episode(cfg)
+    try:
+        opens = env_opens_episode(cfg)
+    except Exception:
+        if data is None:
+            raise
+        opens = False  # the env's own error comes at start-up (_guarded: with its traceback under -v)
     if data is not None:
         return load_rows(data, prompt_required=not opens)[:limit]
     if not opens:
