@@ -12,6 +12,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -260,3 +261,23 @@ def test_no_server_fails_the_trajectory_clearly(tmp_path, monkeypatch, qwen3_tok
     assert result.exit_code == 0, result.output
     for row in rows:
         assert row["status"] == "failed" and "GET /schema failed" in row["error"], row["error"]
+
+
+def test_a_server_without_websocket_is_spoken_to_over_http(tmp_path, monkeypatch, qwen3_tokenizer):
+    port = _free_port()
+    process = subprocess.Popen([sys.executable, str(TESTS / "data" / "openenv_http_only.py"), str(port)])
+    try:
+        for _ in range(300):
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/schema", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.1)
+        script_the_cli(monkeypatch, qwen3_tokenizer, lambda rid, turn, prompt: "Hello!" if "seed 0" in prompt else "no")
+        result, rows = run(tmp_path, f"openenv+http://127.0.0.1:{port}", "--limit", "2")
+    finally:
+        process.kill()
+        process.wait(10)
+    assert result.exit_code == 0, result.output
+    by_id = {r["id"]: r for r in rows}
+    assert by_id["seed-0-0"]["messages"][0]["content"] == "Say hello (seed 0)." and by_id["seed-0-0"]["reward"] == 1.0
+    assert by_id["seed-1-0"]["reward"] == 0.0
