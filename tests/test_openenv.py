@@ -263,6 +263,7 @@ def test_no_server_fails_the_trajectory_clearly(tmp_path, monkeypatch, qwen3_tok
         assert row["status"] == "failed" and "GET /schema failed" in row["error"], row["error"]
 
 
+@pytest.mark.slow
 def test_a_server_without_websocket_is_spoken_to_over_http(tmp_path, monkeypatch, qwen3_tokenizer):
     port = _free_port()
     process = subprocess.Popen([sys.executable, str(TESTS / "data" / "openenv_http_only.py"), str(port)])

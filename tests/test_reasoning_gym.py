@@ -165,6 +165,7 @@ def test_a_bad_row_fails_only_its_trajectory(tmp_path, monkeypatch, qwen3_tokeni
     assert by_id["far-0"]["status"] == "failed" and "outside the dataset (env_config.size = 500)" in by_id["far-0"]["error"]
 
 
+@pytest.mark.slow
 def test_the_recipe_trains_on_seed_only_rows(tmp_path, monkeypatch):
     """examples/reasoning_gym: its rows have no prompt; `turnrl train` reads them (one small step on tiny-qwen3)."""
     import runpy
