@@ -98,6 +98,7 @@ async def test_images_and_structured_results_from_a_real_server():
     assert json.loads(notes.text) in ([], {"result": []})  # FastMCP wraps a list in structured content
 
 
+@pytest.mark.slow
 def test_tool_config_yaml_and_name_clash(tmp_path, monkeypatch, qwen3_tokenizer):
     config = tmp_path / "tools.yaml"
     config.write_text(f"tools:\n  - mcp: {sys.executable} {SERVER}\n")
