@@ -481,29 +481,69 @@ def view(
 def replay_command(
     path: Annotated[Path, typer.Argument(help="Trajectory JSONL written by rollout/train (format version 2).")],
     trajectory_id: Annotated[str, Opt("--id", help="The id of the trajectory to replay.")],
-    model: Annotated[str, Opt(help="The policy that sampled it (version 0 with --run-dir): model dir, hub id, "
-                                   "built-in name.")],
-    run_dir: Annotated[Path | None, Opt(help="A training run's output_dir: each call is replayed with the "
-                                             "checkpoint of the policy version that answered it.")] = None,
+    model: Annotated[str | None, Opt(help="The policy that sampled it (version 0): model dir, hub id, built-in name. "
+                                          "Default: the model of the training run the file lies in.")] = None,
+    run_dir: Annotated[Path | None, Opt(help="The training run whose checkpoints hold the policy versions that "
+                                             "answered the calls. Default: the run the file lies in.")] = None,
 ) -> None:
     """Re-issue every model call of a recorded trajectory and check that the same tokens and logprobs come out
-    (exit 1 when a call's tokens differ). See turnrl/rollout/replay.py for what is reproducible."""
+    (exit 1 when a call's tokens differ, with the reason). A file inside a training run (RUN/trajectories/,
+    RUN/eval/) needs nothing else: the run's config names the model and its checkpoints hold each policy
+    version. See turnrl/rollout/replay.py for what is reproducible."""
     _setup_logging(False)
     from turnrl.rollout.replay import report_table, run_replay, verdict
-    from turnrl.types import Trajectory
 
-    if not path.exists():
-        _fail(f"{path} does not exist")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    row = next((r for r in rows if r.get("id") == trajectory_id), None)
-    if row is None:
-        _fail(f"{path}: no trajectory with id {trajectory_id!r} ({len(rows)} trajectories in the file)")
+    traj = _recorded_trajectory(path, trajectory_id)
     with _bad_input(ValueError, FileNotFoundError, ImportError):
-        report = asyncio.run(run_replay(Trajectory.from_json(row), model, run_dir))
+        model, weights_of = _replay_weights(path, traj, model, run_dir)
+        report = asyncio.run(run_replay(traj, model, weights_of))
     console.print(report_table(report))
     console.print(verdict(report), soft_wrap=True)
     if not report.tokens_equal:
         raise typer.Exit(1)
+
+
+def _recorded_trajectory(path: Path, trajectory_id: str) -> Any:
+    from turnrl.types import Trajectory
+
+    if not path.exists():
+        _fail(f"{path} does not exist")
+    rows = []
+    for k, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                _fail(f"{path} line {k}: not JSON ({e.msg}); expected trajectory JSONL (docs/trajectory-format.md)")
+    row = next((r for r in rows if isinstance(r, dict) and r.get("id") == trajectory_id), None)
+    if row is None:
+        _fail(f"{path}: no trajectory with id {trajectory_id!r} ({len(rows)} trajectories in the file)")
+    return Trajectory.from_json(row)
+
+
+def _replay_weights(path: Path, traj: Any, model: str | None, run_dir: Path | None) -> tuple[str, Any]:
+    """The model of `turnrl replay` and the policy of each later version: given, or the run's the file lies in."""
+    from turnrl.rollout.replay import policy_versions
+    from turnrl.train.checkpoint import load_checkpoint_model
+    from turnrl.train.runs import find_run, run_model, version_checkpoint
+
+    run = run_dir or find_run(path)
+    if model is None and run is None:
+        raise ValueError(f"--model: {path} does not lie in a training run (no run's config.yaml in its folders), so "
+                         "the policy that sampled it is unknown: pass --model M (and --run-dir RUN for trained "
+                         "policy versions)")
+    later = [v for v in policy_versions(traj) if v]
+    if run is None:
+        assert model is not None
+        if later:
+            console.print(f"note: calls sampled by policy version(s) {', '.join(map(str, later))}; without a run "
+                          f"(--run-dir) they replay with {model}'s weights", soft_wrap=True)
+        return model, None
+    model = model or run_model(run)
+    checkpoints = {v: version_checkpoint(run, v) for v in later}  # every one, before anything loads
+    console.print(f"replaying with {model} (policy version 0) and the checkpoints of {run} (version(s) "
+                  f"{', '.join(map(str, later)) or 'none'})", soft_wrap=True)
+    return model, lambda version: load_checkpoint_model(checkpoints[version])
 
 
 @app.command()
