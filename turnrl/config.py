@@ -44,6 +44,12 @@ class EngineConfig(Strict):
     """Engine replicas behind the router (each a separate engine)."""
     urls: list[str] = []
     """Server URLs for kind sglang/http/vllm-server (one replica each)."""
+    probe_after_s: float | None = Field(20.0, gt=0)
+    """Server engines: a call without an answer this long asks the server's health (a cheap endpoint on its own
+    connection); a server that answers keeps the call waiting (it is slow), one that does not fails the call at
+    once, naming its URL (it is dead). None: never probe (a call then waits up to its 600 s limit)."""
+    probe_timeout_s: float = Field(10.0, gt=0)
+    """How long that health probe may take before the server counts as not responding."""
     weights_dir: str | None = None
     """A folder the trainer and the servers share: server engines (sglang, vllm server) load pushed weights
     from there (`update_weights_from_disk`); one sub-folder per replica."""
