@@ -445,6 +445,7 @@ def run_evaluation(cfg: TrainConfig, checkpoint: Path | None = None, out: Path |
         model_dir = None
         if ckpt is not None:  # a checkpoint without Hugging Face weights (all but a run's last): from its state
             model_dir = ckpt / "model" if has_hf_weights(ckpt / "model") else export_checkpoint(ckpt, tmp)
+            cfg = _checkpoint_model(cfg, ckpt, model_dir, console)
         trainer, stack = build_trainer(cfg, checkpoint=model_dir, console=console, parallel=one)
     try:
         metrics = asyncio.run(trainer.evaluate("cli", greedy=greedy, sampled_n=sampled_n, out=out))
@@ -455,6 +456,18 @@ def run_evaluation(cfg: TrainConfig, checkpoint: Path | None = None, out: Path |
     console.print("wrote " + ", ".join(f"{p} ({metrics[k]:.0f} trajectories)" for p, k in passes if k in metrics),
                   soft_wrap=True)
     return metrics
+
+
+def _checkpoint_model(cfg: TrainConfig, ckpt: Path, model_dir: Path, console: Console) -> TrainConfig:
+    """The config to evaluate a checkpoint with: its own model directory (weights, config, tokenizer and chat
+    template, as it saved them) in place of the config's `model`, which may name another model; said when it does."""
+    import torch
+
+    trained = torch.load(ckpt / "trainer_state.pt", weights_only=False)["config"].get("model")
+    if trained is not None and trained != cfg.model:
+        console.print(f"note: {ckpt} was trained from {trained}, not {cfg.model} (the config's model): evaluating it "
+                      "with its own tokenizer, chat template and config", soft_wrap=True)
+    return cfg.model_copy(update={"model": str(model_dir)})
 
 
 @app.command()
