@@ -126,3 +126,25 @@ def test_a_run_that_cannot_start_says_why_in_one_line_and_leaves_no_run_behind(t
     assert result.exit_code == 2 and "model 'no-org/no-such-model' is not in the local Hugging Face cache" in said, said
     assert "run directory" not in said
     assert list((tmp_path / "runs").iterdir()) == []  # no empty run directory, no link to one
+
+
+def test_qwen3s_empty_think_block_is_a_known_harmless_difference_not_a_warning(tmp_path):
+    """tiny-qwen3 on arithmetic: a full render adds Qwen3's empty <think> block to the last assistant turn. Before,
+    every trajectory counted as a render mismatch, with a warning on the first command a user runs."""
+    import turnrl.rollout.episode as rollout_module
+
+    rollout_module._EXPLAINED.clear()
+    data = _data(tmp_path, [{"id": f"q{i}", "prompt": f"What is {i} + 3?", "answer": i + 3} for i in range(4)])
+    out = tmp_path / "out.jsonl"
+    args = ["rollout", "--model", "tiny-qwen3", "--env", "arithmetic", "--data", str(data), "--n", "2",
+            "--max-turns", "1", "--max-new-tokens", "8", "--out", str(out), "--seed", "1", "--reward", "env"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "WARNING" not in result.output and "re-render" not in result.output
+    assert re.search(r"render difference, known harmless\s*│\s*8", result.output) and "render mismatch" not in result.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(r["metrics"]["render_harmless"] == 1.0 and r["metrics"]["render_mismatch"] == 0.0 for r in rows)
+    rollout_module._EXPLAINED.clear()
+    verbose = " ".join(runner.invoke(app, [*args, "-v"]).output.split())  # -v: explained once, at info
+    assert verbose.count("known to be harmless for this template (reasoning") == 1
+    assert "first differing tokens, at stream position" in verbose and "'<think>\\n\\n</think>\\n\\n" in verbose
