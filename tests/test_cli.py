@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+from fakes import script_the_cli
 from typer.testing import CliRunner
 
 from turnrl.cli import app
@@ -148,3 +149,39 @@ def test_qwen3s_empty_think_block_is_a_known_harmless_difference_not_a_warning(t
     verbose = " ".join(runner.invoke(app, [*args, "-v"]).output.split())  # -v: explained once, at info
     assert verbose.count("known to be harmless for this template (reasoning") == 1
     assert "first differing tokens, at stream position" in verbose and "'<think>\\n\\n</think>\\n\\n" in verbose
+
+
+BAD_ENV = '''
+def parse(text):
+    return int(text.split()[0])
+
+
+class Bad:
+    def step(self, response_text):
+        return parse(response_text), True, {}
+
+
+def build_env(sample, config):
+    return Bad()
+'''
+
+
+def test_an_env_that_raises_leaves_its_last_frames_in_the_error_and_its_traceback_at_v(tmp_path, monkeypatch,
+                                                                                     qwen3_tokenizer):
+    (tmp_path / "bad_env.py").write_text(BAD_ENV)
+    data = _data(tmp_path, [{"id": "q0", "prompt": "hi"}])
+    out = tmp_path / "out.jsonl"
+    script_the_cli(monkeypatch, qwen3_tokenizer, lambda rid, turn, prompt: "hello")
+    args = ["rollout", "--model", "tiny-qwen3", "--env", str(tmp_path / "bad_env.py"), "--data", str(data),
+            "--max-turns", "1", "--max-new-tokens", "8", "--out", str(out)]
+    quiet = runner.invoke(app, args)
+    assert quiet.exit_code == 0, quiet.output
+    [row] = map(json.loads, out.read_text().splitlines())
+    assert (row["status"], row["termination_reason"]) == ("failed", "env_error")
+    # before: "ValueError: invalid literal for int() with base 10: 'hello'" and nothing more, anywhere
+    assert row["error"].startswith("ValueError: invalid literal for int() with base 10: 'hello' [raised at ")
+    assert row["error"].endswith("bad_env.py:8 in step (return parse(response_text), True, {}) > "
+                                 "bad_env.py:3 in parse (return int(text.split()[0]))]")
+    assert "Traceback" not in quiet.output and "bad_env.py:3 in parse" in quiet.output  # the one-line warning
+    verbose = runner.invoke(app, [*args, "-v"]).output
+    assert "Traceback (most recent call last)" in verbose and f'File "{tmp_path / "bad_env.py"}", line 3' in verbose

@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from turnrl.data import prompt_messages
-from turnrl.envs.base import EpisodeEnv
+from turnrl.envs.base import EpisodeEnv, error_with_frames
 from turnrl.multimodal import IMAGE_PLACEHOLDER, image_ref, split_placeholders
 from turnrl.rollout.episode import Episode, EpisodeEnd, RolloutContext, drive
 from turnrl.rollout.manager import Agent
@@ -560,7 +560,7 @@ class SchedulerRunner:
             raise
         except Exception as e:
             log.info("trajectory %s: %s raised", self.ctx.trajectory_id, type(e).__name__, exc_info=True)  # -v
-            await self._end_sample(None, TerminationReason.ENV_ERROR, f"{type(e).__name__}: {e}")
+            await self._end_sample(None, TerminationReason.ENV_ERROR, error_with_frames(e))
         traj = self.trajectories[-1]
         raise EpisodeOver(f"the sample ended: {traj.termination_reason}{': ' + traj.error if traj.error else ''}")
 

@@ -25,6 +25,7 @@ import inspect
 import logging
 import math
 import threading
+import traceback
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -65,6 +66,18 @@ class TurnEnv(Protocol):
 
 class EnvError(RuntimeError):
     """An environment misbehaved (bad return value); the trajectory ends FAILED/env_error."""
+
+
+def error_with_frames(error: BaseException, frames: int = 3) -> str:
+    """`Type: message` and where it was raised, the last `frames` frames of its traceback, innermost last: what a
+    trajectory's `error` keeps of user code that raised (the whole traceback goes to the log at -v)."""
+    head = f"{type(error).__name__}: {error}"
+    stack = traceback.extract_tb(error.__traceback__)[-frames:]
+    if not stack:  # never raised (a timeout or a malformed result, described by turnrl itself)
+        return head
+    where = " > ".join(f"{Path(f.filename).name}:{f.lineno} in {f.name}" + (f" ({f.line})" if f.line else "")
+                       for f in stack)
+    return f"{head} [raised at {where}]"
 
 
 class EnvStepError(EnvError):

@@ -36,7 +36,7 @@ from typing import Any
 
 from turnrl.data import prompt_messages
 from turnrl.engines.base import Engine
-from turnrl.envs.base import Env, EnvFactory, EnvStepError, EnvThreads, EpisodeEnv, TurnEnv
+from turnrl.envs.base import Env, EnvFactory, EnvStepError, EnvThreads, EpisodeEnv, TurnEnv, error_with_frames
 from turnrl.multimodal import check_parity, image_ref
 from turnrl.observe.watchdog import Detail, Watchdog, abandon_after, engine_label
 from turnrl.render import ChatRenderer, SanityMode
@@ -127,7 +127,7 @@ class RolloutContext:
 
     def failed(self, reason: TerminationReason, error: BaseException | str) -> Trajectory:
         """A trajectory that failed before it had a prompt (the agent or env factory raised)."""
-        message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        message = error if isinstance(error, str) else error_with_frames(error)
         traj = Trajectory(id=self.trajectory_id, group_id=self.group_id, sample_index=self.sample_index,
                           prompt_ids=[], sample=self.sample, agent=self.agent_name)
         traj.finish(reason, message)
@@ -152,7 +152,7 @@ async def drive(ctx: RolloutContext, env: Env | TurnEnv | EpisodeEnv, messages: 
         raise
     except Exception as e:  # env.reset, env factory output, rendering: this trajectory fails, never the batch
         log.info("trajectory %s: %s raised", ctx.trajectory_id, type(e).__name__, exc_info=True)  # -v
-        episode.end(TerminationReason.ENV_ERROR, f"{type(e).__name__}: {e}")
+        episode.end(TerminationReason.ENV_ERROR, error_with_frames(e))
     finally:
         await episode.close()
     return episode.result()
@@ -313,7 +313,9 @@ class Episode:
             with self.ctx.watch("env.step", self.env.name):
                 step, span.attempts = await self.env.step(turn)
         except EnvStepError as e:
-            span.attempts, span.error = e.attempts, str(e)
+            span.attempts, span.error = e.attempts, error_with_frames(e.cause) if e.cause is not None else str(e)
+            if e.cause is not None and e.cause.__traceback__ is not None:  # the env's own traceback, at -v
+                log.info("trajectory %s: %s.step raised", self.ctx.trajectory_id, self.env.name, exc_info=e.cause)
             reason = TerminationReason.TIMEOUT if e.timed_out else TerminationReason.ENV_ERROR
             raise EpisodeEnd(reason, span.error) from None
         finally:
