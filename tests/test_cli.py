@@ -185,3 +185,18 @@ def test_an_env_that_raises_leaves_its_last_frames_in_the_error_and_its_tracebac
     assert "Traceback" not in quiet.output and "bad_env.py:3 in parse" in quiet.output  # the one-line warning
     verbose = runner.invoke(app, [*args, "-v"]).output
     assert "Traceback (most recent call last)" in verbose and f'File "{tmp_path / "bad_env.py"}", line 3' in verbose
+
+
+@pytest.mark.parametrize(("content", "args", "message"), [
+    ("", ["--index", "4"], "--index 4: {path} has 4 trajectories, so --index must be in 0..3"),
+    ("", ["--index", "-1"], "--index -1: {path} has 4 trajectories, so --index must be in 0..3"),
+    ("", ["--index", "9", "--html", "page.html"], "--index 9: {path} has 4 trajectories"),
+    ('{"prompt": "What is 2 + 3?"}\n', [], "{path} line 1 is not a trajectory (no id, status, prompt_ids"),
+    ("not json\n", [], "{path} line 1 is not JSON (Expecting value); expected trajectory JSONL"),
+])
+def test_view_of_a_bad_index_or_a_file_that_is_not_trajectories_is_one_line(tmp_path, content, args, message):
+    path = tmp_path / "t.jsonl"
+    path.write_text(content or (Path(__file__).parent / "data" / "trajectories_v1.jsonl").read_text())
+    result = runner.invoke(app, ["view", str(path), *args])
+    assert result.exit_code == 2 and "Traceback" not in result.output  # a traceback before
+    assert message.format(path=path) in " ".join(result.output.split())

@@ -480,14 +480,14 @@ def view(
     """Show trajectories: model tokens (trained) vs injected tokens, statuses, rewards, images."""
     from turnrl.observe.viewer import print_trajectories, write_html
 
-    if not path.exists():
-        _fail(f"{path} does not exist")
-    if html is not None:
-        with _bad_input(IndexError):
+    if not path.is_file():
+        _fail(f"{path} does not exist" if not path.exists() else f"{path} is a directory, not a trajectory JSONL file")
+    with _bad_input(ValueError, OSError):  # not a trajectory file, an --index out of range, an unknown --model
+        if html is not None:
             write_html(path, html, model=model, index=index)
-        console.print(f"wrote {html}")
-        return
-    print_trajectories(path, console, index=index, model=model)
+            console.print(f"wrote {html}")
+        else:
+            print_trajectories(path, console, index=index, model=model)
 
 
 @app.command(name="replay")
