@@ -49,3 +49,10 @@ def test_a_key_added_to_the_schema_fails_the_check(monkeypatch):
     rendered = gen["render"]()
     assert "| `turnrl_new_key` | int (>= 1) | `3` | A key the page does not list yet. |" in rendered
     assert rendered != (ROOT / "docs" / "config.md").read_text()  # what --check compares: it would fail
+
+
+def test_the_openai_agent_readme_says_stop_strings_work():
+    """They do, of any length (tests/test_serve_apis.py sends multi-token ones through the proxy); the README
+    said they were refused."""
+    text = " ".join((ROOT / "examples" / "openai_agent" / "README.md").read_text().split())
+    assert "`stop` strings are refused" not in text and "`stop` strings of any length" in text
