@@ -200,3 +200,19 @@ def test_view_of_a_bad_index_or_a_file_that_is_not_trajectories_is_one_line(tmp_
     result = runner.invoke(app, ["view", str(path), *args])
     assert result.exit_code == 2 and "Traceback" not in result.output  # a traceback before
     assert message.format(path=path) in " ".join(result.output.split())
+
+
+def test_training_with_groups_of_one_says_at_start_up_that_nothing_will_train(tmp_path):
+    data = _data(tmp_path, [{"id": f"r{i}", "prompt": f"Say {i}."} for i in range(2)])
+    config = tmp_path / "config.yaml"
+    config.write_text(json.dumps({
+        "model": "tiny-qwen3", "train_data": str(data), "output_dir": str(tmp_path / "runs"), "steps": 1,
+        "prompts_per_step": 2, "rollout": {"env": "single_turn", "n": 1, "max_new_tokens": 4},
+        "reward": {"function": "env"}}))
+    result = runner.invoke(app, ["train", str(config)])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    warning = text.index("warning: rollout.n=1: each group has one sample, so every group-relative advantage "
+                         "(algo.advantage=grpo) is 0")  # nothing was said before
+    assert warning < text.index("run directory:")  # at start-up, before the model loads
+    assert "n=1" not in " ".join(runner.invoke(app, ["train", str(config), "rollout.n=2"]).output.split())

@@ -6,6 +6,7 @@ import asyncio
 import functools
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -280,7 +281,10 @@ def run_training(cfg: TrainConfig, console: Console | None = None, parallel: Par
     says (one process without it). With `trainer.launcher: ray` and no `parallel` it starts the ranks as Ray
     actors (each runs this function with its own `parallel`, in the run directory chosen here) and returns rank
     0's history."""
+    from rich.markup import escape
+
     from turnrl.build import build_trainer
+    from turnrl.config import training_warnings
     from turnrl.observe.plots import plot_curves
     from turnrl.observe.stats import peak_rss_gb
     from turnrl.train.runs import discard_if_empty, prepare_run
@@ -288,6 +292,9 @@ def run_training(cfg: TrainConfig, console: Console | None = None, parallel: Par
     console = console or Console()
     if parallel is None:  # a Ray trainer rank (parallel given) runs in the directory its driver chose
         prepare_run(cfg, overwrite=overwrite)
+        if os.environ.get("RANK", "0") == "0":  # said once, before anything loads
+            for warning in training_warnings(cfg):
+                console.print(f"[bold yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
     assert cfg.run_dir is not None  # prepare_run set it (here or in the driver)
     run_dir = Path(cfg.run_dir)
     said = f"run directory: {run_dir}" + (" (resuming)" if cfg.resume else "")

@@ -377,6 +377,18 @@ class TrainConfig(Strict):
         return self
 
 
+def training_warnings(cfg: TrainConfig) -> list[str]:
+    """Settings that are valid but make RL training do nothing useful, said at start-up (`turnrl train`)."""
+    warnings = []
+    if cfg.rollout.n == 1:
+        kl = (f"; only the KL term (algo.kl_coef={cfg.algo.kl_coef:g}) moves the policy" if cfg.algo.kl_coef
+              else "")
+        warnings.append(f"rollout.n=1: each group has one sample, so every group-relative advantage "
+                        f"(algo.advantage={cfg.algo.advantage}) is 0 and no trajectory gives a policy gradient{kl}. "
+                        "Set rollout.n to the group size, e.g. 4 to 16.")
+    return warnings
+
+
 class SFTSection(Strict):
     epochs: float = Field(1.0, gt=0)
     """Passes over the SFT samples (fractions allowed); `steps`, when set, wins."""
