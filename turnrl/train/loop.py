@@ -371,6 +371,7 @@ class Trainer:
                "async/staleness_mean": sum(k * v for k, v in b.stats.staleness.items()) / trained,
                "async/staleness_max": float(max(b.stats.staleness, default=0)),
                "async/reissued": float(b.stats.reissued), "async/dropped": float(b.stats.dropped),
+               "async/lost": float(b.lost),
                "async/trainer_idle": b.stats.wait_s / max(time.perf_counter() - self._started, 1e-9),
                "time/trainer_wait_s": t_wait}
         out.update({f"async/staleness_hist/{k}": v / trained for k, v in sorted(b.stats.staleness.items())})
