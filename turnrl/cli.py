@@ -305,19 +305,25 @@ def run_training(cfg: TrainConfig, console: Console | None = None, parallel: Par
         return train_on_ray(functools.partial(_train_rank, cfg), cfg.trainer.world_size,
                             address=cfg.engine.ray_address, gpus_per_rank=1.0 if cfg.device.startswith("cuda") else 0.0)
     try:
-        trainer, stack = build_trainer(cfg, console=console, parallel=parallel)
+        trainer, stack = build_trainer(cfg, console=console, parallel=parallel, loggers=True)
     except BaseException:
         discard_if_empty(run_dir)  # a run that never started leaves no empty directory behind (nor says it had one)
         raise
     if trainer.parallel.is_main:
         console.print(said, soft_wrap=True)
+    failed = True
     try:
         history = asyncio.run(trainer.train())
-    finally:
+        if trainer.parallel.is_main:
+            plot_curves(history, trainer.out / "curves.png")
+        failed = False
+    finally:  # the backends get the curves and trajectory samples, then the stack ends the MLflow run
+        trajectories = trainer.out / "trajectories"
+        trainer.loggers.close([trainer.out / "curves.png", trajectories / "last_step.jsonl",
+                               *sorted(trajectories.glob("eval_*.jsonl"))], failed=failed)
         stack.close()
     trainer.parallel.close()  # after a failure a rank just exits: torchrun / the Ray driver stops the others
     if trainer.parallel.is_main:
-        plot_curves(history, trainer.out / "curves.png")
         trainer.console.print(f"wrote {trainer.out / 'curves.png'}, {trainer.out / 'metrics.jsonl'}, "
                               f"{trainer.out / 'trajectories'}, {trainer.out / 'checkpoints'}", soft_wrap=True)
         peak = peak_rss_gb()

@@ -206,6 +206,12 @@ class TrainerConfig(Strict):
     are fp32 and `dtype` is the compute dtype (bfloat16: mixed precision)."""
     world_size: int = Field(1, ge=1)
     """Trainer ranks; under torchrun it must equal WORLD_SIZE."""
+    loggers: list[Literal["jsonl", "mlflow", "wandb", "tensorboard"]] = ["jsonl"]
+    """Where metrics go besides the console (turnrl.observe.loggers), each with metrics.jsonl's names and steps and
+    the run directory's name: jsonl (RUN/metrics.jsonl, always on), mlflow (the MLflow run at rollout.trace_uri,
+    on whenever that is set), wandb (a W&B run; WANDB_MODE=offline keeps it under RUN/wandb, WANDB_PROJECT names
+    the project), tensorboard (event files under RUN/tensorboard). A backend that cannot start or log warns once
+    and training goes on. `turnrl train` only."""
     launcher: Literal["torchrun", "ray"] = "torchrun"
     """Who starts the trainer ranks. torchrun: each process `turnrl train` runs in is one rank, as torchrun's
     environment says (WORLD_SIZE, RANK, LOCAL_RANK); without torchrun, one process. ray: `turnrl train`, run
@@ -374,6 +380,9 @@ class TrainConfig(Strict):
             raise ValueError("algo.norm_constant is required with algo.loss_agg=seq_mean_token_sum_norm")
         if self.trainer.parallel == "none" and self.trainer.world_size > 1:
             raise ValueError(f"trainer.world_size={self.trainer.world_size} needs trainer.parallel: fsdp")
+        if "mlflow" in self.trainer.loggers and not self.rollout.trace_uri:
+            raise ValueError("trainer.loggers: mlflow logs to the MLflow server at rollout.trace_uri (where the "
+                             "trajectory traces go): set rollout.trace_uri")
         return self
 
 

@@ -61,6 +61,7 @@ from rich.progress import Progress
 
 from turnrl.config import TrainConfig
 from turnrl.models import DTYPES, freeze
+from turnrl.observe.loggers import Loggers, build_loggers
 from turnrl.observe.stats import RolloutStats, TrajectoryWriter, peak_rss_gb
 from turnrl.observe.tracing import TrajectoryTracer
 from turnrl.observe.watchdog import Watchdog
@@ -192,7 +193,8 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, policy: torch.nn.Module, engine: Any, rollout: Rollout | None,
                  train_rows: list[dict], eval_rows: list[dict], console: Console | None = None,
-                 tracer: TrajectoryTracer | None = None, parallel: Parallel | None = None):
+                 tracer: TrajectoryTracer | None = None, parallel: Parallel | None = None,
+                 loggers: Loggers | None = None):
         self.cfg, self.engine, self.rollout = cfg, engine, rollout
         self.parallel = parallel or Parallel.start(cfg.trainer, cfg.device)
         self.train_rows, self.eval_rows = train_rows, eval_rows
@@ -225,6 +227,8 @@ class Trainer:
         self.step = 0
         self.history: list[dict[str, float]] = []
         self.tracer = tracer if tracer is not None else TrajectoryTracer(None)
+        self.loggers = loggers or build_loggers((), self.out, {}, self.tracer)
+        """Where metrics go: metrics.jsonl and the backends of trainer.loggers (turnrl.observe.loggers)."""
         self._progress: Progress | None = None
         """The training progress bar while it shows (evaluation passes add their own bar to it)."""
         self.watchdog = getattr(rollout, "watchdog", None) or Watchdog(cfg.rollout.watchdog_s)
@@ -589,9 +593,7 @@ class Trainer:
         self.history.append(metrics)
         if not self.parallel.is_main:
             return
-        self.tracer.log_metrics(metrics, self.step)
-        with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps(metrics) + "\n")
+        self.loggers.log(metrics, self.step)
         self.console.print(self.format_line(metrics))
 
     def format_line(self, metrics: dict[str, Any]) -> str:

@@ -4,7 +4,7 @@
         latest-run -> 20261201-103200   the newest run started here (a symbolic link)
         20261201-103200/                a run directory (`--run-dir` names one yourself)
             config.yaml                 the config the run started with (resolved: every key)
-            metrics.jsonl  groups.jsonl  curves.png  trajectories/
+            metrics.jsonl  groups.jsonl  curves.png  trajectories/  (tensorboard/  wandb/: trainer.loggers)
             checkpoints/step_000030/ ... checkpoints/latest    (turnrl.train.checkpoint)
 
 `prepare_run` decides the directory before anything loads:
@@ -30,7 +30,8 @@ from pathlib import Path
 from turnrl.config import ConfigError, TrainConfig
 from turnrl.train.checkpoint import checkpoint_problem, checkpoint_step, select_checkpoint
 
-RUN_FILES = ("config.yaml", "metrics.jsonl", "groups.jsonl", "curves.png", "checkpoints", "trajectories")
+RUN_FILES = ("config.yaml", "metrics.jsonl", "groups.jsonl", "curves.png", "checkpoints", "trajectories", "tensorboard",
+             "wandb")
 """What a run writes into its directory (what `overwrite` deletes; anything else there is left alone)."""
 
 
