@@ -247,9 +247,10 @@ def plan_next(turn: Turn, nxt: list[Message], response: TurnResponse, edit: Toke
     head = conversation[:-1]
     if len(nxt) == len(conversation) and _same(nxt[:-1], head, prefills) and nxt[-1].get("role") == "assistant":
         content = nxt[-1].get("content")
+        content = content if isinstance(content, str) else None
         shown = next((r for r in (reply, _without_prefill(reply, prefills))
-                      if isinstance(content, str) and content.startswith(r)), None)
-        if shown is not None:
+                      if content is not None and content.startswith(r)), None)
+        if content is not None and shown is not None:
             tip = content[len(shown):]
         elif token_backed:  # token-backed reply: the tokens are the message (as ms-swift >= PR #10012)
             tip = ""

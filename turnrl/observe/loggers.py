@@ -55,21 +55,22 @@ class Loggers:
         numbers = {k: float(v) for k, v in metrics.items() if k != "step" and isinstance(v, int | float)
                    and not isinstance(v, bool) and math.isfinite(v)}
         for backend in list(self.backends):
-            self._guarded(backend, "log", lambda b=backend: b.log(numbers, step))
+            self._guarded(backend, "log", numbers, step)
 
     def close(self, artifacts: Sequence[Path] = (), *, failed: bool = False) -> None:
         """Hand the run's files that exist to each backend, then end its run."""
         files = [Path(f) for f in artifacts if Path(f).is_file()]
         for backend in list(self.backends):
             if files and not failed:
-                self._guarded(backend, "artifacts", lambda b=backend: b.artifacts(files))
+                self._guarded(backend, "artifacts", files)
         for backend in list(self.backends):
-            self._guarded(backend, "close", lambda b=backend: b.close(failed))
+            self._guarded(backend, "close", failed)
         self.backends = []
 
-    def _guarded(self, backend: Backend, what: str, call: Callable[[], None]) -> None:
+    def _guarded(self, backend: Backend, what: str, *args: Any) -> None:
+        """`backend.<what>(*args)`; one that raises is warned about once and dropped."""
         try:
-            call()
+            getattr(backend, what)(*args)
         except Exception as e:  # a dashboard never stops training
             log.warning("trainer.loggers: %s failed in %s (%s: %s); it is off for the rest of the run", backend.name,
                         what, type(e).__name__, e)
@@ -140,7 +141,7 @@ class WandbBackend:
     def artifacts(self, files: list[Path]) -> None:
         import wandb
 
-        artifact = wandb.Artifact(f"{_safe(self.run.name)}-files", type="run-files",
+        artifact = wandb.Artifact(f"{_safe(self.run.name or 'run')}-files", type="run-files",
                                   description="curves and trajectory samples of a turnrl run")
         for f in files:
             artifact.add_file(str(f))
@@ -185,7 +186,7 @@ class TensorboardBackend:
 
 def trajectory_samples(path: Path, count: int = 4, chars: int = 400) -> str:
     """The first `count` trajectories of a JSONL file as markdown: id, status, reward, and each message."""
-    parts = []
+    parts: list[str] = []
     with open(path, encoding="utf-8") as f:
         for line in f:
             if len(parts) == count:
