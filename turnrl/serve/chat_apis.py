@@ -98,7 +98,7 @@ def call_from_responses(body: dict[str, Any], history: list[Message] | None = No
     if not messages:
         raise ChatRequestError("input holds no message", param="input")
     names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
-             "max_output_tokens": "max_tokens"}
+             "max_output_tokens": "max_new_tokens"}
     return ChatCall(messages=messages, tools=_responses_tools(body.get("tools")), tool_choice=body.get("tool_choice"),
                     sampling=sampling_fields(body, names, "stop"), reward=metadata_reward(body),
                     model=body.get("model"))
@@ -210,7 +210,7 @@ def call_from_anthropic(body: dict[str, Any]) -> ChatCall:
             raise ChatRequestError(f"messages[{i}].role must be user or assistant, got {role!r}",
                                    param=f"messages[{i}].role")
         messages += _anthropic_message(role, m.get("content"), f"messages[{i}].content")
-    names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_tokens": "max_tokens"}
+    names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_tokens": "max_new_tokens"}
     last = messages[-1]
     prefill = last["role"] == "assistant" and bool(last.get("content")) and not last.get("tool_calls")
     return ChatCall(messages=messages, tools=_anthropic_tools(body.get("tools")),
@@ -520,8 +520,8 @@ def completion_request(body: dict[str, Any]) -> tuple[str, dict[str, Any], bool]
         raise ChatRequestError("logprobs > 0 (top alternatives) is not available: the engine returns the logprob of "
                                "the sampled token only; send logprobs=0", param="logprobs")
     names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
-             "max_tokens": "max_tokens"}
-    sampling = {"max_tokens": 16, **sampling_fields(body, names, "stop")}  # 16: OpenAI's default here
+             "max_tokens": "max_new_tokens"}
+    sampling = {"max_new_tokens": 16, **sampling_fields(body, names, "stop")}  # 16: OpenAI's default here
     return prompt, sampling, logprobs is not None
 
 

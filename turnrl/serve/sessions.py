@@ -67,7 +67,6 @@ import dataclasses
 import inspect
 import json
 import logging
-import math
 import threading
 import time
 import uuid
@@ -83,6 +82,7 @@ from turnrl.rollout.builder import TrajectoryBuilder
 from turnrl.rollout.episode import derive_seed
 from turnrl.tools.parsers import CALL_OPEN, get_parser
 from turnrl.types import (
+    CHAT_SAMPLING_RULES,
     FinishReason,
     GenerateOutput,
     GenerateSpan,
@@ -92,6 +92,8 @@ from turnrl.types import (
     TerminationReason,
     Trajectory,
     TurnRecord,
+    is_int,
+    is_real,
 )
 
 log = logging.getLogger(__name__)
@@ -192,7 +194,8 @@ class ChatCall:
     tools: list[dict] | None = None
     tool_choice: Any = None
     sampling: dict[str, Any] = field(default_factory=dict)
-    """Validated request fields: temperature, top_p, top_k, seed, max_tokens, stop (a list of strings)."""
+    """Validated request fields, by SamplingParams' names (temperature, top_p, top_k, seed, max_new_tokens), and
+    `stop` (a list of strings)."""
     reward: Any = None
     """`metadata.reward` of the request: this is the episode's last call; its reward (a number or per-turn list)."""
     model: str | None = None
@@ -463,7 +466,7 @@ class ChatProxy:
         fields: dict[str, Any] = {}
         notes: dict[str, Any] = {}
         given = {k: asked[k] for k in ("temperature", "top_p", "top_k", "seed") if asked.get(k) is not None}
-        if given.get("top_p") == 0:  # OpenAI allows it: the smallest nucleus, the most likely token alone
+        if given.get("top_p") == 0:  # OpenAI allows it: the smallest nucleus, greedy (CHAT_SAMPLING_RULES)
             given.update(top_p=1.0, top_k=1)
         if session.sampling is None:
             fields.update(given)
@@ -473,7 +476,7 @@ class ChatProxy:
             if ignored:
                 notes["ignored_request_sampling"] = ignored
         cap = session.max_new_tokens or base.max_new_tokens
-        wanted = asked.get("max_tokens")
+        wanted = asked.get("max_new_tokens")
         fields["max_new_tokens"] = min(cap, wanted) if wanted else cap
         stops = set(base.stop_token_ids) | self.renderer.end_of_turn_ids | self._one_token_stops(asked.get("stop"))
         fields["stop_token_ids"] = tuple(sorted(stops))
@@ -572,9 +575,9 @@ def _reward_value(reward: Any, calls: int, where: str = "reward") -> tuple[float
         except json.JSONDecodeError:
             raise ChatRequestError(f"{where} must be a number or a list of numbers, got the string {reward!r}",
                                    param=where) from None
-    if _is_number(reward):
+    if is_real(reward):
         return float(reward), None
-    if isinstance(reward, list) and all(_is_number(r) for r in reward):
+    if isinstance(reward, list) and all(is_real(r) for r in reward):
         if len(reward) != calls:
             raise ChatRequestError(f"{where}: {len(reward)} per-turn rewards for {calls} model calls; give one per "
                                    "call (in call order) or a single number", param=where)
@@ -598,34 +601,18 @@ def _apply_rewards(session: Session, trajectories: list[Trajectory]) -> None:
 # ---------------------------------------------------------------------------------------------------
 # Requests: the OpenAI chat body, field by field
 # ---------------------------------------------------------------------------------------------------
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-
-
-SAMPLING_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "temperature": (lambda v: _is_number(v) and v >= 0, "a finite number >= 0"),
-    "top_p": (lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
-    "top_k": (_is_int, "an integer (-1 disables it)"),
-    "seed": (lambda v: _is_int(v) and -(2**63) <= v < 2**64, "a 64-bit integer"),
-    "max_tokens": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-}
-
-
 def sampling_fields(body: dict[str, Any], names: dict[str, str], stop_field: str) -> dict[str, Any]:
-    """The sampling fields of a request body, each checked: `names` maps the body's field names to the proxy's
-    (temperature, top_p, top_k, seed, max_tokens); `stop_field` holds a string or a list of strings."""
+    """The sampling fields of a request body, each checked by its rule in `CHAT_SAMPLING_RULES`: `names` maps the
+    body's field names to SamplingParams' (temperature, top_p, top_k, seed, max_new_tokens); `stop_field` holds a
+    string or a list of strings. A field sent as null is absent."""
     out: dict[str, Any] = {}
     for name, ours in names.items():
         value = body.get(name)
         if value is None:
             continue
-        check, expected = SAMPLING_FIELDS[ours]
-        if not check(value):
-            raise ChatRequestError(f"{name} must be {expected}, got {value!r}"[:300], param=name)
+        rule = CHAT_SAMPLING_RULES[ours]
+        if not rule.check(value):
+            raise ChatRequestError(f"{name} must be {rule.expected}, got {value!r}"[:300], param=name)
         out[ours] = value
     stop = body.get(stop_field)
     if stop is not None:
@@ -669,7 +656,7 @@ def chat_call_from_openai(request: dict[str, Any]) -> ChatCall:
         raise ChatRequestError('tools must be a list of {"type": "function", "function": {"name", ...}} objects',
                                param="tools")
     names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
-             "max_tokens": "max_tokens", "max_completion_tokens": "max_tokens"}
+             "max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
     return ChatCall(messages=messages, tools=tools, tool_choice=request.get("tool_choice"),
                     sampling=sampling_fields(request, names, "stop"), reward=metadata_reward(request),
                     model=request.get("model"))
@@ -679,7 +666,7 @@ def _check_logprobs(request: dict[str, Any]) -> None:
     logprobs, top = request.get("logprobs"), request.get("top_logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise ChatRequestError(f"logprobs must be a boolean, got {logprobs!r}", param="logprobs")
-    if top is not None and not (_is_int(top) and 0 <= top <= 20):
+    if top is not None and not (is_int(top) and 0 <= top <= 20):
         raise ChatRequestError(f"top_logprobs must be an integer 0..20, got {top!r}", param="top_logprobs")
     if top:
         raise ChatRequestError("top_logprobs > 0 is not available: the engine returns the logprob of each sampled "
