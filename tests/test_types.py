@@ -5,7 +5,8 @@ import pytest
 from turnrl.engines.base import InvalidRequest
 from turnrl.engines.embedded import check_sampling
 from turnrl.engines.http import sampling_from_json
-from turnrl.serve.sessions import ChatRequestError, sampling_fields
+from turnrl.serve.http import sampling_fields
+from turnrl.serve.sessions import ChatRequestError
 from turnrl.types import CHAT_SAMPLING_RULES, SAMPLING_RULES, SamplingParams
 
 BAD = [  # (field, a value its rule refuses)

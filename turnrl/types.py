@@ -177,7 +177,7 @@ differs, it is written here:
 - the chat APIs (OpenAI, Responses, Anthropic): `top_p: 0` is allowed, as OpenAI allows it: the smallest nucleus,
   the most likely token alone, so the proxy samples greedily (top_p 1, top_k 1); a field sent as null is
   absent; the cap is named `max_tokens` (`max_output_tokens`, `max_completion_tokens`) and stop *strings*
-  replace `stop_token_ids` (`CHAT_SAMPLING_RULES`, `turnrl.serve.sessions.sampling_fields`);
+  replace `stop_token_ids` (`CHAT_SAMPLING_RULES`, `turnrl.serve.http.sampling_fields`);
 - an engine bounds stop token ids by its vocabulary too (`check_sampling`);
 - the run's config (`SamplingConfig`, turnrl/config.py) states the same ranges in pydantic for its fields."""
 

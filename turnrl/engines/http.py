@@ -4,7 +4,7 @@ A trainer on one machine can sample from an engine on another: `turnrl serve --h
 `HttpEngine("http://host:8000", token="T")` here. Tokens travel as ids, never as text, so nothing is
 re-tokenized on the way.
 
-The wire format (JSON unless said otherwise; `turnrl/serve/app.py` is the other side):
+The wire format (JSON unless said otherwise; `turnrl/serve/engine_routes.py` is the other side):
 
     POST /generate      {"prompt_ids": [int], "sampling": {SamplingParams fields}, "request_id": str,
                          "images": [str]?}
@@ -54,7 +54,7 @@ TOKEN_ENV = "TURNRL_SERVE_TOKEN"
 
 
 # ---------------------------------------------------------------------------------------------------
-# Wire format (shared with turnrl/serve/app.py)
+# Wire format (shared with turnrl/serve/engine_routes.py)
 # ---------------------------------------------------------------------------------------------------
 def sampling_to_json(params: SamplingParams) -> dict[str, Any]:
     body = dataclasses.asdict(params)
