@@ -334,8 +334,8 @@ class SFTTrainer(Trainer):
         while self.step < self.cfg.steps:
             self.step += 1
             self._log(self.sft_step())
-            if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.step < self.cfg.steps \
-                    and self.eval_rows:
+            if (self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.step < self.cfg.steps
+                    and self.eval_rows):
                 await self.sync_weights()
                 await self._evaluate_on_main(f"step{self.step}")
             if self.cfg.save_every and self.step % self.cfg.save_every == 0:
