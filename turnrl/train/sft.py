@@ -340,6 +340,7 @@ class SFTTrainer:
         self.out.mkdir(parents=True, exist_ok=True)
         self.tracer = tracer if tracer is not None else TrajectoryTracer(None)
         self.sampler = PromptSampler(len(samples), min(cfg.sft.batch_size, len(samples)), cfg.seed, cfg.shuffle)
+        self.steps = sft_steps(cfg, len(samples))
         self.step = 0
         self.history: list[dict[str, Any]] = []
         self.evaluator = Evaluator(rollout, eval_rows, out=self.out, tracer=self.tracer, console=self.console,
@@ -352,11 +353,11 @@ class SFTTrainer:
             await self.sync_weights()
         if self.step == 0:
             await self._evaluate("before")
-        while self.step < self.cfg.steps:
+        while self.step < self.steps:
             self.step += 1
             self._log(self.sft_step())
             if self.eval_rows and self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and (
-                    self.step < self.cfg.steps):
+                    self.step < self.steps):
                 await self.sync_weights()
                 await self._evaluate(f"step{self.step}")
             if self.cfg.save_every and self.step % self.cfg.save_every == 0:
@@ -393,8 +394,8 @@ class SFTTrainer:
         if not self.parallel.is_main:
             return
         write_metrics(self.out, m, self.step, self.tracer)
-        self.console.print(format_step_line(m, self.cfg.steps) if "eval/reward_mean" in m else
-                           f"sft step {m['step']:.0f}/{self.cfg.steps}  epoch {m['sft/epoch']:.2f}  "
+        self.console.print(format_step_line(m, self.steps) if "eval/reward_mean" in m else
+                           f"sft step {m['step']:.0f}/{self.steps}  epoch {m['sft/epoch']:.2f}  "
                            f"loss {m['train/loss']:.4f}  {m['sft/sequences']:.0f} sequences  "
                            f"{m['train/tokens']:.0f} tokens  train {m['train/tokens_per_s']:.0f} tok/s  "
                            f"step {m['time/step_s']:.1f}s")
@@ -429,6 +430,6 @@ class SFTTrainer:
         return True
 
 
-def sft_steps(cfg: Any, n_samples: int) -> int:
+def sft_steps(cfg: SFTConfig, n_samples: int) -> int:
     """Optimizer steps: `steps` when set, else sft.epochs passes of sft.batch_size sequences."""
     return cfg.steps or max(1, math.ceil(cfg.sft.epochs * n_samples / min(cfg.sft.batch_size, n_samples)))
