@@ -200,13 +200,18 @@ class Learner:
                               self.options.micro_batch_tokens, [samples[i].mm_inputs for i in indices])
         return [dataclasses.replace(r, sequence_index=[indices[j] for j in r.sequence_index]) for r in rows]
 
+    def _logprobs(self, model: nn.Module, row: PackedRow) -> torch.Tensor:
+        """Logprobs under `model` of the tokens `row` trains [N], at `temperature`: with `pack`, the one place
+        that knows how samples are packed (flat: turnrl.train.packing)."""
+        return packed_token_logprobs(model, row, self.options.temperature)
+
     def _row_loss(self, row: PackedRow, batch: list[TrainSample], members: list[int],
                   old: dict[int, torch.Tensor] | None, loss_fn: LossFn,
                   denominator: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         """`loss_fn` on one packed row, aggregated into its share of the mini-batch's loss."""
         o = self.options
         lengths = [len(s.response_ids) for s in batch]
-        logp_N = packed_token_logprobs(self.policy, row, o.temperature)
+        logp_N = self._logprobs(self.policy, row)
         logp_B_T = unpack_to_padded(logp_N, row, lengths)
         mask_B_T = unpack_to_padded(torch.ones_like(logp_N), row, lengths)
         old_B_T = logp_B_T.detach() if old is None else unpack_to_padded(
@@ -222,9 +227,9 @@ class Learner:
     def reference_logprobs(self, row: PackedRow) -> torch.Tensor:
         """Logprobs under the KL reference: the frozen copy, or with LoRA the policy with its adapters off. [N]"""
         if self.reference is not None:
-            return packed_token_logprobs(self.reference, row, self.options.temperature)
+            return self._logprobs(self.reference, row)
         with self.policy.disable_adapter():
-            return packed_token_logprobs(self.policy, row, self.options.temperature)
+            return self._logprobs(self.policy, row)
 
     @torch.no_grad()
     def _old_logprobs(self, samples: list[TrainSample]) -> dict[int, torch.Tensor]:
@@ -235,7 +240,7 @@ class Learner:
         old: dict[int, torch.Tensor] = {}
         for k in range(self.parallel.all_max(len(rows))):
             row = (rows[k] if k < len(rows) else _padding_row()).to(self.device)
-            logp_N = packed_token_logprobs(self.policy, row, self.options.temperature)
+            logp_N = self._logprobs(self.policy, row)
             if k < len(rows):
                 for j, i in enumerate(row.sequence_index):
                     old[i] = logp_N[row.target_seq == j].cpu()
