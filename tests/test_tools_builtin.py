@@ -373,7 +373,7 @@ except PermissionError as e:
 open('inside.txt', 'w').write('fine')  # the work dir stays writable
 print(open('inside.txt').read())
 """
-    result = run(code)
+    result = run(code, SandboxLimits(timeout_s=5, read_paths=(str(world_writable),)))  # readable, not writable
     assert result.layers["landlock"] >= 1
     assert result.stdout.split() == ["-1", "13", "13", "fine"], result.stderr  # EACCES from the kernel
     assert not native.exists() and not relative.exists()
