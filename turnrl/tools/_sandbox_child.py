@@ -295,11 +295,17 @@ def _isolate_command(cfg, layers, channel):
     if layers["mountns"]:
         if layers["pidns"]:
             kernel.mount_proc()
+        for name, path in cfg["identity"].items():  # before /tmp is covered: the files are in the control dir
+            kernel.bind_file(path, f"/etc/{name}")
+            cfg["reads"].append(f"/etc/{name}")
         paths = _existing(cfg["reads"] + cfg["writes"])
         kernel.cover("/tmp", [p for p in paths if p.startswith("/tmp/")], f"mode=1777,size={cfg['tmp_mb']}m")
         _make_reachable({d: keep for d, keep in _blocked(paths).items() if not d.startswith("/tmp/")}, layers)
-        for name, path in cfg["identity"].items():
-            kernel.bind_file(path, f"/etc/{name}")
+    else:  # no private /tmp: temporary files go to HOME
+        cfg["env"]["TMPDIR"] = os.path.join(cfg["home"], ".tmp")
+        os.makedirs(cfg["env"]["TMPDIR"], exist_ok=True)
+        if cfg["uid"] is not None:
+            os.chown(cfg["env"]["TMPDIR"], cfg["uid"], cfg["uid"])
     layers["netns"] = _try(kernel.unshare, kernel.CLONE_NEWNET)
     if layers["netns"] and cfg["network"] == "loopback":
         kernel.loopback_up()
