@@ -388,3 +388,141 @@ def test_allow_subprocess_starts_programs_that_still_cannot_write_outside(world_
     result = run(code, SandboxLimits(timeout_s=5, allow_subprocess=True))
     assert result.layers["no_exec"] is False
     assert result.stdout.split() == ["hi", "True"] and not target.exists()
+
+
+# ---- reads by allow-list (issue 29) ------------------------------------------------------------------
+
+
+@pytest.fixture()
+def other_users_home():
+    """A home directory of another user, world-readable like most homes: only Landlock keeps it out of reach."""
+    import shutil
+    import tempfile
+
+    home = Path(tempfile.mkdtemp(prefix="turnrl-home-other-", dir="/tmp"))
+    (home / ".ssh").mkdir()
+    (home / ".ssh" / "id_ed25519").write_text("-----BEGIN OPENSSH PRIVATE KEY-----\nsecret\n")
+    (home / ".netrc").write_text("machine example.com login me password hunter2\n")
+    for path in (home, home / ".ssh", home / ".ssh" / "id_ed25519", home / ".netrc"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+        if IS_ROOT:
+            os.chown(path, 4242, 4242)
+    yield home
+    shutil.rmtree(home, ignore_errors=True)
+
+
+READ_ATTEMPTS = """
+import os, sys
+def attempt(what, f):
+    try:
+        f()
+        print(what, "READ")
+    except OSError as e:
+        print(what, "denied", type(e).__name__)
+for path in sys.argv[1:] if len(sys.argv) > 1 else TARGETS:
+    attempt(path, (lambda p=path: os.listdir(p)) if os.path.isdir(path) else (lambda p=path: open(p, "rb").read(1)))
+"""
+
+
+def read_attempts(targets: list[str], limits: SandboxLimits = FAST) -> dict[str, str]:
+    result = run(f"TARGETS = {targets!r}\n" + READ_ATTEMPTS, limits)
+    assert result.exit_code == 0, result.stderr
+    return dict(line.rsplit(" ", 2)[:2] for line in result.stdout.splitlines())
+
+
+@needs_landlock
+def test_code_cannot_read_secrets_other_homes_or_anything_outside_its_allow_list(other_users_home, world_writable):
+    """Before, the sandbox kept CAP_DAC_READ_SEARCH (the interpreter lives under /root here): /etc/shadow came back."""
+    (world_writable / "notes.txt").write_text("world-readable, outside the allow-list")
+    (world_writable / "notes.txt").chmod(0o644)
+    targets = ["/etc/shadow", "/root", str(other_users_home), str(other_users_home / ".ssh/id_ed25519"),
+               str(other_users_home / ".netrc"), str(world_writable / "notes.txt"), "/etc/passwd", "/etc/hostname",
+               "/proc/1/cmdline", "/proc/1/environ", "/proc/self/environ", "/home", "/var/log", "/usr/bin/env"]
+    seen = read_attempts([t for t in targets if os.path.lexists(t)])
+    assert seen and all(state == "denied" for state in seen.values()), seen
+    layers = run("pass").layers
+    assert layers["landlock"] >= 1 and layers["read_paths"] and not layers["read_anywhere"]
+
+
+@needs_landlock
+def test_code_still_imports_numpy_and_the_standard_library_and_reads_its_directory():
+    code = """
+import json, decimal, sqlite3, ssl, hashlib, zoneinfo, datetime, locale, random, os
+import numpy, sympy
+open('data.txt', 'w').write('mine')
+print(numpy.linalg.inv(numpy.eye(2)).sum(), sympy.factor('x**2 - 1'), open('data.txt').read(), os.listdir('.'),
+      zoneinfo.ZoneInfo('Europe/Paris').key, len(os.urandom(8)), os.cpu_count() > 0)
+"""
+    result = run(code)
+    assert result.stdout.split() == ["2.0", "(x", "-", "1)*(x", "+", "1)", "mine", "['data.txt']", "Europe/Paris",
+                                     "8", "True"], result.stderr
+
+
+@needs_landlock
+def test_read_paths_are_readable_and_nothing_beside_them(world_writable):
+    (world_writable / "allowed").mkdir()
+    (world_writable / "allowed" / "table.csv").write_text("a,b\n")
+    (world_writable / "beside.csv").write_text("c,d\n")
+    for path in world_writable.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    limits = SandboxLimits(timeout_s=5, read_paths=(str(world_writable / "allowed"),))
+    seen = read_attempts([str(world_writable / "allowed/table.csv"), str(world_writable / "beside.csv")], limits)
+    assert seen == {str(world_writable / "allowed/table.csv"): "READ", str(world_writable / "beside.csv"): "denied"}
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="the privilege drop needs root")
+@needs_landlock
+def test_as_root_no_capability_is_kept_even_when_the_interpreter_lives_under_root():
+    code = """
+import ctypes, struct
+header, data = ctypes.create_string_buffer(struct.pack("Ii", 0x20080522, 0)), ctypes.create_string_buffer(24)
+assert ctypes.CDLL(None).capget(header, data) == 0
+effective, permitted = struct.unpack("6I", data.raw)[:2]
+print(effective, permitted)
+"""
+    result = run(code)
+    assert result.stdout.split() == ["0", "0"], result.stderr
+    assert result.layers["reach"] in ("mounts", None)
+
+
+def test_without_landlock_the_first_run_warns_what_stays_readable(monkeypatch, caplog):
+    """A kernel without Landlock, simulated: today's behaviour, and a warning naming what code can read."""
+    from turnrl.tools import sandbox
+
+    original = sandbox._python_config
+    monkeypatch.setattr(sandbox, "_python_config", lambda *a: {**original(*a), "landlock": False})
+    monkeypatch.setattr(sandbox, "_warned", set())
+    with caplog.at_level("WARNING", logger="turnrl.tools.sandbox"):
+        first, second = run("print('ran')"), run("print('ran')")
+    assert first.stdout == second.stdout == "ran\n"
+    assert first.layers["landlock"] is False and first.layers["read_paths"] is None
+    warnings = [r.getMessage() for r in caplog.records if "reads are NOT restricted" in r.getMessage()]
+    assert len(warnings) == 1  # once per process
+    assert ("every file that other users may read" in warnings[0]) or ("EVERY file on this machine" in warnings[0])
+    assert (first.layers["read_anywhere"]) == ("EVERY file" in warnings[0])
+
+
+@pytest.mark.skipif(not IS_ROOT or not KERNEL, reason="the privilege drop needs root; the filter Linux x86_64/aarch64")
+@needs_landlock
+def test_where_mounts_are_refused_a_kept_capability_is_confined_to_the_allow_list(host_refusing_namespaces,
+                                                                                   other_users_home):
+    """A host refusing namespaces (a container's seccomp policy): an interpreter under /root is reached by
+    keeping CAP_DAC_READ_SEARCH, which Landlock confines to the allow-list; open_by_handle_at (the way around
+    paths that the capability allows) is refused."""
+    code = """
+import ctypes, os, numpy
+libc = ctypes.CDLL(None, use_errno=True)
+handle = ctypes.create_string_buffer(136)
+ctypes.memmove(handle, (128).to_bytes(4, "little"), 4)
+mount_id = ctypes.c_int()
+named = libc.name_to_handle_at(-100, b"/etc/shadow", handle, ctypes.byref(mount_id), 0)
+opened = libc.open_by_handle_at(os.open(".", os.O_RDONLY), handle, os.O_RDONLY) if named == 0 else -2
+print("open_by_handle_at", opened, ctypes.get_errno())
+"""
+    result = run(code + READ_ATTEMPTS.replace("TARGETS", repr(["/etc/shadow", str(other_users_home / ".netrc")])))
+    assert not result.layers["netns"] and not result.layers.get("mountns")
+    lines = result.stdout.splitlines()
+    assert lines[1:] == ["/etc/shadow denied PermissionError", f"{other_users_home / '.netrc'} denied PermissionError"]
+    if result.layers["reach"] == "capability":  # the interpreter is not reachable by others (a pyenv under /root)
+        assert lines[0] == "open_by_handle_at -1 1"  # EPERM from the filter
+    assert not result.layers["read_anywhere"] and result.layers["read_paths"]

@@ -102,8 +102,8 @@ def _add_path_rule(libc, ruleset, path, rights):
 # ---- seccomp ---------------------------------------------------------------------------------------------
 _ARCHES = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 SYSCALLS = {
-    "x86_64": {"execve": 59, "execveat": 322, "open_by_handle_at": 304},
-    "aarch64": {"execve": 221, "execveat": 281, "open_by_handle_at": 265},
+    "x86_64": {"execve": 59, "execveat": 322, "open_by_handle_at": 304, "unshare": 272},
+    "aarch64": {"execve": 221, "execveat": 281, "open_by_handle_at": 265, "unshare": 97},
 }
 
 
