@@ -262,3 +262,20 @@ def test_bad_arguments_are_named(task, kwargs, message):
     arguments = {"argv": ["true"], "cwd": task, **kwargs}
     with pytest.raises(ValueError, match=message):
         run_sandboxed(arguments.pop("argv"), **arguments)
+
+
+def test_doctor_prints_each_layer_and_the_allow_list():
+    from typer.testing import CliRunner
+
+    from turnrl.cli import app
+
+    result = CliRunner().invoke(app, ["doctor", "--sandbox"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert f"landlock: ABI {landlock_abi()}: reads and writes by allow-list" in lines[2]
+    assert "python tool: network namespace: yes" in lines
+    assert "python tool: seccomp exec filter: yes" in lines
+    assert "python tool: reads: only beneath:" in lines and "    /usr/lib" in lines and "    /etc/shadow" not in lines
+    assert any(line.startswith("without landlock: reads are NOT restricted") for line in lines)
+    assert lines[-3:] == ["command: namespaces: pidns yes, mountns yes, netns yes", "command: /etc/shadow: denied",
+                          "command: strict policy: enforced"]

@@ -270,3 +270,66 @@ def _result(report: dict[str, Any], returncode: int, backstop_fired: bool, wall_
     timed_out = backstop_fired or bool(report.get("timed_out"))
     exit_code = -9 if timed_out else report.get("command_exit", report.get("exit_code", returncode))
     return CommandResult(exit_code, output, timed_out, wall_s, truncated, layers)
+
+
+# ---- `turnrl doctor --sandbox` ----------------------------------------------------------------------------
+
+
+def doctor_rows() -> list[tuple[str, str]]:
+    """Each layer's state on this machine, as (layer, state) rows: the kernel's features, then what a real run
+    of each sandbox got (both are started once, which takes about a second)."""
+    from turnrl.tools._sandbox_kernel import landlock_abi
+    from turnrl.tools.sandbox import SandboxLimits, run_python_sandboxed, unrestricted_reads_note
+
+    abi, system = landlock_abi(), os.uname()
+    landlock = (f"ABI {abi}: reads and writes by allow-list" + (", TCP bind/connect" if abi >= 4 else "")
+                + (", signals and abstract Unix sockets scoped to the run" if abi >= 6 else "")) if abi else \
+        "absent: reads are NOT restricted (Linux 5.13+ with landlock in the kernel's lsm= list)"
+    rows = [
+        ("kernel", f"{system.sysname} {system.release} {system.machine}"),
+        ("user", "root: each run gets a fresh uid" if os.geteuid() == 0 else
+         f"uid {os.geteuid()}: no separate uid (commands need `sandbox: weak`)"),
+        ("landlock", landlock),
+        ("user namespaces", _userns_state()),
+    ]
+    tool = run_python_sandboxed("pass", SandboxLimits(timeout_s=30)).layers
+    rows += [
+        ("python tool: network namespace", _yes(tool["netns"], "Landlock refuses TCP, the audit hook sockets")),
+        ("python tool: uid", f"{tool['uid']} (a fresh one each run)" if tool["uid"] is not None
+         else "the parent's (no privilege drop)"),
+        ("python tool: reach", {"mounts": "mount namespace (no capability kept)", None: "nothing to reach",
+                                "capability": "CAP_DAC_READ_SEARCH, confined by Landlock"}[tool.get("reach")]),
+        ("python tool: seccomp exec filter", _yes(tool["no_exec"], "programs can start below the audit hook")),
+        ("python tool: reads", "\n".join(["only beneath:", *tool["read_paths"]]) if tool["read_paths"] is not None
+         else unrestricted_reads_note(tool)),
+        ("without landlock", unrestricted_reads_note(
+            {"read_anywhere": tool.get("reach") == "capability" or (tool["uid"] is None and os.geteuid() == 0),
+             "reach": tool.get("reach")})),
+    ]
+    return rows + _command_rows()
+
+
+def _command_rows() -> list[tuple[str, str]]:
+    with tempfile.TemporaryDirectory(prefix="turnrl-doctor-") as task:
+        shadow = "cat /etc/shadow >/dev/null 2>&1 && echo READ || echo denied"
+        result = run_sandboxed(["/bin/sh", "-c", shadow], cwd=task, timeout_s=30, network="none", weak=True)
+    layers = result.layers
+    missing = [name for name in ("uid", "pidns", "mountns", "netns", "landlock") if layers.get(name) in (None, False)]
+    return [
+        ("command: namespaces", ", ".join(f"{n} {_yes(layers.get(n), 'no')}" for n in ("pidns", "mountns", "netns"))),
+        ("command: /etc/shadow", result.output.strip()),
+        ("command: strict policy", "enforced" if not missing else f"refused here (no {', no '.join(missing)}): "
+                                                                   "only `sandbox: weak` runs commands"),
+    ]
+
+
+def _yes(value: Any, otherwise: str) -> str:
+    return "yes" if value else f"no ({otherwise})"
+
+
+def _userns_state() -> str:
+    knobs = {"max_user_namespaces": "/proc/sys/user/max_user_namespaces",
+             "unprivileged_userns_clone": "/proc/sys/kernel/unprivileged_userns_clone",
+             "apparmor_restrict_unprivileged_userns": "/proc/sys/kernel/apparmor_restrict_unprivileged_userns"}
+    found = {name: Path(path).read_text().strip() for name, path in knobs.items() if Path(path).exists()}
+    return ", ".join(f"{name}={value}" for name, value in found.items()) or "unknown"
