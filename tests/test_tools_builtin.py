@@ -183,7 +183,7 @@ libc = ctypes.CDLL(None, use_errno=True)
 print(libc.open({str(target).encode()!r}, 0o101, 0o644), ctypes.get_errno())
 """
     result = run(code)
-    assert result.stdout.split() == ["-1", "13"]  # EACCES
+    assert result.stdout.split() in (["-1", "13"], ["-1", "2"])  # EACCES; ENOENT where the run's /tmp is its own
     assert not target.exists()
 
 

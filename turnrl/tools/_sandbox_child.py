@@ -117,20 +117,28 @@ def _blocked(paths):
     return groups
 
 
-def _make_reachable(groups, layers):
-    """The sandbox's uid must reach paths beneath directories it cannot search (a pyenv under /root). In a
-    mount namespace of its own, each such directory becomes an empty tmpfs holding only those paths, bound back
-    in place: nothing else of it is even there. Returns False where mounts are refused (the caller then keeps
-    CAP_DAC_READ_SEARCH, bounded by Landlock)."""
-    if not groups:
-        return True
-    if not layers.get("mountns"):
-        if not _try(kernel.private_mounts):
-            return False
-        layers["mountns"] = True
-    for directory, keep in sorted(groups.items()):
+PRIVATE_DIRS = ("/tmp", "/var/tmp", "/run", "/dev/shm")
+"""Where anyone may leave things (files, FIFOs, world-writable Unix sockets such as D-Bus's): in its mount
+namespace the run gets fresh, empty ones, so it neither reaches nor leaves anything there on the host."""
+
+
+def _private_dirs(paths, size_mb=None):
+    """Replace PRIVATE_DIRS with empty tmpfs (allow-listed paths beneath them bound back): writable /tmp and
+    /dev/shm of `size_mb` for a command, else empty and read-only to the run (the Python tool writes only its
+    work dir)."""
+    for directory in PRIVATE_DIRS:
+        if os.path.isdir(directory) and not os.path.islink(directory):
+            writable = size_mb is not None and directory in ("/tmp", "/dev/shm")
+            options = f"mode=1777,size={size_mb}m" if writable else "mode=0755,size=1m"
+            kernel.cover(directory, [p for p in paths if p.startswith(directory + "/")], options)
+
+
+def _make_reachable(paths):
+    """The sandbox's uid must reach paths beneath directories it cannot search (a pyenv under /root). In the
+    run's mount namespace each such directory becomes an empty tmpfs holding only those paths, bound back in
+    place: nothing else of it is even there."""
+    for directory, keep in sorted(_blocked(paths).items()):
         kernel.cover(directory, keep, "mode=0755,size=1m")
-    return True
 
 
 # ---- mode "python": the worker runs the code ------------------------------------------------------------
@@ -139,10 +147,15 @@ def _confine_python(cfg, layers):
     root = os.path.realpath(cfg["cwd"])
     writes = _existing([root, "/dev/null"])
     reads = _existing(cfg["reads"] + _interpreter_paths()) if LINUX else []
-    keep_cap = False
+    keep_cap = blocked = False
     if cfg["uid"] is not None:
+        blocked = bool(_blocked(reads + writes))
+        layers["mountns"] = LINUX and _try(kernel.private_mounts)
+        if layers["mountns"]:
+            _private_dirs(reads + writes)
+            _make_reachable(reads + writes)
         interpreter_unreadable = not all(_readable_by_others(p) for p in _existing(_interpreter_paths()))
-        keep_cap = interpreter_unreadable or not _make_reachable(_blocked(reads + writes), layers)
+        keep_cap = interpreter_unreadable or (blocked and not layers["mountns"])
         kernel.drop_privileges(cfg["uid"], keep_cap)
         _optional(kernel.die_with_parent)
     os.chdir(root)
@@ -154,7 +167,7 @@ def _confine_python(cfg, layers):
     filtered = LINUX and bool(denied) and _optional(kernel.seccomp_deny, denied)
     layers.update(
         uid=cfg["uid"],
-        reach="capability" if keep_cap else "mounts" if layers.get("mountns") else None,
+        reach="capability" if keep_cap else "mounts" if blocked else None,
         read_paths=sorted(set(reads + writes)) if restrict_reads else None,
         read_anywhere=not restrict_reads and (keep_cap or os.geteuid() == 0),
         no_exec=bool(filtered) and not cfg["allow_subprocess"],
@@ -299,8 +312,8 @@ def _isolate_command(cfg, layers, channel):
             kernel.bind_file(path, f"/etc/{name}")
             cfg["reads"].append(f"/etc/{name}")
         paths = _existing(cfg["reads"] + cfg["writes"])
-        kernel.cover("/tmp", [p for p in paths if p.startswith("/tmp/")], f"mode=1777,size={cfg['tmp_mb']}m")
-        _make_reachable({d: keep for d, keep in _blocked(paths).items() if not d.startswith("/tmp/")}, layers)
+        _private_dirs(paths, cfg["tmp_mb"])
+        _make_reachable(paths)
     else:  # no private /tmp: temporary files go to HOME
         cfg["env"]["TMPDIR"] = os.path.join(cfg["home"], ".tmp")
         os.makedirs(cfg["env"]["TMPDIR"], exist_ok=True)
