@@ -268,6 +268,7 @@ def baited_host() -> Iterator[Bait]:
         for listener in listeners:
             stack.callback(listener.close)
         os.environ["TURNRL_ESCAPE_SECRET"] = SECRET
+        stack.callback(os.environ.pop, "TURNRL_ESCAPE_SECRET", None)
         sleeper = subprocess.Popen(["sleep", "3600"], user=4242 if os.geteuid() == 0 else None)
         stack.callback(sleeper.kill)
         yield Bait(home, note, drop, listeners[0].getsockname()[1], drop.name, drop / "bait.sock", sleeper)
@@ -321,10 +322,10 @@ def _verdict(attempt: Attempt, bait: Bait, last: str, layers: dict[str, Any]) ->
     return "ESCAPED"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=["python", "command"], help="run one sandbox's attempts")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     sandboxes = [args.only] if args.only else ["python", "command"]
     rows, counts = [], {name: Counter() for name in sandboxes}
     reads_outside = Counter()

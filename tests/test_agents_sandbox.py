@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.server
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -279,3 +280,21 @@ def test_doctor_prints_each_layer_and_the_allow_list():
     assert any(line.startswith("without landlock: reads are NOT restricted") for line in lines)
     assert lines[-3:] == ["command: namespaces: pidns yes, mountns yes, netns yes", "command: /etc/shadow: denied",
                           "command: strict policy: enforced"]
+
+
+@pytest.mark.slow
+def test_every_escape_attempt_of_the_bench_fails(capsys, monkeypatch):
+    """bench/sandbox_escapes.py: 51 attempts against each sandbox (about a minute on 2 cores)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "sandbox_escapes.py"
+    spec = importlib.util.spec_from_file_location("sandbox_escapes", path)
+    assert spec is not None and spec.loader is not None
+    escapes = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "sandbox_escapes", escapes)  # dataclasses look their module up there
+    spec.loader.exec_module(escapes)
+    status = escapes.main([])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "ESCAPED" not in out
+    assert "python: " in out and "reads outside the allow-list: 0" in out.splitlines()[-1]

@@ -526,3 +526,20 @@ print("open_by_handle_at", opened, ctypes.get_errno())
     if result.layers["reach"] == "capability":  # the interpreter is not reachable by others (a pyenv under /root)
         assert lines[0] == "open_by_handle_at -1 1"  # EPERM from the filter
     assert not result.layers["read_anywhere"] and result.layers["read_paths"]
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="the run's private /tmp needs a mount namespace (root)")
+def test_a_world_writable_unix_socket_in_the_hosts_tmp_is_out_of_reach(world_writable):
+    """Landlock does not govern connecting to a Unix socket by path: before, a 0777 socket in /tmp was reachable.
+    The run's /tmp, /var/tmp, /run and /dev/shm are now its own, empty."""
+    import socket
+
+    path = world_writable / "service.sock"
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(str(path))
+        server.listen()
+        path.chmod(0o777)
+        code = f"import socket\ntry:\n    socket.socket(socket.AF_UNIX).connect({str(path)!r})\n    print('connected')\n" \
+               "except OSError as e:\n    print(type(e).__name__)"
+        result = run(code)
+    assert result.stdout.strip() == "FileNotFoundError", result.stderr
