@@ -99,8 +99,7 @@ def processes_of_uid(uid: int) -> list[str]:
     return found
 
 
-def attempts() -> list[Attempt]:
-    node_net = "node:" + """
+NODE_NET = "node:" + """
 const net = require('net'), dgram = require('dgram');
 const [kind, host, port] = process.argv.slice(1);
 const done = (ok, what) => { console.log(ok ? 'OK' : 'NO', what); process.exit(0); };
@@ -111,133 +110,134 @@ else { const c = net.connect({host, port: +port, path: kind === 'unix' ? host : 
   c.on('connect', () => done(true, 'connected')); c.on('error', e => done(false, e.code));
   setTimeout(() => done(false, 'timeout'), 3000); }
 """
-    return [
-        # ---- read ----
-        Attempt("read", "/etc/shadow", "attempt(lambda: open('/etc/shadow').read(5))", "try 'head -c 5 /etc/shadow'", True),
-        Attempt("read", "list /root", "attempt(lambda: os.listdir('/root'))", "try 'ls /root'", True),
-        Attempt("read", "/root/.bashrc", "attempt(lambda: open('/root/.bashrc').read(5))", "try 'head -c 5 /root/.bashrc'", True),
-        Attempt("read", "another user's ~/.netrc (0644)", "attempt(lambda: open('{bait.home}/.netrc').read())",
-                "try 'cat {bait.home}/.netrc'", True),
-        Attempt("read", "another user's ssh key (0600)", "attempt(lambda: open('{bait.home}/.ssh/id_ed25519').read())",
-                "try 'cat {bait.home}/.ssh/id_ed25519'", True),
-        Attempt("read", "list /home", "attempt(lambda: os.listdir('/home'))", "try 'ls /home'", True),
-        Attempt("read", "world-readable file in host /tmp", "attempt(lambda: open('{bait.note}').read())",
-                "try 'cat {bait.note}'", True),
-        Attempt("read", "/etc/hostname (world-readable)", "attempt(lambda: open('/etc/hostname').read())",
-                "try 'cat /etc/hostname'", True),
-        Attempt("read", "symlink in the work dir to /etc/shadow",
-                "os.symlink('/etc/shadow', 'link')\nattempt(lambda: open('link').read(5))",
-                "ln -s /etc/shadow link\ntry 'head -c 5 link'", True),
-        Attempt("read", "hard link of /etc/shadow into the work dir",
-                "attempt(lambda: os.link('/etc/shadow', 'hard') or open('hard').read(5))",
-                "try 'ln /etc/shadow hard && head -c 5 hard'", True),
-        Attempt("read", "/proc/self/root/etc/shadow", "attempt(lambda: open('/proc/self/root/etc/shadow').read(5))",
-                "try 'head -c 5 /proc/self/root/etc/shadow'", True),
-        Attempt("read", "native open() of /etc/shadow (ctypes)",
-                "libc = ctypes.CDLL(None, use_errno=True)\nfd = libc.open(b'/etc/shadow', 0)\n"
-                "print('OK' if fd >= 0 else 'NO', ctypes.get_errno())", None, True),
-        Attempt("read", "dir_fd-relative open of shadow",
-                "attempt(lambda: os.read(os.open('shadow', os.O_RDONLY, dir_fd=os.open('/etc', os.O_PATH)), 5))",
-                None, True),
-        Attempt("read", "open_by_handle_at(/etc/shadow)",
-                "libc = ctypes.CDLL(None, use_errno=True)\nh = ctypes.create_string_buffer(136)\n"
-                "ctypes.memmove(h, (128).to_bytes(4, 'little'), 4)\nm = ctypes.c_int()\n"
-                "libc.name_to_handle_at(-100, b'/etc/shadow', h, ctypes.byref(m), 0)\n"
-                "fd = libc.open_by_handle_at(os.open('.', os.O_RDONLY), h, 0)\n"
-                "print('OK' if fd >= 0 else 'NO', ctypes.get_errno())", None, True),
 
-        # ---- write ----
-        Attempt("write", "world-writable dir in host /tmp", "attempt(lambda: open('{bait.drop}/planted', 'w').write('x'))",
-                "try 'echo x > {bait.drop}/planted'", contained=planted("{bait.drop}/planted")),
-        Attempt("write", "/tmp", "attempt(lambda: open('/tmp/turnrl-planted', 'w').write('x'))",
-                "try 'echo x > /tmp/turnrl-planted'", contained=planted("/tmp/turnrl-planted")),
-        Attempt("write", "another user's home", "attempt(lambda: open('{bait.home}/planted', 'w').write('x'))",
-                "try 'echo x > {bait.home}/planted'"),
-        Attempt("write", "/etc/cron.d", "attempt(lambda: open('/etc/cron.d/planted', 'w').write('x'))",
-                "try 'echo x > /etc/cron.d/planted'"),
-        Attempt("write", "native write into host /tmp (ctypes)",
-                "libc = ctypes.CDLL(None, use_errno=True)\nfd = libc.open(b'{bait.drop}/native', 0o101, 0o644)\n"
-                "print('OK' if fd >= 0 else 'NO', ctypes.get_errno())", None),
-        Attempt("write", "/dev/shm", "attempt(lambda: open('/dev/shm/turnrl-planted', 'w').write('x'))",
-                "try 'echo x > /dev/shm/turnrl-planted'", contained=planted("/dev/shm/turnrl-planted")),
-        Attempt("write", "rename a work-dir file into host /tmp",
-                "open('f', 'w').write('x')\nattempt(lambda: os.rename('f', '{bait.drop}/renamed'))",
-                "echo x > f\ntry 'mv f {bait.drop}/renamed'", contained=planted("{bait.drop}/renamed")),
-        Attempt("write", "chmod a host file", "attempt(lambda: os.chmod('{bait.note}', 0o777))",
-                "try 'chmod 777 {bait.note}'"),
-        Attempt("write", "/proc/sys/kernel/hostname", "attempt(lambda: open('/proc/sys/kernel/hostname', 'w').write('x'))",
-                "try 'echo x > /proc/sys/kernel/hostname'"),
-        # ---- exec ----
-        Attempt("exec", "subprocess.run(['id'])", "attempt(lambda: subprocess.run(['id'], check=True))",
-                None),
-        Attempt("exec", "os.system", "check(lambda: os.system('id') == 0)", None),
-        Attempt("exec", "ctypes system()", "check(lambda: ctypes.CDLL(None).system(b'true') == 0)", None),
-        Attempt("exec", "_posixsubprocess.fork_exec",
-                "import _posixsubprocess\npid = _posixsubprocess.fork_exec([b'/bin/true'], [b'/bin/true'], True, (), None,"
-                " None, -1, -1, -1, -1, -1, -1, *os.pipe(), True, False, 0, None, None, None, -1, None, False)\n"
-                "print('OK' if os.waitpid(pid, 0)[1] == 0 else 'NO')", None),
-        Attempt("exec", "os.execv('/bin/sh')", "attempt(lambda: os.execv('/bin/sh', ['sh', '-c', 'echo OK']))", None),
-        Attempt("exec", "a program outside the allow-list (this python)", None,
-                f"try '{os.path.realpath(sys.executable)} -c 1'"),
-        Attempt("exec", "a setuid-root program (su)", None, "try 'su -c id root </dev/null'"),
-        Attempt("exec", "programs of the allow-list (/usr/bin/id)", None, "try 'id -u'",
-                contained=lambda _b, _layers: True),  # allowed by design: a coding agent runs programs
-        # ---- network ----
-        Attempt("network", "TCP to 1.1.1.1:53", "attempt(lambda: socket.create_connection(('1.1.1.1', 53), 3))",
-                node_net + " tcp 1.1.1.1 53"),
-        Attempt("network", "UDP to 8.8.8.8:53", "attempt(lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM)"
-                ".sendto(b'x', ('8.8.8.8', 53)))", node_net + " udp 8.8.8.8 53"),
-        Attempt("network", "DNS lookup", "attempt(lambda: socket.getaddrinfo('example.com', 80))",
-                node_net + " dns example.com 0"),
-        Attempt("network", "host loopback port not given", "attempt(lambda: socket.create_connection(('127.0.0.1', "
-                "{bait.port}), 3))", node_net + " tcp 127.0.0.1 {bait.port}"),
-        Attempt("network", "abstract Unix socket of the host",
-                "s = socket.socket(socket.AF_UNIX)\nattempt(lambda: s.connect('\\0{bait.abstract}'))", None),
-        Attempt("network", "world-writable Unix socket in host /tmp",
-                "s = socket.socket(socket.AF_UNIX)\nattempt(lambda: s.connect('{bait.unix_path}'))",
-                node_net + " unix {bait.unix_path} 0"),
-        # ---- process ----
-        Attempt("process", "kill the supervisor", "attempt(lambda: os.kill(os.getppid(), 9))",
-                "kill -9 $PPID 2>/dev/null; sleep 0.2; echo 'NO its init ignores it; the supervisor is not in sight'"),
-        Attempt("process", "kill the host's PID 1", "attempt(lambda: os.kill(1, 0) or os.kill(1, 9))", None),
-        Attempt("process", "kill every process it may (-1)", "attempt(lambda: os.kill(-1, 9))", "try 'kill -9 -1'",
-                contained=lambda bait, _layers: bait.sleeper.poll() is None),  # the host's bait process lives
-        Attempt("process", "ptrace the parent",
-                "libc = ctypes.CDLL(None, use_errno=True)\nr = libc.ptrace(16, os.getppid(), 0, 0)\n"
-                "print('OK' if r == 0 else 'NO', ctypes.get_errno())", None),
-        Attempt("process", "setuid(0)", "attempt(lambda: os.setuid(0))", None),
-        Attempt("process", "new user namespace, then read /etc/shadow as its root",
-                "libc = ctypes.CDLL(None, use_errno=True)\nmade = libc.unshare(0x10000000) == 0\n"
-                "attempt(lambda: (made, open('/etc/shadow').read(5)))", "try 'unshare -U -r head -c 5 /etc/shadow'",
-                True),
-        Attempt("process", "see the host's processes", "attempt(lambda: len(os.listdir('/proc')))",
-                "n=$(ls /proc | grep -c '^[0-9]'); [ $n -gt 20 ] && echo OK $n || echo NO only its own $n"),
-        Attempt("process", "outlive the run (setsid + sleep)",
-                "pid = os.fork()\nif pid == 0:\n    os.setsid()\n    time.sleep(60)\n    os._exit(0)\nprint('OK', pid)",
-                "setsid sleep 60 &\necho OK", contained=no_process_left),
-        Attempt("process", "fork bomb", "n = 0\ntry:\n    while n < 100000:\n        if os.fork() == 0:\n"
-                "            time.sleep(30)\n            os._exit(0)\n        n += 1\n    print('OK', n)\n"
-                "except OSError as e:\n    print('NO bounded after', n)",
-                "i=0; while [ $i -lt 3000 ]; do (sleep 30 &) 2>/dev/null || { echo NO bounded after $i; exit; }; "
-                "i=$((i+1)); done; echo OK $i"),
-        # ---- environment ----
-        Attempt("environment", "secret in the environment",
-                f"print('OK' if '{SECRET}' in str(os.environ) else 'NO', len(os.environ))",
-                f"env | grep -q {SECRET} && echo OK || echo NO"),
-        Attempt("environment", "the parent's environment (/proc/PPID/environ)",
-                "attempt(lambda: open(f'/proc/{os.getppid()}/environ').read())", "try 'cat /proc/$PPID/environ'", True),
-        Attempt("environment", "init's environment (/proc/1/environ)", "attempt(lambda: open('/proc/1/environ').read())",
-                "try 'cat /proc/1/environ'", True),
-        # ---- /proc ----
-        Attempt("/proc", "/proc/1/cmdline", "attempt(lambda: open('/proc/1/cmdline').read())", None, True),
-        Attempt("/proc", "/proc/self/mountinfo", "attempt(lambda: open('/proc/self/mountinfo').read())", None, True),
-        Attempt("/proc", "/proc/kcore", "attempt(lambda: open('/proc/kcore', 'rb').read(4))",
-                "try 'head -c 4 /proc/kcore'", True),
-        Attempt("/proc", "/proc/kallsyms addresses", "attempt(lambda: open('/proc/kallsyms').readline())",
-                "try 'head -1 /proc/kallsyms | grep -v ^0000000000000000'", True),
-        Attempt("/proc", "/sys/class/net", "attempt(lambda: os.listdir('/sys/class/net'))", "try 'ls /sys/class/net'",
-                True),
-    ]
+ATTEMPTS: list[Attempt] = [
+    # ---- read ----
+    Attempt("read", "/etc/shadow", "attempt(lambda: open('/etc/shadow').read(5))", "try 'head -c 5 /etc/shadow'", True),
+    Attempt("read", "list /root", "attempt(lambda: os.listdir('/root'))", "try 'ls /root'", True),
+    Attempt("read", "/root/.bashrc", "attempt(lambda: open('/root/.bashrc').read(5))", "try 'head -c 5 /root/.bashrc'", True),
+    Attempt("read", "another user's ~/.netrc (0644)", "attempt(lambda: open('{bait.home}/.netrc').read())",
+            "try 'cat {bait.home}/.netrc'", True),
+    Attempt("read", "another user's ssh key (0600)", "attempt(lambda: open('{bait.home}/.ssh/id_ed25519').read())",
+            "try 'cat {bait.home}/.ssh/id_ed25519'", True),
+    Attempt("read", "list /home", "attempt(lambda: os.listdir('/home'))", "try 'ls /home'", True),
+    Attempt("read", "world-readable file in host /tmp", "attempt(lambda: open('{bait.note}').read())",
+            "try 'cat {bait.note}'", True),
+    Attempt("read", "/etc/hostname (world-readable)", "attempt(lambda: open('/etc/hostname').read())",
+            "try 'cat /etc/hostname'", True),
+    Attempt("read", "symlink in the work dir to /etc/shadow",
+            "os.symlink('/etc/shadow', 'link')\nattempt(lambda: open('link').read(5))",
+            "ln -s /etc/shadow link\ntry 'head -c 5 link'", True),
+    Attempt("read", "hard link of /etc/shadow into the work dir",
+            "attempt(lambda: os.link('/etc/shadow', 'hard') or open('hard').read(5))",
+            "try 'ln /etc/shadow hard && head -c 5 hard'", True),
+    Attempt("read", "/proc/self/root/etc/shadow", "attempt(lambda: open('/proc/self/root/etc/shadow').read(5))",
+            "try 'head -c 5 /proc/self/root/etc/shadow'", True),
+    Attempt("read", "native open() of /etc/shadow (ctypes)",
+            "libc = ctypes.CDLL(None, use_errno=True)\nfd = libc.open(b'/etc/shadow', 0)\n"
+            "print('OK' if fd >= 0 else 'NO', ctypes.get_errno())", None, True),
+    Attempt("read", "dir_fd-relative open of shadow",
+            "attempt(lambda: os.read(os.open('shadow', os.O_RDONLY, dir_fd=os.open('/etc', os.O_PATH)), 5))",
+            None, True),
+    Attempt("read", "open_by_handle_at(/etc/shadow)",
+            "libc = ctypes.CDLL(None, use_errno=True)\nh = ctypes.create_string_buffer(136)\n"
+            "ctypes.memmove(h, (128).to_bytes(4, 'little'), 4)\nm = ctypes.c_int()\n"
+            "libc.name_to_handle_at(-100, b'/etc/shadow', h, ctypes.byref(m), 0)\n"
+            "fd = libc.open_by_handle_at(os.open('.', os.O_RDONLY), h, 0)\n"
+            "print('OK' if fd >= 0 else 'NO', ctypes.get_errno())", None, True),
+
+    # ---- write ----
+    Attempt("write", "world-writable dir in host /tmp", "attempt(lambda: open('{bait.drop}/planted', 'w').write('x'))",
+            "try 'echo x > {bait.drop}/planted'", contained=planted("{bait.drop}/planted")),
+    Attempt("write", "/tmp", "attempt(lambda: open('/tmp/turnrl-planted', 'w').write('x'))",
+            "try 'echo x > /tmp/turnrl-planted'", contained=planted("/tmp/turnrl-planted")),
+    Attempt("write", "another user's home", "attempt(lambda: open('{bait.home}/planted', 'w').write('x'))",
+            "try 'echo x > {bait.home}/planted'"),
+    Attempt("write", "/etc/cron.d", "attempt(lambda: open('/etc/cron.d/planted', 'w').write('x'))",
+            "try 'echo x > /etc/cron.d/planted'"),
+    Attempt("write", "native write into host /tmp (ctypes)",
+            "libc = ctypes.CDLL(None, use_errno=True)\nfd = libc.open(b'{bait.drop}/native', 0o101, 0o644)\n"
+            "print('OK' if fd >= 0 else 'NO', ctypes.get_errno())", None),
+    Attempt("write", "/dev/shm", "attempt(lambda: open('/dev/shm/turnrl-planted', 'w').write('x'))",
+            "try 'echo x > /dev/shm/turnrl-planted'", contained=planted("/dev/shm/turnrl-planted")),
+    Attempt("write", "rename a work-dir file into host /tmp",
+            "open('f', 'w').write('x')\nattempt(lambda: os.rename('f', '{bait.drop}/renamed'))",
+            "echo x > f\ntry 'mv f {bait.drop}/renamed'", contained=planted("{bait.drop}/renamed")),
+    Attempt("write", "chmod a host file", "attempt(lambda: os.chmod('{bait.note}', 0o777))",
+            "try 'chmod 777 {bait.note}'"),
+    Attempt("write", "/proc/sys/kernel/hostname", "attempt(lambda: open('/proc/sys/kernel/hostname', 'w').write('x'))",
+            "try 'echo x > /proc/sys/kernel/hostname'"),
+    # ---- exec ----
+    Attempt("exec", "subprocess.run(['id'])", "attempt(lambda: subprocess.run(['id'], check=True))",
+            None),
+    Attempt("exec", "os.system", "check(lambda: os.system('id') == 0)", None),
+    Attempt("exec", "ctypes system()", "check(lambda: ctypes.CDLL(None).system(b'true') == 0)", None),
+    Attempt("exec", "_posixsubprocess.fork_exec",
+            "import _posixsubprocess\npid = _posixsubprocess.fork_exec([b'/bin/true'], [b'/bin/true'], True, (), None,"
+            " None, -1, -1, -1, -1, -1, -1, *os.pipe(), True, False, 0, None, None, None, -1, None, False)\n"
+            "print('OK' if os.waitpid(pid, 0)[1] == 0 else 'NO')", None),
+    Attempt("exec", "os.execv('/bin/sh')", "attempt(lambda: os.execv('/bin/sh', ['sh', '-c', 'echo OK']))", None),
+    Attempt("exec", "a program outside the allow-list (this python)", None,
+            f"try '{os.path.realpath(sys.executable)} -c 1'"),
+    Attempt("exec", "a setuid-root program (su)", None, "try 'su -c id root </dev/null'"),
+    Attempt("exec", "programs of the allow-list (/usr/bin/id)", None, "try 'id -u'",
+            contained=lambda _b, _layers: True),  # allowed by design: a coding agent runs programs
+    # ---- network ----
+    Attempt("network", "TCP to 1.1.1.1:53", "attempt(lambda: socket.create_connection(('1.1.1.1', 53), 3))",
+            NODE_NET + " tcp 1.1.1.1 53"),
+    Attempt("network", "UDP to 8.8.8.8:53", "attempt(lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM)"
+            ".sendto(b'x', ('8.8.8.8', 53)))", NODE_NET + " udp 8.8.8.8 53"),
+    Attempt("network", "DNS lookup", "attempt(lambda: socket.getaddrinfo('example.com', 80))",
+            NODE_NET + " dns example.com 0"),
+    Attempt("network", "host loopback port not given", "attempt(lambda: socket.create_connection(('127.0.0.1', "
+            "{bait.port}), 3))", NODE_NET + " tcp 127.0.0.1 {bait.port}"),
+    Attempt("network", "abstract Unix socket of the host",
+            "s = socket.socket(socket.AF_UNIX)\nattempt(lambda: s.connect('\\0{bait.abstract}'))", None),
+    Attempt("network", "world-writable Unix socket in host /tmp",
+            "s = socket.socket(socket.AF_UNIX)\nattempt(lambda: s.connect('{bait.unix_path}'))",
+            NODE_NET + " unix {bait.unix_path} 0"),
+    # ---- process ----
+    Attempt("process", "kill the supervisor", "attempt(lambda: os.kill(os.getppid(), 9))",
+            "kill -9 $PPID 2>/dev/null; sleep 0.2; echo 'NO its init ignores it; the supervisor is not in sight'"),
+    Attempt("process", "kill the host's PID 1", "attempt(lambda: os.kill(1, 0) or os.kill(1, 9))", None),
+    Attempt("process", "kill every process it may (-1)", "attempt(lambda: os.kill(-1, 9))", "try 'kill -9 -1'",
+            contained=lambda bait, _layers: bait.sleeper.poll() is None),  # the host's bait process lives
+    Attempt("process", "ptrace the parent",
+            "libc = ctypes.CDLL(None, use_errno=True)\nr = libc.ptrace(16, os.getppid(), 0, 0)\n"
+            "print('OK' if r == 0 else 'NO', ctypes.get_errno())", None),
+    Attempt("process", "setuid(0)", "attempt(lambda: os.setuid(0))", None),
+    Attempt("process", "new user namespace, then read /etc/shadow as its root",
+            "libc = ctypes.CDLL(None, use_errno=True)\nmade = libc.unshare(0x10000000) == 0\n"
+            "attempt(lambda: (made, open('/etc/shadow').read(5)))", "try 'unshare -U -r head -c 5 /etc/shadow'",
+            True),
+    Attempt("process", "see the host's processes", "attempt(lambda: len(os.listdir('/proc')))",
+            "n=$(ls /proc | grep -c '^[0-9]'); [ $n -gt 20 ] && echo OK $n || echo NO only its own $n"),
+    Attempt("process", "outlive the run (setsid + sleep)",
+            "pid = os.fork()\nif pid == 0:\n    os.setsid()\n    time.sleep(60)\n    os._exit(0)\nprint('OK', pid)",
+            "setsid sleep 60 &\necho OK", contained=no_process_left),
+    Attempt("process", "fork bomb", "n = 0\ntry:\n    while n < 100000:\n        if os.fork() == 0:\n"
+            "            time.sleep(30)\n            os._exit(0)\n        n += 1\n    print('OK', n)\n"
+            "except OSError as e:\n    print('NO bounded after', n)",
+            "i=0; while [ $i -lt 3000 ]; do (sleep 30 &) 2>/dev/null || { echo NO bounded after $i; exit; }; "
+            "i=$((i+1)); done; echo OK $i"),
+    # ---- environment ----
+    Attempt("environment", "secret in the environment",
+            f"print('OK' if '{SECRET}' in str(os.environ) else 'NO', len(os.environ))",
+            f"env | grep -q {SECRET} && echo OK || echo NO"),
+    Attempt("environment", "the parent's environment (/proc/PPID/environ)",
+            "attempt(lambda: open(f'/proc/{os.getppid()}/environ').read())", "try 'cat /proc/$PPID/environ'", True),
+    Attempt("environment", "init's environment (/proc/1/environ)", "attempt(lambda: open('/proc/1/environ').read())",
+            "try 'cat /proc/1/environ'", True),
+    # ---- /proc ----
+    Attempt("/proc", "/proc/1/cmdline", "attempt(lambda: open('/proc/1/cmdline').read())", None, True),
+    Attempt("/proc", "/proc/self/mountinfo", "attempt(lambda: open('/proc/self/mountinfo').read())", None, True),
+    Attempt("/proc", "/proc/kcore", "attempt(lambda: open('/proc/kcore', 'rb').read(4))",
+            "try 'head -c 4 /proc/kcore'", True),
+    Attempt("/proc", "/proc/kallsyms addresses", "attempt(lambda: open('/proc/kallsyms').readline())",
+            "try 'head -1 /proc/kallsyms | grep -v ^0000000000000000'", True),
+    Attempt("/proc", "/sys/class/net", "attempt(lambda: os.listdir('/sys/class/net'))", "try 'ls /sys/class/net'",
+            True),
+]
 
 
 # ---- running them ----------------------------------------------------------------------------------------
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, counts = [], {name: Counter() for name in sandboxes}
     reads_outside = Counter()
     with baited_host() as bait, tempfile.TemporaryDirectory(prefix="turnrl-escape-task-") as task:
-        for attempt in attempts():
+        for attempt in ATTEMPTS:
             row = [attempt.category, attempt.name]
             for sandbox in sandboxes:
                 verdict, last = run_attempt(attempt, sandbox, bait, Path(task))

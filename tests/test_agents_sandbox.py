@@ -284,7 +284,7 @@ def test_doctor_prints_each_layer_and_the_allow_list():
 
 @pytest.mark.slow
 def test_every_escape_attempt_of_the_bench_fails(capsys, monkeypatch):
-    """bench/sandbox_escapes.py: 51 attempts against each sandbox (about a minute on 2 cores)."""
+    """bench/sandbox_escapes.py: 51 attempts against the Python tool, 39 against a command (about a minute)."""
     import importlib.util
 
     path = Path(__file__).resolve().parent.parent / "bench" / "sandbox_escapes.py"

@@ -25,6 +25,7 @@ machine enforces; docs/sandbox.md says what each layer covers and what it does n
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -240,10 +241,8 @@ def _chown_tree(root: Path, uid: int, gid: int) -> None:
     os.chown(root, uid, gid, follow_symlinks=False)
     for folder, dirs, files in os.walk(root):
         for name in dirs + files:
-            try:
+            with contextlib.suppress(FileNotFoundError):  # removed while we walked
                 os.chown(os.path.join(folder, name), uid, gid, follow_symlinks=False)
-            except FileNotFoundError:  # removed while we walked
-                pass
 
 
 def read_tail(path: Path, limit: int) -> tuple[str, bool]:

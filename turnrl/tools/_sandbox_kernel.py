@@ -169,9 +169,8 @@ def unshare(flags):
 
 
 def _mount(source, target, fstype, flags, data=None):
-    enc = (lambda s: None if s is None else s.encode())
-    _check(_libc().mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
-           f"mount({target})")
+    source, target_b, fstype, data = (None if s is None else s.encode() for s in (source, target, fstype, data))
+    _check(_libc().mount(source, target_b, fstype, ctypes.c_ulong(flags), data), f"mount({target})")
 
 
 def private_mounts():
