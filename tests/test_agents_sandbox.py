@@ -254,6 +254,8 @@ def test_a_machine_that_cannot_enforce_it_is_named_and_weak_runs_anyway(task, ho
     ({"argv": "ls -la"}, "argv: expected a non-empty list of strings"),
     ({"argv": []}, "argv: expected a non-empty list of strings"),
     ({"cwd": "/no/such/task"}, "cwd: '/no/such/task' is not an existing directory"),
+    ({"cwd": "/tmp"}, "cwd: '/tmp' is shared with every other program; give the run a directory of its own"),
+    ({"write_paths": ["/home"]}, "write_paths: '/home' is shared with every other program"),
     ({"network": "internet"}, "network: expected 'none' or 'loopback', got 'internet'"),
     ({"ports": [70000]}, r"ports: expected TCP port numbers \(1-65535\)"),
     ({"ports": [8000], "network": "none"}, "ports: loopback ports can only be reached with network='loopback'"),

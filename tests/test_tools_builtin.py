@@ -543,3 +543,40 @@ def test_a_world_writable_unix_socket_in_the_hosts_tmp_is_out_of_reach(world_wri
                "except OSError as e:\n    print(type(e).__name__)"
         result = run(code)
     assert result.stdout.strip() == "FileNotFoundError", result.stderr
+
+
+SYSTEM_PYTHON = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else None
+
+
+@pytest.mark.skipif(not IS_ROOT or SYSTEM_PYTHON is None, reason="needs root to become another user, /usr/bin/python3")
+@needs_landlock
+def test_a_non_root_parent_gets_reads_by_allow_list_too(world_writable):
+    """The child program started by an unprivileged user (nobody, with the system's python): no uid to drop to,
+    but Landlock needs no privileges: /etc/shadow's permissions would refuse anyway, /etc/passwd's would not;
+    and (ABI 6+) the code cannot signal its supervisor, which runs as the same user."""
+    import json
+    import subprocess
+
+    from turnrl.tools import sandbox
+
+    for name in ("_sandbox_child.py", "_sandbox_kernel.py"):  # where nobody can read them
+        (world_writable / name).write_text(Path(sandbox._CHILD_PROGRAM).with_name(name).read_text())
+    work = world_writable / "work"
+    work.mkdir()
+    os.chown(work, 65534, 65534)
+    code = ("import os\nfor p in ['/etc/passwd', '/etc/group', '.']:\n    try:\n        open(p) if p != '.' else "
+            "os.listdir(p)\n        print(p, 'READ')\n    except OSError as e:\n        print(p, e.errno)\n"
+            "try:\n    os.kill(os.getppid(), 0)\n    print('signal sent')\nexcept OSError as e:\n    print('signal', e.errno)")
+    report_r, report_w = os.pipe()
+    config = {**sandbox._python_config(code, FAST, str(work), None), "report_fd": report_w}
+    (world_writable / "config.json").write_text(json.dumps(config))
+    done = subprocess.run([SYSTEM_PYTHON, "-I", "-B", "-u", str(world_writable / "_sandbox_child.py"),
+                           str(world_writable / "config.json")], cwd=work, user=65534, group=65534, extra_groups=[],
+                          pass_fds=(report_w,), capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin"})
+    os.close(report_w)
+    with os.fdopen(report_r) as report:
+        layers = json.loads(report.readline())["layers"]
+    assert layers["uid"] is None and layers["landlock"] >= 1 and layers["read_paths"], done.stderr
+    assert done.stdout.split("\n")[:3] == ["/etc/passwd 13", "/etc/group 13", ". READ"], done.stderr
+    if layers["landlock"] >= 6:
+        assert done.stdout.split("\n")[3] == "signal 1"

@@ -188,10 +188,17 @@ def _check_arguments(argv: Sequence[str], network: str, ports: Sequence[int], ti
 
 
 def _checked_dir(path: str | Path, name: str) -> Path:
+    """An existing directory of the run's own: not one every program shares (/, /tmp, /home...)."""
     resolved = Path(path).resolve()
     if not resolved.is_dir():
         raise ValueError(f"{name}: {str(path)!r} is not an existing directory")
+    if str(resolved) in _SHARED_DIRS:
+        raise ValueError(f"{name}: {str(resolved)!r} is shared with every other program; give the run a directory "
+                         "of its own (e.g. a fresh one beneath it)")
     return resolved
+
+
+_SHARED_DIRS = frozenset({"/", "/tmp", "/var/tmp", "/run", "/dev/shm", "/home", "/root", "/etc", "/usr", "/var"})
 
 
 def _command_env(home: Path, env: dict[str, str] | None) -> dict[str, str]:

@@ -127,7 +127,7 @@ def _private_dirs(paths, size_mb=None):
     /dev/shm of `size_mb` for a command, else empty and read-only to the run (the Python tool writes only its
     work dir)."""
     for directory in PRIVATE_DIRS:
-        if os.path.isdir(directory) and not os.path.islink(directory):
+        if os.path.isdir(directory) and not os.path.islink(directory) and directory not in paths:
             writable = size_mb is not None and directory in ("/tmp", "/dev/shm")
             options = f"mode=1777,size={size_mb}m" if writable else "mode=0755,size=1m"
             kernel.cover(directory, [p for p in paths if p.startswith(directory + "/")], options)
