@@ -157,7 +157,7 @@ def _sandbox_user(weak: bool) -> int | None:
 
 @contextmanager
 def _temp_dir(prefix: str, base_dir: str | None) -> Iterator[Path]:
-    """A fresh directory only root can enter (mode 0700), removed with everything in it afterwards."""
+    """A fresh directory only its creator can enter (mode 0700), removed with everything in it afterwards."""
     with tempfile.TemporaryDirectory(prefix=prefix, dir=base_dir, ignore_cleanup_errors=True) as path:
         yield Path(path)
 
@@ -254,11 +254,13 @@ def _chown_tree(root: Path, uid: int, gid: int) -> None:
 
 def read_tail(path: Path, limit: int) -> tuple[str, bool]:
     """The last `limit` characters of the file, after a note saying how much was cut when it is longer."""
-    size = path.stat().st_size if path.exists() else 0
-    with open(path, "rb") if size else open(os.devnull, "rb") as f:
+    if not path.exists():
+        return "", False
+    size = path.stat().st_size
+    with open(path, "rb") as f:
         f.seek(max(size - 4 * limit, 0))  # bytes that surely hold `limit` characters of UTF-8
         text = f.read().decode(errors="replace")
-    if size <= limit and len(text) <= limit:
+    if len(text) <= limit and size <= 4 * limit:
         return text, False
     return f"...[output truncated: {size} bytes in total; the last {limit} characters follow]...\n" + text[-limit:], True
 

@@ -69,7 +69,7 @@ def _setup_supervisor(cfg):
         if current_hard != resource.RLIM_INFINITY:  # a non-root parent cannot raise its hard limits
             soft, hard = min(soft, current_hard), min(hard, current_hard)
         resource.setrlimit(getattr(resource, name), (soft, hard))
-    layers = {"rlimits": True, "netns": False, "no_new_privs": False, "subreaper": False}
+    layers = {"rlimits": True, "netns": False, "mountns": False, "no_new_privs": False, "subreaper": False}
     if LINUX:
         libc = kernel._libc()
         if cfg["mode"] == "python" and cfg["network_namespace"]:  # a command's worker makes its own

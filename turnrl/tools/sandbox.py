@@ -241,8 +241,8 @@ def unrestricted_reads_note(layers: dict[str, Any]) -> str:
         return ("reads are NOT restricted (the kernel has no Landlock) and " + why + ": sandboxed code can read "
                 "EVERY file on this machine (/etc/shadow, /root, SSH keys, tokens in dotfiles)")
     return ("reads are NOT restricted (the kernel has no Landlock): sandboxed code can read every file that other "
-            "users may read (world-readable files in /home, /tmp, /etc, /proc, including other processes' command "
-            "lines); /etc/shadow and private files stay unreadable")
+            "users may read (world-readable files in /home, /etc and /proc, including other processes' command lines, "
+            "and in /tmp unless the run has its own); /etc/shadow and private files stay unreadable")
 
 
 # ---- launching the supervisor (shared with turnrl.agents.sandbox) ---------------------------------------
@@ -295,13 +295,14 @@ def _spawn_and_wait(how: Launch, report_w: int) -> tuple[int, bool, float]:
     """Start the supervisor and wait for it; SIGKILL its process group if it overstays."""
     argv = [how.python, "-I", "-B", "-u", _CHILD_PROGRAM, str(Path(how.control, "config.json"))]
     start = time.monotonic()
-    names = ("output", "output") if how.merge_output else ("stdout", "stderr")
-    with open(Path(how.control, names[0]), "wb") as out, open(Path(how.control, names[1]), "ab") as err:
+    with contextlib.ExitStack() as files:
+        out = files.enter_context(open(Path(how.control, "output" if how.merge_output else "stdout"), "wb"))
+        err = out if how.merge_output else files.enter_context(open(Path(how.control, "stderr"), "wb"))
         proc = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
             stdout=out,
-            stderr=out if how.merge_output else err,
+            stderr=err,
             cwd=how.cwd,
             env=how.env,
             start_new_session=True,  # its own process group, killed as a whole by the backstop
@@ -501,8 +502,8 @@ def make_python_tool(
     read_paths: Sequence[str] = (),
 ) -> FunctionTool:
     """A `FunctionTool` `name(code: str)` running code with these `SandboxLimits`. Its result carries
-    metrics exit_code, timed_out, wall_s, truncated. `read_paths` (a tool config's `sandbox.read_paths`) are
-    what the code may read besides the interpreter, the system libraries and its work dir."""
+    metrics exit_code, timed_out, wall_s, truncated. `read_paths` are what the code may read besides the
+    interpreter, the system libraries and its work dir."""
     limits = SandboxLimits(
         timeout_s=timeout_s,
         cpu_s=cpu_s,
