@@ -1,7 +1,6 @@
-"""The shape figures of turnrl/ (issue 10): line count, the turn loop's length and branch nodes, functions over
-60 lines, the longest bodies, and the share of public functions with full annotations; (issue 22) the lines of
-the classes Trainer and Learner, `cfg.` reads in train/learner.py, private methods a class overrides from a
-turnrl base class, and modules over 800 lines.
+"""The shape figures of turnrl/: size, the turn loop, long functions and classes, and the layout rules of the
+structure issue (top-level modules, large modules, private-method overrides, API string comparisons in serve/,
+config reads in the learner, imports that run upward, cycles).
 
     python scripts/code_stats.py
 """
@@ -9,18 +8,22 @@ turnrl base class, and modules over 800 lines.
 from __future__ import annotations
 
 import ast
+import re
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "turnrl"
 BRANCHES = (ast.If, ast.For, ast.While, ast.Try, ast.With, ast.Match, ast.IfExp, ast.BoolOp)
+LARGE_OK = {"turnrl/render.py", "turnrl/engines/embedded.py"}  # single-purpose; the structure issue keeps them whole
+CLASSES = ("Trainer", "Learner")
+# What may import turnrl.compat: the CLI and the loaders (user code is loaded by path and imports it itself).
+COMPAT_IMPORTERS = {"turnrl.cli", "turnrl.build", "turnrl.loading"}
 
 
-def main() -> None:
-    total, long, bodies, public, annotated = 0, [], [], 0, 0
-    for path in sorted(ROOT.rglob("*.py")):
-        source = path.read_text()
-        total += len(source.splitlines())
-        for node in ast.walk(ast.parse(source)):
+def functions(trees: dict[Path, ast.Module]) -> None:
+    long, bodies, public, annotated = [], [], 0, 0
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
             if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 continue
             where = f"{path.relative_to(ROOT.parent)}:{node.name}"
@@ -35,55 +38,71 @@ def main() -> None:
             if node.name == "_turn_loop":
                 branches = sum(isinstance(x, BRANCHES) for x in ast.walk(node))
                 print(f"_turn_loop: {length} lines, {branches} branch nodes")
-    print(f"turnrl/ lines: {total:,}")
     print(f"functions over 60 lines: {sorted(long, reverse=True)}")
     print(f"longest bodies (signature excluded): {sorted(bodies, reverse=True)[:3]}")
     print(f"public functions fully annotated: {annotated}/{public} ({annotated / public:.0%})")
-    trees = {path: ast.parse(path.read_text()) for path in sorted(ROOT.rglob("*.py"))}
-    for name in ("Trainer", "Learner"):
-        print(f"class {name}: {', '.join(class_lines(trees, name)) or 'none'}")
-    learner = ROOT / "train" / "learner.py"
-    print(f"cfg. reads in {learner.relative_to(ROOT.parent)}: {cfg_reads(trees[learner]) if learner in trees else 'no file'}")
-    print(f"private-method overrides across classes: {private_overrides(trees) or 0}")
-    big = sorted((len(p.read_text().splitlines()), str(p.relative_to(ROOT.parent))) for p in trees)
-    print(f"modules over 800 lines: {[(n, p) for n, p in big if n > 800][::-1]}")
 
 
-def class_lines(trees: dict[Path, ast.Module], name: str) -> list[str]:
-    """'N lines (module)' for every class called `name`."""
-    return [f"{node.end_lineno - node.lineno + 1} lines ({path.relative_to(ROOT.parent)})"
-            for path, tree in trees.items() for node in tree.body if isinstance(node, ast.ClassDef) and node.name == name]
-
-
-def cfg_reads(tree: ast.Module) -> int:
-    """Attribute reads off a config object: `cfg.x` or `self.cfg.x`."""
-    return sum(isinstance(n, ast.Attribute) and (isinstance(n.value, ast.Name) and n.value.id == "cfg"
-                                                 or isinstance(n.value, ast.Attribute) and n.value.attr == "cfg")
-               for n in ast.walk(tree))
-
-
-def private_overrides(trees: dict[Path, ast.Module]) -> list[str]:
-    """`Class._method` for each private (single-underscore) method a class defines that a turnrl class it
-    inherits from (by name, transitively) defines too."""
-    classes: dict[str, list[tuple[set[str], list[str]]]] = {}
-    for tree in trees.values():
+def classes(trees: dict[Path, ast.Module]) -> None:
+    """Class lengths, and private methods that a subclass defined in turnrl/ overrides."""
+    defined: dict[str, tuple[ast.ClassDef, Path]] = {}
+    for path, tree in trees.items():
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
-                methods = {f.name for f in node.body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)}
-                bases = [b.id if isinstance(b, ast.Name) else b.attr for b in node.bases
-                         if isinstance(b, ast.Name | ast.Attribute)]
-                classes.setdefault(node.name, []).append((methods, bases))
+                defined.setdefault(node.name, (node, path))
+    sizes = {name: node.end_lineno - node.lineno + 1 for name, (node, _) in defined.items()}
+    print("class lines: " + ", ".join(f"{name} {sizes.get(name, '-')}" for name in CLASSES))
+    overrides = []
+    for name, (node, path) in defined.items():
+        mine = {m.name for m in node.body if isinstance(m, ast.FunctionDef | ast.AsyncFunctionDef)}
+        for base in node.bases:
+            parent = defined.get(base.id) if isinstance(base, ast.Name) else None
+            if parent is None:
+                continue
+            theirs = {m.name for m in parent[0].body if isinstance(m, ast.FunctionDef | ast.AsyncFunctionDef)}
+            overrides += [f"{name}.{m} (over {base.id})" for m in mine & theirs
+                          if m.startswith("_") and not m.startswith("__")]
+    print(f"private methods overridden across classes: {len(overrides)} {sorted(overrides)}")
 
-    def inherited(bases: list[str], seen: set[str]) -> set[str]:
-        out: set[str] = set()
-        for base in bases:
-            if base in classes and base not in seen:
-                for methods, more in classes[base]:
-                    out |= methods | inherited(more, seen | {base})
-        return out
 
-    return sorted(f"{name}.{m}" for name, defs in classes.items() for methods, bases in defs
-                  for m in methods & inherited(bases, {name}) if m.startswith("_") and not m.startswith("__"))
+def modules(trees: dict[Path, ast.Module], lines: dict[Path, int]) -> None:
+    top = sorted(p.name for p in ROOT.glob("*.py") if p.name != "__init__.py")
+    print(f"top-level modules in turnrl/: {len(top)} ({', '.join(top)})")
+    large = sorted((n, str(p.relative_to(ROOT.parent))) for p, n in lines.items() if n > 800)
+    print(f"modules over 800 lines: {large} (allowed: {', '.join(sorted(LARGE_OK))})")
+    serve = ROOT / "serve"
+    api_compare = re.compile(r"""\bapi\w*\s*(==|!=|\bin\b)\s*[("'\[{]""")
+    hits = [f"{p.name}:{i}" for p in sorted(serve.glob("*.py"))
+            for i, line in enumerate(p.read_text().splitlines(), 1) if api_compare.search(line)]
+    print(f"string comparisons choosing an API in serve/: {len(hits)} {hits}")
+    learner = ROOT / "train" / "learner.py"
+    if learner.exists():
+        reads = [i for i, line in enumerate(learner.read_text().splitlines(), 1) if re.search(r"\bcfg\.", line)]
+        print(f"`cfg.` reads in train/learner.py: {len(reads)} {reads}")
+
+
+def imports(trees: dict[Path, ast.Module]) -> None:
+    """Imports of turnrl.compat from the core (everything but the CLI and the loaders), and import cycles."""
+    sys.path.insert(0, str(ROOT.parent / "tests"))
+    from test_imports import cycles, import_graph
+
+    graph = import_graph(ROOT)
+    upward = sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
+                    if t.startswith("turnrl.compat") and not m.startswith("turnrl.compat") and m not in COMPAT_IMPORTERS)
+    print(f"imports that run upward (core -> compat): {len(upward)} {upward}")
+    print(f"import cycles (function-level imports counted): {len(cycles(graph))}")
+
+
+def main() -> None:
+    paths = sorted(ROOT.rglob("*.py"))
+    sources = {p: p.read_text() for p in paths}
+    trees = {p: ast.parse(s) for p, s in sources.items()}
+    lines = {p: len(s.splitlines()) for p, s in sources.items()}
+    print(f"turnrl/ lines: {sum(lines.values()):,} in {len(paths)} files")
+    functions(trees)
+    classes(trees)
+    modules(trees, lines)
+    imports(trees)
 
 
 if __name__ == "__main__":

@@ -89,9 +89,7 @@ def build_engine(model: torch.nn.Module | None, cfg: EngineConfig, eos_token_ids
     if cfg.kind == "vllm" and not cfg.urls:
         return build_vllm_engine(cfg, model_path, eos_token_ids)
     if cfg.kind != "embedded":
-        from turnrl.engines import build_server_engine
-
-        return build_server_engine(cfg)
+        return _server_engine(cfg)
     from turnrl.engines.embedded import EmbeddedEngine
 
     if model is None:
@@ -121,6 +119,39 @@ def build_vllm_engine(cfg: EngineConfig, model_path: str | None, eos_token_ids: 
         raise ConfigError("engine.kind=vllm runs one in-process vLLM engine; for replicas, start `vllm serve` "
                           "servers and list them in engine.urls")
     return VLLMEngine(resolve_model(model_path), eos_token_ids=eos_token_ids, max_num_seqs=cfg.max_batch_size)
+
+
+def _server_engine(cfg: EngineConfig) -> Engine:
+    """An Engine for `engine.kind` http, sglang or vllm (with urls): one client per URL in `engine.urls`, behind a
+    Router when there are several. `weights_dir` is where SGLang and vLLM
+    server clients write pushed weights for their servers to load (a sub-folder per replica)."""
+    from turnrl.engines.router import Router
+
+    if not cfg.urls:
+        raise ValueError(f"engine.urls is required for engine.kind={cfg.kind!r} (one server URL per replica)")
+    replicas: list[Any]
+    if cfg.kind == "http":
+        from turnrl.engines.http import HttpEngine
+
+        replicas = [HttpEngine(url) for url in cfg.urls]
+    elif cfg.kind == "sglang":
+        from turnrl.engines.sglang import SGLangEngine
+
+        replicas = [SGLangEngine(url, weights_dir=_replica_dir(cfg, i)) for i, url in enumerate(cfg.urls)]
+    elif cfg.kind == "vllm":
+        from turnrl.engines.vllm import VLLMServerEngine
+
+        replicas = [VLLMServerEngine(url, weights_dir=_replica_dir(cfg, i)) for i, url in enumerate(cfg.urls)]
+    else:
+        raise ValueError(f"engine.kind={cfg.kind!r} has no server client here; use http, sglang or vllm")
+    return replicas[0] if len(replicas) == 1 else Router(replicas)
+
+
+def _replica_dir(cfg: EngineConfig, index: int) -> str | None:
+    """A folder per replica: they write concurrently when the router broadcasts an update."""
+    if cfg.weights_dir is None:
+        return None
+    return cfg.weights_dir if len(cfg.urls) == 1 else f"{cfg.weights_dir}/replica{index}"
 
 
 def build_renderer(tokenizer: Any, cfg: RolloutConfig) -> ChatRenderer:

@@ -1,4 +1,4 @@
-"""`turnrl rollout | train | sft | eval | export | serve | view | replay`."""
+"""`turnrl rollout | train | sft | eval | export | serve | view | replay | doctor`."""
 
 from __future__ import annotations
 
@@ -504,6 +504,19 @@ def replay_command(
     console.print(verdict(report), soft_wrap=True)
     if not report.tokens_equal:
         raise typer.Exit(1)
+
+
+@app.command()
+def doctor(
+    sandbox: Annotated[bool, Opt("--sandbox", help="Check the sandboxes (the Python tool's and harness agents').")]
+    = False,
+) -> None:
+    """Check what this machine enforces. `--sandbox` (the only check so far): each sandbox layer's state, the read
+    allow-list in force, and what stays readable where Landlock is missing (docs/sandbox.md)."""
+    from turnrl.agents.sandbox import doctor_rows
+
+    for layer, state in doctor_rows():
+        console.print(f"[bold]{layer}[/bold]: " + state.replace("\n", "\n    "), soft_wrap=True, highlight=False)
 
 
 @app.command()
