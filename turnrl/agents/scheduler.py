@@ -64,7 +64,7 @@ from typing import Any, TypeVar
 
 from turnrl.calling import maybe_await
 from turnrl.data import prompt_messages
-from turnrl.envs.base import EpisodeEnv
+from turnrl.envs.base import EpisodeEnv, maybe_await
 from turnrl.multimodal import IMAGE_PLACEHOLDER, image_ref, split_placeholders
 from turnrl.rollout.episode import Episode, EpisodeEnd, RolloutContext, drive
 from turnrl.rollout.manager import Agent

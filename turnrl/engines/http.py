@@ -40,7 +40,7 @@ import torch
 from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save as save_safetensors_bytes
 
-from turnrl.engines.base import EngineError, InvalidRequest, NamedTensors
+from turnrl.engines.base import EngineError, InvalidRequest, NamedTensors, check_pause
 from turnrl.observe.watchdog import abandon_after
 from turnrl.types import (
     JSON_SAMPLING_RULES,
@@ -150,6 +150,18 @@ class WeightsFolder:
     def __init__(self, folder: str | os.PathLike):
         self.folder = Path(folder)
         self.parts = 0  # buckets written of the update in progress
+        self.pause = "keep"  # of the update in progress (given with its first bucket)
+
+    async def stage(self, named_tensors: NamedTensors, final: bool, pause: str | None) -> str | None:
+        """Write one bucket of an update; `pause` comes with the first bucket. At the final bucket, return the
+        update's pause mode (the server reloads the folder now, pausing its requests that way); else None."""
+        if pause is not None:
+            self.pause = check_pause(pause)
+        await self.write(named_tensors, final)
+        if not final:
+            return None
+        mode, self.pause = self.pause, "keep"
+        return mode
 
     async def write(self, named_tensors: NamedTensors, final: bool) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)

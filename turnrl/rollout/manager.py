@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from turnrl.calling import maybe_await
 from turnrl.engines.base import Engine
-from turnrl.envs.base import EnvFactory, EnvThreads
+from turnrl.envs.base import EnvFactory, EnvThreads, maybe_await
 from turnrl.observe.watchdog import Watchdog
 from turnrl.render import ChatRenderer, SanityMode
 from turnrl.rollout.episode import RolloutContext, RolloutLimits
