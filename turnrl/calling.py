@@ -21,11 +21,6 @@ from typing import Any
 from turnrl.types import SegmentSource, Trajectory
 
 
-async def maybe_await(value: Any) -> Any:
-    """What user code returned, awaited when it is awaitable: a hook or reward function may be sync or async."""
-    return await value if inspect.isawaitable(value) else value
-
-
 class SampleStatus(enum.Enum):
     """slime's `Sample.Status`."""
 
@@ -140,7 +135,9 @@ def reward_caller(fn: Callable[..., Any], name: str, tokenizer: Any = None, labe
 
     async def call(traj: Trajectory) -> Any:
         sample = reward_sample(traj, tokenizer, label_key)
-        value = await maybe_await(fn(args, [sample] if batched else sample))
+        value = fn(args, [sample] if batched else sample)
+        if inspect.isawaitable(value):
+            value = await value
         if batched:
             if not isinstance(value, list | tuple) or len(value) != 1:
                 raise TypeError(f"batched reward function {name!r} got 1 sample and returned {value!r:.80}; "

@@ -48,8 +48,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
-from turnrl.calling import maybe_await
 from turnrl.engines.base import Engine
+from turnrl.envs.base import maybe_await
 from turnrl.loading import load_object
 from turnrl.observe.watchdog import abandon_after
 from turnrl.render import ChatRenderer

@@ -62,7 +62,6 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from turnrl.calling import maybe_await
 from turnrl.data import prompt_messages
 from turnrl.envs.base import EpisodeEnv, maybe_await
 from turnrl.multimodal import IMAGE_PLACEHOLDER, image_ref, split_placeholders

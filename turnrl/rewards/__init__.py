@@ -36,7 +36,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from turnrl.calling import maybe_await, reward_arguments, reward_caller
+from turnrl.calling import reward_arguments, reward_caller
 from turnrl.rewards.math import last_boxed, math_equal, reference_parses
 from turnrl.types import Trajectory
 
@@ -177,6 +177,9 @@ def load_reward_fn(spec: str, format_weight: float = 0.0, *, tokenizer: Any = No
     fmt = bind_reward(format_reward)
 
     async def combined(traj: Trajectory) -> float:
-        return float(await maybe_await(main(traj))) + format_weight * fmt(traj)
+        value = main(traj)
+        if inspect.isawaitable(value):
+            value = await value
+        return float(value) + format_weight * fmt(traj)
 
     return combined

@@ -13,7 +13,6 @@ import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
-from turnrl.calling import maybe_await
 from turnrl.engines.base import Engine
 from turnrl.envs.base import EnvFactory, EnvThreads, maybe_await
 from turnrl.observe.watchdog import Watchdog

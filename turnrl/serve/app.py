@@ -3,15 +3,9 @@
     turnrl serve --model tiny-qwen3                        # 127.0.0.1:8000, no token needed
     turnrl serve --model M --host 0.0.0.0 --token SECRET   # any other bind address requires a token
 
-This module builds the app (`create_app`), its middleware and runs it (`run_server`, `ServerThread`); the routes
-live next to it (docs/serving.md has every endpoint):
-    engine_routes.py   the token level, what `HttpEngine` speaks (/generate, /update_weights, /sleep, /wake_up,
-                       /release), and the rollout server's /rollout
-    chat_routes.py     the chat APIs at the root (/v1/...) and per session (/sessions/<id>/v1/...), the session
-                       rule, server-sent events; each API is a module: openai.py, responses.py, anthropic.py
-    sessions.py        ChatProxy: what the chat APIs record (sessions, exact tokens, trajectories)
-    GET /health        -> {status, model, policy_version, sessions, rollout}
-    GET /v1/models, /v1/models/<model>
+This module builds the app (`create_app`: GET /health, GET /v1/models and /v1/models/<model>, the middleware) and
+runs it (`run_server`, `ServerThread`); the routes live next to it (turnrl/serve/__init__.py lists the modules,
+docs/serving.md every endpoint).
 
 Bodies over `--max-body-mb` (8 by default; /update_weights exempt) get a 413 before they are read; bodies over
 1 MB are parsed, and conversations tokenised, off the event loop. Authentication: with a token (`--token` or

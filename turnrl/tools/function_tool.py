@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union, overload
 
-from turnrl.calling import maybe_await
 from turnrl.loading import load_module
 
 # ---- results ---------------------------------------------------------------------------------------
@@ -460,7 +459,9 @@ class FunctionTool:
             value = await self.fn(**arguments)
         else:
             value = await asyncio.to_thread(self.fn, **arguments)
-        return await maybe_await(value)
+        if inspect.isawaitable(value):
+            value = await value
+        return value
 
 
 def _check_signature_accepts(fn: Callable[..., Any], schema: dict[str, Any], where: str) -> None:
