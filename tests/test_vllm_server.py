@@ -20,8 +20,8 @@ import httpx
 import pytest
 import torch
 
+from turnrl.build import build_engine
 from turnrl.config import ConfigError, EngineConfig
-from turnrl.engines import build_server_engine
 from turnrl.engines.base import EngineError
 from turnrl.engines.router import Router
 from turnrl.engines.vllm import VLLMServerEngine
@@ -110,9 +110,9 @@ async def test_images_are_refused():
 
 # ---- config wiring ---------------------------------------------------------------------------------
 def test_engine_kind_vllm_with_urls_builds_server_clients():
-    one = build_server_engine(EngineConfig(kind="vllm", urls=["http://a:1"]))
+    one = build_engine(None, EngineConfig(kind="vllm", urls=["http://a:1"]))
     assert isinstance(one, VLLMServerEngine) and one.base_url == "http://a:1"
-    many = build_server_engine(EngineConfig(kind="vllm", urls=["http://a:1", "http://b:2"]))
+    many = build_engine(None, EngineConfig(kind="vllm", urls=["http://a:1", "http://b:2"]))
     assert isinstance(many, Router) and all(isinstance(r.engine, VLLMServerEngine) for r in many._replicas.values())
 
 

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from turnrl.rewards.judge import Judge
+    from turnrl.train.learner import Learner, LearnerOptions
     from turnrl.train.loop import Trainer
     from turnrl.train.parallel import Parallel
     from turnrl.train.sft import SFTTrainer
@@ -88,9 +89,7 @@ def build_engine(model: torch.nn.Module | None, cfg: EngineConfig, eos_token_ids
     if cfg.kind == "vllm" and not cfg.urls:
         return build_vllm_engine(cfg, model_path, eos_token_ids)
     if cfg.kind != "embedded":
-        from turnrl.engines import build_server_engine
-
-        return build_server_engine(cfg)
+        return _server_engine(cfg)
     from turnrl.engines.embedded import EmbeddedEngine
 
     if model is None:
@@ -120,6 +119,40 @@ def build_vllm_engine(cfg: EngineConfig, model_path: str | None, eos_token_ids: 
         raise ConfigError("engine.kind=vllm runs one in-process vLLM engine; for replicas, start `vllm serve` "
                           "servers and list them in engine.urls")
     return VLLMEngine(resolve_model(model_path), eos_token_ids=eos_token_ids, max_num_seqs=cfg.max_batch_size)
+
+
+def _server_engine(cfg: EngineConfig) -> Engine:
+    """An Engine for `engine.kind` http, sglang or vllm (with urls): one client per URL in `engine.urls`, behind a
+    Router when there are several. `weights_dir` is where SGLang and vLLM
+    server clients write pushed weights for their servers to load (a sub-folder per replica)."""
+    from turnrl.engines.router import Router
+
+    if not cfg.urls:
+        raise ValueError(f"engine.urls is required for engine.kind={cfg.kind!r} (one server URL per replica)")
+    replicas: list[Any]
+    probe = {"probe_after_s": cfg.probe_after_s, "probe_timeout_s": cfg.probe_timeout_s}  # a dead server fails fast
+    if cfg.kind == "http":
+        from turnrl.engines.http import HttpEngine
+
+        replicas = [HttpEngine(url, **probe) for url in cfg.urls]
+    elif cfg.kind == "sglang":
+        from turnrl.engines.sglang import SGLangEngine
+
+        replicas = [SGLangEngine(url, weights_dir=_replica_dir(cfg, i), **probe) for i, url in enumerate(cfg.urls)]
+    elif cfg.kind == "vllm":
+        from turnrl.engines.vllm import VLLMServerEngine
+
+        replicas = [VLLMServerEngine(url, weights_dir=_replica_dir(cfg, i), **probe) for i, url in enumerate(cfg.urls)]
+    else:
+        raise ValueError(f"engine.kind={cfg.kind!r} has no server client here; use http, sglang or vllm")
+    return replicas[0] if len(replicas) == 1 else Router(replicas)
+
+
+def _replica_dir(cfg: EngineConfig, index: int) -> str | None:
+    """A folder per replica: they write concurrently when the router broadcasts an update."""
+    if cfg.weights_dir is None:
+        return None
+    return cfg.weights_dir if len(cfg.urls) == 1 else f"{cfg.weights_dir}/replica{index}"
 
 
 def build_renderer(tokenizer: Any, cfg: RolloutConfig) -> ChatRenderer:
@@ -380,9 +413,37 @@ def build_trainer(cfg: TrainConfig, *, checkpoint: Path | None = None, console: 
         run_dir = Path(cfg.run_dir or cfg.output_dir)
         metric_loggers = build_loggers(cfg.trainer.loggers, run_dir, cfg.model_dump(mode="json"), stack.tracer,
                                        project=Path(cfg.output_dir).name if cfg.run_dir else None)
-    trainer = Trainer(cfg, policy, stack.engine, stack.rollout, train_rows, eval_rows, console, stack.tracer,
-                      parallel=parallel, loggers=metric_loggers)
+    trainer = Trainer(cfg, build_learner(cfg, policy, parallel), stack.engine, stack.rollout, train_rows, eval_rows,
+                      console, stack.tracer, loggers=metric_loggers)
     return trainer, stack
+
+
+def build_learner(cfg: TrainConfig, policy: torch.nn.Module, parallel: Parallel | None = None) -> Learner:
+    """The policy as `cfg` trains it (turnrl.train.learner) over `parallel` (None: `Parallel.start` from
+    torchrun's environment, or one process)."""
+    from turnrl.train.learner import Learner
+    from turnrl.train.parallel import Parallel
+
+    return Learner(policy, parallel or Parallel.start(cfg.trainer, cfg.device), learner_options(cfg))
+
+
+def learner_options(cfg: TrainConfig) -> LearnerOptions:
+    """The Learner's options from `cfg`'s optim, algo, trainer and weight_sync. RL's logprobs are at the sampling
+    temperature (the engine's distribution) with a KL reference when algo.kl_coef > 0; SFT's (an SFTConfig)
+    at temperature 1, without a reference."""
+    from turnrl.models import DTYPES
+    from turnrl.train.learner import LearnerOptions
+    from turnrl.train.lora import apply_lora
+
+    o, a, t, sft = cfg.optim, cfg.algo, cfg.trainer, isinstance(cfg, SFTConfig)
+    return LearnerOptions(
+        lr=o.lr, betas=o.betas, weight_decay=o.weight_decay, warmup_steps=o.warmup_steps, lr_scale=o.lr_scale,
+        freeze=tuple(o.freeze), epochs=o.epochs, mini_batches=o.mini_batches, micro_batch_tokens=o.micro_batch_tokens,
+        grad_clip=o.grad_clip, gradient_checkpointing=o.gradient_checkpointing, loss_agg=a.loss_agg,
+        norm_constant=a.norm_constant, temperature=1.0 if sft else (cfg.rollout.sampling.temperature or 1.0),
+        kl_reference=a.kl_coef > 0 and not sft, dtype=DTYPES[cfg.dtype], cpu_offload=t.cpu_offload, seed=cfg.seed,
+        sync_bucket_bytes=int(cfg.weight_sync.bucket_mb * 2**20), sync_pause=cfg.weight_sync.pause,
+        lora=None if t.lora is None else functools.partial(apply_lora, cfg=t.lora))
 
 
 def build_sft(cfg: SFTConfig, *, console: Console | None = None,
@@ -403,8 +464,8 @@ def build_sft(cfg: SFTConfig, *, console: Console | None = None,
         stack = build_stack(cfg.model, cfg.rollout, cfg.engine, reward=cfg.reward, dtype=cfg.dtype)
     else:
         renderer, _ = build_policy_renderer(cfg.model, cfg.rollout)
-        tracer = TrajectoryTracer.from_config(cfg.rollout, renderer.tokenizer) if parallel.is_main else \
-            TrajectoryTracer(None)
+        tracer = (TrajectoryTracer.from_config(cfg.rollout, renderer.tokenizer) if parallel.is_main
+                  else TrajectoryTracer(None))
         stack = Stack(None, renderer, None, tracer)
     try:
         toolset = _sft_toolset(cfg.rollout, stack.rollout)
@@ -414,8 +475,8 @@ def build_sft(cfg: SFTConfig, *, console: Console | None = None,
                                            sanity=cfg.rollout.sanity_check, max_tokens=cfg.sft.max_tokens)
         cfg.steps = sft_steps(cfg, len(samples))
         policy = load_model(cfg.model, dtype=DTYPES[cfg.dtype]).eval()
-        trainer = SFTTrainer(cfg, policy, stack.engine, stack.rollout, samples, eval_rows, sft_renderer, console,
-                             stack.tracer, parallel=parallel, report=report)
+        trainer = SFTTrainer(cfg, build_learner(cfg, policy, parallel), stack.engine, stack.rollout, samples,
+                             eval_rows, sft_renderer, console, stack.tracer, report=report)
     except BaseException:
         stack.close()
         raise

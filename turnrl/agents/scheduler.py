@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from turnrl.data import prompt_messages
-from turnrl.envs.base import EpisodeEnv, error_with_frames
+from turnrl.envs.base import EpisodeEnv, error_with_frames, maybe_await
 from turnrl.multimodal import IMAGE_PLACEHOLDER, image_ref, split_placeholders
 from turnrl.rollout.episode import Episode, EpisodeEnd, RolloutContext, drive
 from turnrl.rollout.manager import Agent
@@ -351,10 +351,6 @@ def _edit_of(result: dict[str, Any]) -> TokenEdit | None:
     return TokenEdit(ids, mask, logprobs)
 
 
-async def _maybe_await(value: Any) -> Any:
-    return await value if inspect.isawaitable(value) else value
-
-
 # ---------------------------------------------------------------------------------------------------
 # The default path: the hooks as a turn-aware env of drive
 # ---------------------------------------------------------------------------------------------------
@@ -376,16 +372,16 @@ class SchedulerEnv:
             request.messages[-1]["content"] += response.text
         else:
             request.messages.append({"role": "assistant", "content": response.text})
-        hook = _checked(await _maybe_await(scheduler.on_turn_end(request, shown, n)), "on_turn_end", TURN_END_KEYS)
+        hook = _checked(await maybe_await(scheduler.on_turn_end(request, shown, n)), "on_turn_end", TURN_END_KEYS)
         runner.merge_infos(hook.get("rollout_infos"), "on_turn_end")
         reward = hook.get("reward")
-        finished = bool(await _maybe_await(scheduler.check_finished(request, shown, n)))
+        finished = bool(await maybe_await(scheduler.check_finished(request, shown, n)))
         if "done" in hook:
             finished = bool(hook["done"])
         if finished or n >= runner.max_turns:
             return StepResult(reward=reward, done=True, termination_reason=self._stop_reason(hook, response, n))
         images_before, messages_before = list(request.images), len(request.messages)  # step() may change both
-        result = _checked(await _maybe_await(scheduler.step(request, shown, n)), "step", STEP_KEYS)
+        result = _checked(await maybe_await(scheduler.step(request, shown, n)), "step", STEP_KEYS)
         nxt = _next_request(result, request, images_before, messages_before)
         runner.merge_infos(result.get("rollout_infos"), "step")
         step, split = plan_next(turn, nxt.messages, response, _edit_of(result), runner.ctx.renderer)
@@ -675,7 +671,7 @@ async def run_episode(scheduler: MultiTurnScheduler, ctx: RolloutContext, sample
     requests = [first_request(ctx, sample)]
     runner = SchedulerRunner(ctx, scheduler)
     try:
-        await _maybe_await(scheduler.on_trajectory_start(requests))
+        await maybe_await(scheduler.on_trajectory_start(requests))
         try:
             result = await scheduler.run(requests[0], runner)
         except EpisodeOver:  # a limit or an engine error ended a run() override: keep what was built
@@ -701,7 +697,7 @@ async def _end(scheduler: MultiTurnScheduler, requests: list[RolloutRequest], er
                trajectories: list[Trajectory], trajectory_id: str) -> None:
     """on_trajectory_end; its own failure is logged and recorded, never hiding the rollout's outcome or error."""
     try:
-        await _maybe_await(scheduler.on_trajectory_end(requests, error))
+        await maybe_await(scheduler.on_trajectory_end(requests, error))
     except Exception as e:
         log.warning("trajectory %s: on_trajectory_end raised %s: %s", trajectory_id, type(e).__name__, e)
         for traj in trajectories:

@@ -52,7 +52,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from turnrl.engines.base import EngineError, NamedTensors, check_pause
+from turnrl.engines.base import EngineError, NamedTensors
 from turnrl.engines.http import JsonHttp, WeightsFolder, _excerpt, encode_image
 from turnrl.types import FinishReason, GenerateOutput, SamplingParams
 
@@ -93,7 +93,6 @@ class SGLangEngine:
         self._warned_filters = False
         self._updates = 0  # weight updates finished, and of them with pause=abort: to tell what a call went through
         self._aborting_updates = 0
-        self._pause = "keep"  # of the streamed update in progress (given with its first bucket)
         self.control_timeout_s = control_timeout_s
         self._aborts: set[asyncio.Task] = set()
 
@@ -129,18 +128,15 @@ class SGLangEngine:
         cache, `/continue_generation`; wait → a plain reload (the server holds it until the running requests are
         done); abort → `abort_all_requests` (they return their tokens so far, which this client marks
         preempted)."""
-        if self.weights_dir is None or self._weights is None:
+        if self._weights is None:
             raise EngineError(
                 "SGLangEngine.update_weights needs weights_dir: a folder the SGLang server can read at the same "
                 "path (its /update_weights_from_disk loads safetensors from there)"
             )
-        if pause is not None:
-            self._pause = check_pause(pause)
         new_version = self.policy_version + 1 if version is None else int(version)
-        await self._weights.write(named_tensors, final)
-        if not final:  # one bucket of several: the server reloads the folder after the last
+        mode = await self._weights.stage(named_tensors, final, pause)
+        if mode is None:  # one bucket of several: the server reloads the folder after the last
             return self.policy_version
-        mode, self._pause = self._pause, "keep"
         body: dict[str, Any] = {"model_path": str(self.weights_dir), "weight_version": str(new_version)}
         if mode == "keep":
             await self._request("POST", "/pause_generation", json={"mode": "in_place"})

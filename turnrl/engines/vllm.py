@@ -351,7 +351,6 @@ class VLLMServerEngine:
         self.policy_version = 0
         self._updates = 0  # weight updates finished, and of them with pause=abort: to tell what a call went through
         self._aborting_updates = 0
-        self._pause = "keep"  # of the streamed update in progress (given with its first bucket)
         self._rid_counter = itertools.count()
         self._warned_sleep = False
 
@@ -411,16 +410,13 @@ class VLLMServerEngine:
         """Stage the weights in `weights_dir`; at the final bucket pause the server in the mode of the first bucket
         (vLLM's `/pause?mode=keep|wait|abort`: keep freezes the running requests with their KV, wait lets them
         finish, abort returns them with their tokens so far, marked preempted here), reload, and `/resume`."""
-        if self.weights_dir is None or self._weights is None:
+        if self._weights is None:
             raise EngineError("VLLMServerEngine.update_weights needs weights_dir: a folder the vLLM server can read "
                               "at the same path (it reloads safetensors from there)")
-        if pause is not None:
-            self._pause = check_pause(pause)
         new_version = self.policy_version + 1 if version is None else int(version)
-        await self._weights.write(named_tensors, final)
-        if not final:  # one bucket of several: the server reloads the folder after the last
+        mode = await self._weights.stage(named_tensors, final, pause)
+        if mode is None:  # one bucket of several: the server reloads the folder after the last
             return self.policy_version
-        mode, self._pause = self._pause, "keep"
         if mode == "abort":
             self._aborting_updates += 1
         await self._request("POST", "/pause", params={"mode": mode, "clear_cache": str(mode != "keep").lower()})

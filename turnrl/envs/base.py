@@ -171,6 +171,11 @@ async def call(fn: Callable, *args: Any, timeout_s: float | None = None, threads
     return result
 
 
+async def maybe_await(value: Any) -> Any:
+    """`value`, awaited when it is awaitable: what a hook that may be sync or async returned."""
+    return await value if inspect.isawaitable(value) else value
+
+
 def normalise_step(result: Any) -> StepResult:
     """Accept StepResult, slime's (observation, done, info) and gym's (observation, reward, done, info), and
     check what the trainer relies on: `done` a bool, the reward a finite number (or None), `info` a dict."""
