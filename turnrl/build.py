@@ -130,19 +130,21 @@ def _server_engine(cfg: EngineConfig) -> Engine:
     if not cfg.urls:
         raise ValueError(f"engine.urls is required for engine.kind={cfg.kind!r} (one server URL per replica)")
     replicas: list[Any]
-    probe = {"probe_after_s": cfg.probe_after_s, "probe_timeout_s": cfg.probe_timeout_s}  # a dead server fails fast
+    after, probe = cfg.probe_after_s, cfg.probe_timeout_s  # a call that waits this long asks if the server is alive
     if cfg.kind == "http":
         from turnrl.engines.http import HttpEngine
 
-        replicas = [HttpEngine(url, **probe) for url in cfg.urls]
+        replicas = [HttpEngine(url, probe_after_s=after, probe_timeout_s=probe) for url in cfg.urls]
     elif cfg.kind == "sglang":
         from turnrl.engines.sglang import SGLangEngine
 
-        replicas = [SGLangEngine(url, weights_dir=_replica_dir(cfg, i), **probe) for i, url in enumerate(cfg.urls)]
+        replicas = [SGLangEngine(url, weights_dir=_replica_dir(cfg, i), probe_after_s=after, probe_timeout_s=probe)
+                    for i, url in enumerate(cfg.urls)]
     elif cfg.kind == "vllm":
         from turnrl.engines.vllm import VLLMServerEngine
 
-        replicas = [VLLMServerEngine(url, weights_dir=_replica_dir(cfg, i), **probe) for i, url in enumerate(cfg.urls)]
+        replicas = [VLLMServerEngine(url, weights_dir=_replica_dir(cfg, i), probe_after_s=after, probe_timeout_s=probe)
+                    for i, url in enumerate(cfg.urls)]
     else:
         raise ValueError(f"engine.kind={cfg.kind!r} has no server client here; use http, sglang or vllm")
     return replicas[0] if len(replicas) == 1 else Router(replicas)

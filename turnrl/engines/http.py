@@ -29,6 +29,7 @@ import asyncio
 import base64
 import dataclasses
 import io
+import math
 import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
