@@ -130,18 +130,21 @@ def _server_engine(cfg: EngineConfig) -> Engine:
     if not cfg.urls:
         raise ValueError(f"engine.urls is required for engine.kind={cfg.kind!r} (one server URL per replica)")
     replicas: list[Any]
+    after, probe = cfg.probe_after_s, cfg.probe_timeout_s  # a call that waits this long asks if the server is alive
     if cfg.kind == "http":
         from turnrl.engines.http import HttpEngine
 
-        replicas = [HttpEngine(url) for url in cfg.urls]
+        replicas = [HttpEngine(url, probe_after_s=after, probe_timeout_s=probe) for url in cfg.urls]
     elif cfg.kind == "sglang":
         from turnrl.engines.sglang import SGLangEngine
 
-        replicas = [SGLangEngine(url, weights_dir=_replica_dir(cfg, i)) for i, url in enumerate(cfg.urls)]
+        replicas = [SGLangEngine(url, weights_dir=_replica_dir(cfg, i), probe_after_s=after, probe_timeout_s=probe)
+                    for i, url in enumerate(cfg.urls)]
     elif cfg.kind == "vllm":
         from turnrl.engines.vllm import VLLMServerEngine
 
-        replicas = [VLLMServerEngine(url, weights_dir=_replica_dir(cfg, i)) for i, url in enumerate(cfg.urls)]
+        replicas = [VLLMServerEngine(url, weights_dir=_replica_dir(cfg, i), probe_after_s=after, probe_timeout_s=probe)
+                    for i, url in enumerate(cfg.urls)]
     else:
         raise ValueError(f"engine.kind={cfg.kind!r} has no server client here; use http, sglang or vllm")
     return replicas[0] if len(replicas) == 1 else Router(replicas)
@@ -361,12 +364,13 @@ def build_worker_manager(model: str, cfg: RolloutConfig, reward: RewardConfig | 
 
 
 def build_trainer(cfg: TrainConfig, *, checkpoint: Path | None = None, console: Console | None = None,
-                  parallel: Parallel | None = None) -> tuple[Trainer, Stack]:
+                  parallel: Parallel | None = None, loggers: bool = False) -> tuple[Trainer, Stack]:
     """The Trainer of `cfg` over its built components, and the stack to close when done. `checkpoint` (a
     model directory) replaces the base model's weights, in the policy and in the engines. `parallel` is this
     process's place among the trainer ranks (None: `Parallel.start` from torchrun's environment, or one
     process). Rank 0 reads the rows and builds the engines and the rollout; the other ranks only train, on the
-    samples rank 0 sends them each step (their stack holds nothing)."""
+    samples rank 0 sends them each step (their stack holds nothing). `loggers`: rank 0 starts the backends of
+    trainer.loggers (a training run; an evaluation writes none)."""
     from turnrl.data import load_rows
     from turnrl.models import DTYPES, load_model
     from turnrl.train.loop import Trainer
@@ -404,8 +408,15 @@ def build_trainer(cfg: TrainConfig, *, checkpoint: Path | None = None, console: 
     policy = loaded[0] if loaded else load_model(weights or cfg.model, dtype=DTYPES[cfg.dtype]).eval()
     if checkpoint and cfg.rollout_server and stack.engine is not None:  # the server loaded its own weights
         asyncio.run(stack.engine.update_weights(policy.state_dict()))
+    metric_loggers = None
+    if loggers and parallel.is_main:
+        from turnrl.observe.loggers import build_loggers
+
+        run_dir = Path(cfg.run_dir or cfg.output_dir)
+        metric_loggers = build_loggers(cfg.trainer.loggers, run_dir, cfg.model_dump(mode="json"), stack.tracer,
+                                       project=Path(cfg.output_dir).name if cfg.run_dir else None)
     trainer = Trainer(cfg, build_learner(cfg, policy, parallel), stack.engine, stack.rollout, train_rows, eval_rows,
-                      console, stack.tracer)
+                      console, stack.tracer, loggers=metric_loggers)
     return trainer, stack
 
 

@@ -44,6 +44,12 @@ class EngineConfig(Strict):
     """Engine replicas behind the router (each a separate engine)."""
     urls: list[str] = []
     """Server URLs for kind sglang/http/vllm-server (one replica each)."""
+    probe_after_s: float | None = Field(20.0, gt=0)
+    """Server engines: a call without an answer this long asks the server's health (a cheap endpoint on its own
+    connection); a server that answers keeps the call waiting (it is slow), one that does not fails the call at
+    once, naming its URL (it is dead). None: never probe (a call then waits up to its 600 s limit)."""
+    probe_timeout_s: float = Field(10.0, gt=0)
+    """How long that health probe may take before the server counts as not responding."""
     weights_dir: str | None = None
     """A folder the trainer and the servers share: server engines (sglang, vllm server) load pushed weights
     from there (`update_weights_from_disk`); one sub-folder per replica."""
@@ -200,6 +206,12 @@ class TrainerConfig(Strict):
     are fp32 and `dtype` is the compute dtype (bfloat16: mixed precision)."""
     world_size: int = Field(1, ge=1)
     """Trainer ranks; under torchrun it must equal WORLD_SIZE."""
+    loggers: list[Literal["jsonl", "mlflow", "wandb", "tensorboard"]] = ["jsonl"]
+    """Where metrics go besides the console (turnrl.observe.loggers), each with metrics.jsonl's names and steps and
+    the run directory's name: jsonl (RUN/metrics.jsonl, always on), mlflow (the MLflow run at rollout.trace_uri,
+    on whenever that is set), wandb (a W&B run; WANDB_MODE=offline keeps it under RUN/wandb, WANDB_PROJECT names
+    the project), tensorboard (event files under RUN/tensorboard). A backend that cannot start or log warns once
+    and training goes on. `turnrl train` only."""
     launcher: Literal["torchrun", "ray"] = "torchrun"
     """Who starts the trainer ranks. torchrun: each process `turnrl train` runs in is one rank, as torchrun's
     environment says (WORLD_SIZE, RANK, LOCAL_RANK); without torchrun, one process. ray: `turnrl train`, run
@@ -368,7 +380,22 @@ class TrainConfig(Strict):
             raise ValueError("algo.norm_constant is required with algo.loss_agg=seq_mean_token_sum_norm")
         if self.trainer.parallel == "none" and self.trainer.world_size > 1:
             raise ValueError(f"trainer.world_size={self.trainer.world_size} needs trainer.parallel: fsdp")
+        if "mlflow" in self.trainer.loggers and not self.rollout.trace_uri:
+            raise ValueError("trainer.loggers: mlflow logs to the MLflow server at rollout.trace_uri (where the "
+                             "trajectory traces go): set rollout.trace_uri")
         return self
+
+
+def training_warnings(cfg: TrainConfig) -> list[str]:
+    """Settings that are valid but make RL training do nothing useful, said at start-up (`turnrl train`)."""
+    warnings = []
+    if cfg.rollout.n == 1:
+        kl = (f"; only the KL term (algo.kl_coef={cfg.algo.kl_coef:g}) moves the policy" if cfg.algo.kl_coef
+              else "")
+        warnings.append(f"rollout.n=1: each group has one sample, so every group-relative advantage "
+                        f"(algo.advantage={cfg.algo.advantage}) is 0 and no trajectory gives a policy gradient{kl}. "
+                        "Set rollout.n to the group size, e.g. 4 to 16.")
+    return warnings
 
 
 class SFTSection(Strict):

@@ -73,13 +73,17 @@ class SGLangEngine:
         sleep_tags: memory regions released by `sleep` ("weights", "kv_cache"); None releases all.
         timeout_s / connect_timeout_s: per request / to open a connection.
         control_timeout_s: limit of abort and health requests (a working server answers them at once).
+        probe_after_s / probe_timeout_s: a call without an answer this long asks GET /get_model_info (answered by
+            the HTTP server at once; SGLang's /health may generate a token, up to 20 s) and fails naming the
+            server when that gets no answer in time (JsonHttp); None: never probe.
     """
 
     def __init__(self, base_url: str, *, api_key: str | None = None, weights_dir: str | os.PathLike | None = None,
                  sleep_tags: list[str] | None = None, timeout_s: float | None = 600.0, connect_timeout_s: float = 10.0,
-                 control_timeout_s: float = 10.0):
+                 control_timeout_s: float = 10.0, probe_after_s: float | None = 20.0, probe_timeout_s: float = 10.0):
         self.http = JsonHttp(base_url, owner="SGLangEngine", token=api_key, timeout_s=timeout_s,
-                             connect_timeout_s=connect_timeout_s)
+                             connect_timeout_s=connect_timeout_s, probe_path="/get_model_info",
+                             probe_after_s=probe_after_s, probe_timeout_s=probe_timeout_s)
         self.base_url, self.api_key = self.http.base_url, api_key
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
         self._weights = WeightsFolder(self.weights_dir) if self.weights_dir is not None else None

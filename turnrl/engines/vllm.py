@@ -332,13 +332,17 @@ class VLLMServerEngine:
             dev endpoints `/collective_rpc`, `/pause` and `/resume`, which the server exposes only under
             `VLLM_SERVER_DEV_MODE=1`. None: `update_weights` raises.
         eos_token_ids: extra stop tokens for every request (the model's EOS always stops).
+        probe_after_s / probe_timeout_s: a call without an answer this long asks GET /health and fails naming
+            the server when that gets no answer in time (JsonHttp); None: never probe.
     """
 
     def __init__(self, base_url: str, *, model: str | None = None, api_key: str | None = None,
                  weights_dir: str | os.PathLike | None = None, eos_token_ids: Iterable[int] = (),
-                 timeout_s: float | None = 600.0, connect_timeout_s: float = 10.0):
+                 timeout_s: float | None = 600.0, connect_timeout_s: float = 10.0,
+                 probe_after_s: float | None = 20.0, probe_timeout_s: float = 10.0):
         self.http = JsonHttp(base_url, owner="VLLMServerEngine", token=api_key, timeout_s=timeout_s,
-                             connect_timeout_s=connect_timeout_s, hint=_dev_mode_hint)
+                             connect_timeout_s=connect_timeout_s, hint=_dev_mode_hint, probe_after_s=probe_after_s,
+                             probe_timeout_s=probe_timeout_s)
         self.base_url = self.http.base_url
         self.model, self.api_key = model, api_key
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
