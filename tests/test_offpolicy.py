@@ -277,3 +277,60 @@ def _perturb_routers(model: torch.nn.Module, scale: float) -> None:
     with torch.no_grad():
         for router in moe_routers(model):
             router.weight.mul_(1 + scale * torch.randn(router.weight.shape, generator=generator))
+
+
+# ---- server engines: what they ask for and how they read it --------------------------------------------
+def test_sglang_engine_reads_kept_sets_and_routing(qwen3_tokenizer, tiny_moe):
+    from fake_sglang import FakeSGLang
+
+    from turnrl.engines.base import Recording
+    from turnrl.engines.sglang import SGLangEngine
+    from turnrl.serve.app import ServerThread
+
+    renderer = ChatRenderer(qwen3_tokenizer)
+    engine = EmbeddedEngine(tiny_moe, eos_token_ids=sorted(renderer.end_of_turn_ids), record_sampling_mask=True,
+                            record_routing=True)
+    fake = FakeSGLang(engine)
+    server = ServerThread(fake.app)
+    server.start()
+    client = SGLangEngine(server.base_url, record=Recording(sampling_mask=True, routing=True), routing_shape=(2, 2))
+    prompt = renderer.initial_ids([{"role": "user", "content": "Count to five."}])
+    try:
+        out = asyncio.run(client.generate(prompt, SamplingParams(top_k=20, max_new_tokens=6, seed=1), request_id="r"))
+    finally:
+        client.close()
+        server.stop()
+        engine.close()
+    assert fake.requests[-1]["return_sampling_mask"] and fake.requests[-1]["return_routed_experts"]
+    assert out.kept_counts == [20] * len(out.token_ids)
+    assert tuple(out.routed_experts.shape) == (len(prompt) + len(out.token_ids) - 1, 2, 2)
+    with pytest.raises(ValueError, match="routing_shape"):
+        SGLangEngine("http://127.0.0.1:9", record=Recording(routing=True))
+
+
+def test_vllm_outputs_map_onto_kept_counts_and_routing():
+    import base64
+    import io
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from turnrl.engines.base import Recording
+    from turnrl.engines.vllm import VLLMServerEngine, output_from_vllm
+
+    logprob = SimpleNamespace(logprob=-0.5)
+    routed = np.arange(12, dtype=np.int32).reshape(3, 2, 2)
+    completion = SimpleNamespace(  # a vllm.outputs.CompletionOutput of vLLM 0.32, with its SamplingMask
+        finish_reason="length", stop_reason=None, token_ids=[7, 8], logprobs=[{7: logprob}, {8: logprob}],
+        sampling_mask=SimpleNamespace(token_ids=[[7, 1, 2], [8]]), routed_experts=routed)
+    out = output_from_vllm(completion, "r#0", 0, 0)
+    assert out.kept_counts == [3, 1] and out.routed_experts.tolist() == routed.tolist()
+    server = VLLMServerEngine("http://127.0.0.1:9", record=Recording(sampling_mask=True, routing=True))
+    assert server.record == Recording(routing=True)  # /v1/completions has no sampling masks: said once, not asked
+    assert server.completion_body([1, 2], SamplingParams(), "r")["routed_experts_prompt_start"] == 0
+    buffer = io.BytesIO()
+    np.save(buffer, routed)
+    data = {"choices": [{"token_ids": [7, 8], "logprobs": {"token_logprobs": [-0.5, -0.5]}, "finish_reason": "stop",
+                         "routed_experts": base64.b64encode(buffer.getvalue()).decode()}]}
+    assert server.parse_completion(data, "r").routed_experts.tolist() == routed.tolist()
+    server.close()

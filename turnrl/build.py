@@ -95,7 +95,7 @@ def build_engine(model: torch.nn.Module | None, cfg: EngineConfig, eos_token_ids
     if cfg.kind == "vllm" and not cfg.urls:
         return build_vllm_engine(cfg, model_path, eos_token_ids, record)
     if cfg.kind != "embedded":
-        return _server_engine(cfg, record)
+        return _server_engine(cfg, record, model_path)
     from turnrl.engines.embedded import EmbeddedEngine
 
     if model is None:
@@ -130,7 +130,7 @@ def build_vllm_engine(cfg: EngineConfig, model_path: str | None, eos_token_ids: 
                       record=record)
 
 
-def _server_engine(cfg: EngineConfig, record: Recording = Recording()) -> Engine:
+def _server_engine(cfg: EngineConfig, record: Recording = Recording(), model_path: str | None = None) -> Engine:
     """An Engine for `engine.kind` http, sglang or vllm (with urls): one client per URL in `engine.urls`, behind a
     Router when there are several. `weights_dir` is where SGLang and vLLM
     server clients write pushed weights for their servers to load (a sub-folder per replica)."""
@@ -146,7 +146,15 @@ def _server_engine(cfg: EngineConfig, record: Recording = Recording()) -> Engine
     elif cfg.kind == "sglang":
         from turnrl.engines.sglang import SGLangEngine
 
-        replicas = [SGLangEngine(url, weights_dir=_replica_dir(cfg, i), record=record) for i, url in enumerate(cfg.urls)]
+        shape = None
+        if record.routing:
+            from turnrl.moe import routing_shape
+
+            if model_path is None:
+                raise ConfigError("rollout.router_replay: record with SGLang needs the policy (model) to size its routing")
+            shape = routing_shape(model_path)
+        replicas = [SGLangEngine(url, weights_dir=_replica_dir(cfg, i), record=record, routing_shape=shape)
+                    for i, url in enumerate(cfg.urls)]
     elif cfg.kind == "vllm":
         from turnrl.engines.vllm import VLLMServerEngine
 
