@@ -22,7 +22,13 @@ from turnrl.render import ChatRenderer
 from turnrl.rollout import RolloutLimits, RolloutManager
 from turnrl.testing.latency import build_env
 from turnrl.train import algos
-from turnrl.train.packing import pack_sequences, packed_kept_logprobs, row_kept_counts, row_routing, unpack_to_padded
+from turnrl.train.packing import (
+    pack_sequences,
+    packed_kept_logprobs,
+    row_kept_counts,
+    row_routing,
+    unpack_to_padded,
+)
 from turnrl.types import SamplingParams, Segment, SegmentSource, Trajectory
 
 ROWS = [{"id": i, "prompt": f"Look up item {i} with the tool.", "latencies_s": [0.0, 0.0, 0.0]} for i in range(6)]
