@@ -340,3 +340,29 @@ def test_vllm_outputs_map_onto_kept_counts_and_routing():
                          "routed_experts": base64.b64encode(buffer.getvalue()).decode()}]}
     assert server.parse_completion(data, "r").routed_experts.tolist() == routed.tolist()
     server.close()
+
+
+def test_build_sizes_sglangs_routing_from_the_policy_config():
+    from turnrl.build import build_engine
+    from turnrl.config import EngineConfig
+    from turnrl.engines.base import Recording
+
+    engine = build_engine(None, EngineConfig(kind="sglang", urls=["http://127.0.0.1:9"]), model_path="tiny-qwen3-moe",
+                          record=Recording(sampling_mask=True, routing=True))
+    try:
+        assert engine.routing_shape == (2, 2) and engine.record == Recording(sampling_mask=True, routing=True)
+    finally:
+        engine.close()
+
+
+def test_the_http_generate_body_carries_kept_sets_and_routing():
+    from turnrl.engines.http import output_from_json, output_to_json
+    from turnrl.types import FinishReason, GenerateOutput
+
+    routing = torch.tensor([[[1, 2]], [[3, UNROUTED]]], dtype=torch.int16)
+    out = GenerateOutput([5, 6], [-0.1, -0.2], FinishReason.STOP, kept_counts=[20, 3], routed_experts=routing,
+                         routed_start=4)
+    back = output_from_json(output_to_json(out), "test")
+    assert back.kept_counts == [20, 3] and back.routed_start == 4 and torch.equal(back.routed_experts, routing)
+    plain = output_from_json(output_to_json(GenerateOutput([5], [-0.1], FinishReason.STOP)), "test")
+    assert plain.kept_counts is None and plain.routed_experts is None

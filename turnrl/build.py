@@ -148,11 +148,14 @@ def _server_engine(cfg: EngineConfig, record: Recording = Recording(), model_pat
 
         shape = None
         if record.routing:
+            from transformers import AutoConfig
+
+            from turnrl.models import resolve_model
             from turnrl.moe import routing_shape
 
             if model_path is None:
                 raise ConfigError("rollout.router_replay: record with SGLang needs the policy (model) to size its routing")
-            shape = routing_shape(model_path)
+            shape = routing_shape(AutoConfig.from_pretrained(resolve_model(model_path)))
         replicas = [SGLangEngine(url, weights_dir=_replica_dir(cfg, i), record=record, routing_shape=shape)
                     for i, url in enumerate(cfg.urls)]
     elif cfg.kind == "vllm":

@@ -53,19 +53,16 @@ def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return routers
 
 
-def routing_shape(model_path: str) -> tuple[int, int]:
-    """(MoE layers, experts per token) of the model at `model_path` (a name or directory), from its config alone: the
-    model is built on the meta device, so no weights load."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def routing_shape(config) -> tuple[int, int]:
+    """(MoE layers, experts per token) of a model from its transformers config alone: the model is built on the
+    meta device, so no weights load."""
+    from transformers import AutoModelForCausalLM
 
-    from turnrl.models import resolve_model
-
-    config = AutoConfig.from_pretrained(resolve_model(model_path))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     routers = moe_routers(model)
     if not routers:
-        raise ValueError(f"{model_path} has no MoE router ({type(model).__name__}): router replay is for MoE policies")
+        raise ValueError(f"{type(model).__name__} has no MoE router: router replay is for MoE policies")
     return len(routers), int(routers[0].top_k)
 
 
