@@ -15,7 +15,7 @@ Cases: tiny-qwen3 and SmolLM2-135M-Instruct sampled at top_p 0.9 on the trainer'
 mismatch is the kept set); tiny-qwen3-moe with an engine in bfloat16 against an fp32 trainer, and with a trainer
 whose router weights carry 1% noise (router logits that differ slightly, as other kernels' do).
 
-    python bench/offpolicy.py --rows 8 --max-new-tokens 16
+    python bench/offpolicy.py --rows 8 --max-new-tokens 16 [--only tiny-qwen3-moe,SmolLM2]
 """
 
 from __future__ import annotations
@@ -181,20 +181,26 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--skip-smollm2", action="store_true", help="only the tiny models")
+    parser.add_argument("--only", default="", help="comma-separated case names to run (substrings), e.g. tiny-qwen3-moe")
     args = parser.parse_args()
     top_p = SamplingParams(top_p=0.9, seed=1)
     cases = [
         Case("tiny-qwen3, top_p 0.9", "tiny-qwen3", top_p, "kept set"),
         Case("tiny-qwen3, top_k 20", "tiny-qwen3", SamplingParams(top_k=20, seed=1), "kept set"),
-        *([] if args.skip_smollm2 else [Case("SmolLM2-135M, top_p 0.9", "smollm2-135m-instruct", top_p, "kept set")]),
+        Case("SmolLM2-135M, top_p 0.9", "smollm2-135m-instruct", top_p, "kept set"),
         Case("tiny-qwen3-moe, bf16 engine", "tiny-qwen3-moe", SamplingParams(seed=1), "router replay",
              engine_dtype=torch.bfloat16),
         Case("tiny-qwen3-moe, 1% router noise", "tiny-qwen3-moe", SamplingParams(seed=1), "router replay",
              router_noise=0.01),
     ]
-    rows = [r for case in cases for r in run_case(case, args.rows, args.max_new_tokens, args.repeats)]
-    Console().print(report(rows, args))
+    wanted = [w for w in args.only.split(",") if w]
+    console, rows = Console(), []
+    for case in cases:
+        if wanted and not any(w in case.name for w in wanted):
+            continue
+        rows += run_case(case, args.rows, args.max_new_tokens, args.repeats)
+        console.print(f"done: {case.name}: " + "; ".join(f"{r.correction}: KL {r.kl:.2e}" for r in rows[-2:]))
+    console.print(report(rows, args))
 
 
 if __name__ == "__main__":

@@ -43,8 +43,8 @@ Kept sets and MoE routing (`record`, docs/off-policy.md), as vLLM 0.32 has them:
 the k most likely tokens), and `enable_return_routed_experts=True` fills `CompletionOutput.routed_experts`
 ([prompt + output - 1, MoE layers, top_k] expert ids). vLLM's own rules: both need Model Runner V2 (its GPU path;
 a CPU build without Triton refuses them at start-up: the engine then says so once and starts without), the
-sampling mask serves only requests with temperature > 0 and top_k > 0 (others are refused here, naming the
-field), and routing needs prefix caching on (the default). `VLLMServerEngine` can ask for routing (the server
+sampling mask serves only requests with temperature > 0 and top_k > 0 (a greedy request is sent as top_k = 1:
+the same tokens; top_k <= 0 is refused here, naming the field), and routing needs prefix caching on (the default). `VLLMServerEngine` can ask for routing (the server
 needs `--enable-return-routed-experts`; `choices[0].routed_experts` is a base64 `.npy`), not for kept sets: vLLM's
 `/v1/completions` does not return them.
 
@@ -77,14 +77,20 @@ _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": Fi
 _MULTIPROC_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
-def vllm_sampling_params(params: SamplingParams, extra_stop_ids: Iterable[int] = ()) -> Any:
-    """turnrl SamplingParams -> vllm.SamplingParams (token ids only, final output only)."""
+def vllm_sampling_params(params: SamplingParams, extra_stop_ids: Iterable[int] = (), sampling_mask: bool = False
+                         ) -> Any:
+    """turnrl SamplingParams -> vllm.SamplingParams (token ids only, final output only). With `sampling_mask` (an
+    engine that returns kept sets, where vLLM refuses temperature 0) a greedy request is sent as top_k = 1 at
+    temperature 1: the same tokens, each kept set of size 1, so its logprob is 0, as the trainer renormalises."""
     from vllm import SamplingParams as VSamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     stop_ids = sorted(set(params.stop_token_ids) | set(extra_stop_ids))
+    temperature, top_k = params.temperature, max(params.top_k, 0)
+    if sampling_mask and params.greedy:
+        temperature, top_k = 1.0, 1
     return VSamplingParams(
-        temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
+        temperature=temperature, top_p=params.top_p, top_k=top_k,
         max_tokens=params.max_new_tokens, stop_token_ids=stop_ids or None, seed=params.seed,
         logprobs=0, detokenize=False, skip_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY,
     )
@@ -208,18 +214,17 @@ class VLLMEngine:
             raise EngineError("VLLMEngine serves text prompts only; use engine.kind=embedded for VLM policies")
         if not prompt_ids:
             raise EngineError(f"request {request_id!r}: empty prompt")
-        if self.record.sampling_mask and (params.greedy or params.top_k <= 0):
-            name = "temperature" if params.greedy else "top_k"
-            raise InvalidRequest(f"request {request_id!r}: vLLM returns sampling masks only for temperature > 0 and "
-                                 f"top_k > 0 (got temperature={params.temperature}, top_k={params.top_k}); set "
-                                 "rollout.sampling.top_k, or rollout.sampling_mask: none", f"sampling.{name}")
+        if self.record.sampling_mask and not params.greedy and params.top_k <= 0:
+            raise InvalidRequest(f"request {request_id!r}: vLLM returns sampling masks only for top_k > 0 (got "
+                                 f"top_k={params.top_k}); set rollout.sampling.top_k, or rollout.sampling_mask: none",
+                                 "sampling.top_k")
         from vllm.inputs import TokensPrompt
 
         rid = f"{request_id}#{next(self._rid_counter)}"
         loop = asyncio.get_running_loop()
         pending = _Pending(rid, loop, loop.create_future())
         prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
-        sampling = vllm_sampling_params(params, self.eos_token_ids)
+        sampling = vllm_sampling_params(params, self.eos_token_ids, self.record.sampling_mask)
 
         def add() -> None:
             self._pending[rid] = pending
