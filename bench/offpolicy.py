@@ -180,7 +180,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", default="", help="comma-separated case names to run (substrings), e.g. tiny-qwen3-moe")
     args = parser.parse_args()
     top_p = SamplingParams(top_p=0.9, seed=1)
@@ -194,7 +194,7 @@ def main() -> None:
              router_noise=0.01),
     ]
     wanted = [w for w in args.only.split(",") if w]
-    console, rows = Console(), []
+    console, rows = Console(width=160), []
     for case in cases:
         if wanted and not any(w in case.name for w in wanted):
             continue

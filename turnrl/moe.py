@@ -25,6 +25,7 @@ import base64
 import contextlib
 import threading
 from collections.abc import Iterator
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +64,12 @@ def routing_shape(config) -> tuple[int, int]:
     routers = moe_routers(model)
     if not routers:
         raise ValueError(f"{type(model).__name__} has no MoE router: router replay is for MoE policies")
-    return len(routers), int(routers[0].top_k)
+    return len(routers), router_top_k(routers[0])
+
+
+def router_top_k(router: torch.nn.Module) -> int:
+    """Experts per token of a router of ROUTER_CLASSES (its `top_k` attribute)."""
+    return cast(int, router.top_k)  # an int attribute (nn.Module types every attribute as Tensor | Module)
 
 
 def is_moe(model: torch.nn.Module) -> bool:
@@ -182,7 +188,8 @@ def decode_routing(row: dict) -> torch.Tensor:
     """The [tokens, layers, k] int16 tensor of `encode_routing`'s dict (-1 = unrouted)."""
     import numpy as np
 
-    dtype = {"uint8": np.uint8, "int16": np.dtype("<i2")}.get(row.get("dtype", ""))
+    dtypes: dict[str, np.dtype] = {"uint8": np.dtype("u1"), "int16": np.dtype("<i2")}
+    dtype = dtypes.get(row.get("dtype", ""))
     if dtype is None:
         raise ValueError(f"routed_experts.dtype must be uint8 or int16, got {row.get('dtype')!r}")
     flat = np.frombuffer(base64.b64decode(row["data"]), dtype=dtype)

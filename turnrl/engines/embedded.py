@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from turnrl.engines.base import EngineError, InvalidRequest, NamedTensors, check_pause
-from turnrl.moe import RoutingRecorder
+from turnrl.moe import RoutingRecorder, router_top_k
 from turnrl.types import FinishReason, GenerateOutput, SamplingParams
 
 if TYPE_CHECKING:
@@ -725,7 +725,7 @@ class EmbeddedEngine:
     def _routing_shape(self) -> tuple[int, int]:
         """(MoE layers, experts per token) of the recorded routing."""
         assert self._routing is not None
-        return len(self._routing.routers), int(self._routing.routers[0].top_k)
+        return len(self._routing.routers), router_top_k(self._routing.routers[0])
 
     def _append(self, req: _Request, token: int, logprob: float, kept: int) -> None:
         req.out_ids.append(token)

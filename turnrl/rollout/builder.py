@@ -68,7 +68,7 @@ class TrajectoryBuilder:
         for version, run in itertools.groupby(versions):
             end = start + len(list(run))
             ids, logprobs, last = out.token_ids[start:end], out.logprobs[start:end], self._last_model()
-            kept = None if out.kept_counts is None else list(out.kept_counts[start:end])
+            kept: list[int | None] | None = None if out.kept_counts is None else list(out.kept_counts[start:end])
             if extend and last is not None and last.policy_version == version:
                 self._extend(last, ids, 1, logprobs, kept)
             else:
@@ -159,13 +159,14 @@ class TrajectoryBuilder:
         return self._last_model()
 
     def _extend(self, seg: Segment, token_ids: Sequence[int], mask: int, logprobs: Sequence[float | None],
-                kept: Sequence[int] | None) -> None:
+                kept: Sequence[int | None] | None) -> None:
         seg.token_ids.extend(token_ids)
         seg.loss_mask.extend([mask] * len(token_ids))
         if seg.logprobs is not None:
             seg.logprobs.extend(logprobs)
         if seg.kept_counts is not None:  # mask-1 tokens without kept counts leave the segment without any
-            seg.kept_counts = None if mask and kept is None else [*seg.kept_counts, *(kept or [None] * len(token_ids))]
+            added: Sequence[int | None] = [None] * len(token_ids) if kept is None else kept
+            seg.kept_counts = None if mask and kept is None else [*seg.kept_counts, *added]
         self._ids.extend(token_ids)
         self._response_len += len(token_ids)
 
