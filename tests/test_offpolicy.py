@@ -366,3 +366,23 @@ def test_the_http_generate_body_carries_kept_sets_and_routing():
     assert back.kept_counts == [20, 3] and back.routed_start == 4 and torch.equal(back.routed_experts, routing)
     plain = output_from_json(output_to_json(GenerateOutput([5], [-0.1], FinishReason.STOP)), "test")
     assert plain.kept_counts is None and plain.routed_experts is None
+
+
+def test_token_edits_keep_kept_counts_and_routing_only_for_the_engines_own_tokens():
+    from turnrl.rollout.builder import TrajectoryBuilder
+    from turnrl.types import FinishReason, GenerateOutput, TokenEdit
+
+    def builder_after_one_turn() -> TrajectoryBuilder:
+        b = TrajectoryBuilder(Trajectory("t", "g", 0, [1, 2]))
+        routing = torch.arange(5 * 2, dtype=torch.int16).reshape(5, 1, 2)  # prompt 2 + 4 tokens - 1 (last not fed)
+        b.add_model(GenerateOutput([5, 6, 7, 8], [-0.1] * 4, FinishReason.STOP, kept_counts=[3, 4, 5, 6],
+                                   routed_experts=routing), 1)
+        return b
+
+    cut = builder_after_one_turn()  # keep the reply's first two tokens, then a tip the model did not sample
+    cut.apply_edit(TokenEdit(token_ids=[5, 6, 9], loss_mask=[1, 1, 0]), [5, 6, 7, 8], [-0.1] * 4)
+    assert cut.trajectory.kept_counts == [3, 4, None]
+    assert cut.trajectory.routed_experts.shape[0] == 4  # rows of positions 0..3 (prompt, 5, 6) stay; 9 was never fed
+    own = builder_after_one_turn()  # tokens with logprobs of the scheduler's own: their kept sets are unknown
+    own.apply_edit(TokenEdit(token_ids=[5, 6], loss_mask=[1, 1], logprobs=[-0.3, -0.4]), [5, 6, 7, 8], [-0.1] * 4)
+    assert own.trajectory.kept_counts is None
