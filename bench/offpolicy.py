@@ -6,9 +6,10 @@ forward, with the correction and without it. Columns:
 
 - mismatch KL: the k3 estimate of KL(π_engine ‖ π_trainer) over the sampled tokens (`train/mismatch_kl_k3`; without
   the kept set it is `train/mismatch_kl_k3_unmasked`);
-- IS weights: ρ = π_trainer / π_engine per token, the token-level TIS/MIS input: their spread (std of log ρ) and
-  effective sample size ((Σρ)² / (n·Σρ²));
-- update: one forward + backward over the batch (the trainer's share of the cost), fastest of `--repeats`;
+- IS weights: ρ = π_trainer / π_engine per token, the token-level TIS/MIS input: their mean (the bias: 1 when
+  unbiased), spread (std of log ρ) and effective sample size ((Σρ)² / (n·Σρ²));
+- update: one forward + backward over the batch (the trainer's share of the cost), fastest of `--repeats`, with and
+  without the correction interleaved;
 - JSONL: bytes per trajectory row, with the recorded field and without it.
 
 Cases: tiny-qwen3 and SmolLM2-135M-Instruct sampled at top_p 0.9 on the trainer's own weights (the only
@@ -68,6 +69,7 @@ class Row:
     case: str
     correction: str
     kl: float
+    ratio_mean: float
     log_ratio_std: float
     ess: float
     update_s: float
@@ -112,7 +114,7 @@ def scorer(case: Case, trainer: torch.nn.Module, trajs: list[Trajectory], correc
     return score
 
 
-def measure(case: Case, trainer: torch.nn.Module, trajs: list[Trajectory], corrected: bool, repeats: int) -> Row:
+def measure(case: Case, trainer: torch.nn.Module, trajs: list[Trajectory], corrected: bool, update_s: float) -> Row:
     rows = pack_sequences([(t.prompt_ids, t.response_ids, t.loss_mask) for t in trajs], max_tokens=2048)
     score = scorer(case, trainer, trajs, corrected)
     log_ratios = []
@@ -123,17 +125,26 @@ def measure(case: Case, trainer: torch.nn.Module, trajs: list[Trajectory], corre
             log_ratios.append(score(row).double() - engine_N.double())
     log_ratio = torch.cat(log_ratios)
     ratio = log_ratio.exp()
-    best = math.inf
-    for _ in range(repeats):  # the trainer's cost: forward + backward of every row
-        trainer.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        for row in rows:  # (without activation checkpointing the backward needs no replay scope of its own)
-            score(row).sum().backward()
-        best = min(best, time.perf_counter() - t0)
     ess = float(ratio.sum() ** 2 / (len(ratio) * ratio.square().sum()))
     return Row(case.name, ("with " if corrected else "without ") + case.correction,
-               float((ratio - 1 - log_ratio).mean()), float(log_ratio.std()), ess, best,
+               float((ratio - 1 - log_ratio).mean()), float(ratio.mean()), float(log_ratio.std()), ess, update_s,
                jsonl_bytes(trajs, keep=corrected))
+
+
+def update_times(case: Case, trainer: torch.nn.Module, trajs: list[Trajectory], repeats: int) -> dict[bool, float]:
+    """The trainer's cost, forward + backward of every row, without and with the correction: the fastest of
+    `repeats`, the two interleaved so that a change in the machine's load hits both alike."""
+    rows = pack_sequences([(t.prompt_ids, t.response_ids, t.loss_mask) for t in trajs], max_tokens=2048)
+    best = {False: math.inf, True: math.inf}
+    for _ in range(repeats):
+        for corrected in (False, True):
+            score = scorer(case, trainer, trajs, corrected)
+            trainer.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            for row in rows:  # (without activation checkpointing the backward needs no replay scope of its own)
+                score(row).sum().backward()
+            best[corrected] = min(best[corrected], time.perf_counter() - t0)
+    return best
 
 
 def jsonl_bytes(trajs: list[Trajectory], *, keep: bool) -> float:
@@ -159,18 +170,19 @@ def run_case(case: Case, rows: int, max_new: int, repeats: int) -> list[Row]:
         with torch.no_grad():
             for router in moe_routers(trainer):
                 router.weight.mul_(1 + case.router_noise * torch.randn(router.weight.shape, generator=generator))
-    return [measure(case, trainer, trajs, corrected, repeats) for corrected in (False, True)]
+    times = update_times(case, trainer, trajs, repeats)
+    return [measure(case, trainer, trajs, corrected, times[corrected]) for corrected in (False, True)]
 
 
 def report(rows: list[Row], args: argparse.Namespace) -> Table:
     table = Table(title=f"engine/trainer mismatch, {args.rows} three-turn trajectories of ≤{args.max_new_tokens} "
                         "tokens per turn, per case")
-    for column in ("case", "scored", "mismatch KL (k3)", "std log ρ", "IS ESS", "update (fwd+bwd)",
+    for column in ("case", "scored", "mismatch KL (k3)", "mean ρ", "std log ρ", "IS ESS", "update (fwd+bwd)",
                    "vs without", "JSONL bytes/traj", "vs without"):
         table.add_column(column, justify="left" if column in ("case", "scored") else "right")
     for without, with_ in zip(rows[::2], rows[1::2], strict=True):
         for r, base in ((without, without), (with_, without)):
-            table.add_row(r.case, r.correction, f"{r.kl:.2e}", f"{r.log_ratio_std:.2e}", f"{r.ess:.4f}",
+            table.add_row(r.case, r.correction, f"{r.kl:.2e}", f"{r.ratio_mean:.4f}", f"{r.log_ratio_std:.2e}", f"{r.ess:.4f}",
                           f"{r.update_s * 1e3:.0f} ms", f"{r.update_s / base.update_s:.2f}x", f"{r.jsonl_bytes:,.0f}",
                           f"{r.jsonl_bytes / base.jsonl_bytes:.2f}x")
     return table
