@@ -1,4 +1,4 @@
-"""`turnrl rollout | train | sft | eval | export | serve | view | replay`."""
+"""`turnrl rollout | train | sft | eval | export | serve | view | replay | doctor`."""
 
 from __future__ import annotations
 
@@ -428,7 +428,7 @@ def run_evaluation(cfg: TrainConfig, checkpoint: Path | None = None, out: Path |
 
     from turnrl.build import build_trainer
     from turnrl.train.checkpoint import export_checkpoint, has_hf_weights
-    from turnrl.train.loop import format_step_line, sampled_path
+    from turnrl.train.evaluation import format_step_line, sampled_path
     from turnrl.train.parallel import Parallel
     from turnrl.train.runs import find_checkpoint
 
@@ -504,6 +504,19 @@ def replay_command(
     console.print(verdict(report), soft_wrap=True)
     if not report.tokens_equal:
         raise typer.Exit(1)
+
+
+@app.command()
+def doctor(
+    sandbox: Annotated[bool, Opt("--sandbox", help="Check the sandboxes (the Python tool's and harness agents').")]
+    = False,
+) -> None:
+    """Check what this machine enforces. `--sandbox` (the only check so far): each sandbox layer's state, the read
+    allow-list in force, and what stays readable where Landlock is missing (docs/sandbox.md)."""
+    from turnrl.agents.sandbox import doctor_rows
+
+    for layer, state in doctor_rows():
+        console.print(f"[bold]{layer}[/bold]: " + state.replace("\n", "\n    "), soft_wrap=True, highlight=False)
 
 
 @app.command()
