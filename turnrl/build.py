@@ -29,7 +29,7 @@ from turnrl.config import (
     SFTConfig,
     TrainConfig,
 )
-from turnrl.engines.base import Engine
+from turnrl.engines.base import Engine, Recording
 from turnrl.observe.tracing import TrajectoryTracer
 from turnrl.render import ChatRenderer
 from turnrl.rollout.episode import RolloutLimits
@@ -72,24 +72,31 @@ def env_config(cfg: RolloutConfig) -> dict[str, Any]:
     return merged
 
 
+def engine_recording(cfg: RolloutConfig) -> Recording:
+    """What the engines record for the trainer: kept sets (rollout.sampling_mask), MoE routing (router_replay)."""
+    return Recording(sampling_mask=cfg.records_sampling_mask, routing=cfg.router_replay == "record")
+
+
 def load_engine(source: str, cfg: EngineConfig, *, eos_token_ids: Sequence[int] = (), image_processor: Any = None,
-                dtype: str = "float32") -> Engine:
+                dtype: str = "float32", record: Recording = Recording()) -> Engine:
     """`build_engine` with its weights: an embedded engine loads `source` (a model name or directory) in `dtype`
     here; vLLM in process loads it itself; server engines load nothing here."""
     from turnrl.models import DTYPES, load_model
 
     model = load_model(source, dtype=DTYPES[dtype]) if cfg.kind == "embedded" else None
-    return build_engine(model, cfg, eos_token_ids, image_processor, model_path=source)
+    return build_engine(model, cfg, eos_token_ids, image_processor, model_path=source, record=record)
 
 
 def build_engine(model: torch.nn.Module | None, cfg: EngineConfig, eos_token_ids: Sequence[int] = (),
-                 image_processor: Any = None, model_path: str | None = None) -> Engine:
+                 image_processor: Any = None, model_path: str | None = None, *,
+                 record: Recording = Recording()) -> Engine:
     """`model_path` (a model name or directory, as `turnrl.models.resolve_model` takes) is what an in-process
-    vLLM engine (`engine.kind: vllm` without `engine.urls`) loads; the embedded engine uses `model` itself."""
+    vLLM engine (`engine.kind: vllm` without `engine.urls`) loads; the embedded engine uses `model` itself.
+    `record` says what the engines report beside tokens and logprobs (kept sets, MoE routing)."""
     if cfg.kind == "vllm" and not cfg.urls:
-        return build_vllm_engine(cfg, model_path, eos_token_ids)
+        return build_vllm_engine(cfg, model_path, eos_token_ids, record)
     if cfg.kind != "embedded":
-        return _server_engine(cfg)
+        return _server_engine(cfg, record, model_path)
     from turnrl.engines.embedded import EmbeddedEngine
 
     if model is None:
@@ -97,7 +104,8 @@ def build_engine(model: torch.nn.Module | None, cfg: EngineConfig, eos_token_ids
 
     def one(weights: Any) -> EmbeddedEngine:  # a transformers PreTrainedModel
         return EmbeddedEngine(weights, eos_token_ids=eos_token_ids, max_batch_size=cfg.max_batch_size,
-                              prefix_cache_tokens=cfg.prefix_cache_tokens, image_processor=image_processor)
+                              prefix_cache_tokens=cfg.prefix_cache_tokens, image_processor=image_processor,
+                              record_sampling_mask=record.sampling_mask, record_routing=record.routing)
 
     if cfg.replicas == 1:
         return one(model)
@@ -109,7 +117,8 @@ def build_engine(model: torch.nn.Module | None, cfg: EngineConfig, eos_token_ids
     return Router({f"embedded{i}": one(model if i == 0 else copy.deepcopy(model)) for i in range(cfg.replicas)})
 
 
-def build_vllm_engine(cfg: EngineConfig, model_path: str | None, eos_token_ids: Sequence[int] = ()) -> Engine:
+def build_vllm_engine(cfg: EngineConfig, model_path: str | None, eos_token_ids: Sequence[int] = (),
+                      record: Recording = Recording()) -> Engine:
     from turnrl.engines.vllm import VLLMEngine
     from turnrl.models import resolve_model
 
@@ -118,10 +127,11 @@ def build_vllm_engine(cfg: EngineConfig, model_path: str | None, eos_token_ids: 
     if cfg.replicas != 1:
         raise ConfigError("engine.kind=vllm runs one in-process vLLM engine; for replicas, start `vllm serve` "
                           "servers and list them in engine.urls")
-    return VLLMEngine(resolve_model(model_path), eos_token_ids=eos_token_ids, max_num_seqs=cfg.max_batch_size)
+    return VLLMEngine(resolve_model(model_path), eos_token_ids=eos_token_ids, max_num_seqs=cfg.max_batch_size,
+                      record=record)
 
 
-def _server_engine(cfg: EngineConfig) -> Engine:
+def _server_engine(cfg: EngineConfig, record: Recording = Recording(), model_path: str | None = None) -> Engine:
     """An Engine for `engine.kind` http, sglang or vllm (with urls): one client per URL in `engine.urls`, behind a
     Router when there are several. `weights_dir` is where SGLang and vLLM
     server clients write pushed weights for their servers to load (a sub-folder per replica)."""
@@ -138,12 +148,24 @@ def _server_engine(cfg: EngineConfig) -> Engine:
     elif cfg.kind == "sglang":
         from turnrl.engines.sglang import SGLangEngine
 
-        replicas = [SGLangEngine(url, weights_dir=_replica_dir(cfg, i), probe_after_s=after, probe_timeout_s=probe)
+        shape = None
+        if record.routing:
+            from transformers import AutoConfig
+
+            from turnrl.models import resolve_model
+            from turnrl.moe import routing_shape
+
+            if model_path is None:
+                raise ConfigError("rollout.router_replay: record with SGLang needs the policy (model) to size its routing")
+            shape = routing_shape(AutoConfig.from_pretrained(resolve_model(model_path)))
+        replicas = [SGLangEngine(url, weights_dir=_replica_dir(cfg, i), record=record, routing_shape=shape,
+                                    probe_after_s=after, probe_timeout_s=probe)
                     for i, url in enumerate(cfg.urls)]
     elif cfg.kind == "vllm":
         from turnrl.engines.vllm import VLLMServerEngine
 
-        replicas = [VLLMServerEngine(url, weights_dir=_replica_dir(cfg, i), probe_after_s=after, probe_timeout_s=probe)
+        replicas = [VLLMServerEngine(url, weights_dir=_replica_dir(cfg, i), record=record, probe_after_s=after,
+                                     probe_timeout_s=probe)
                     for i, url in enumerate(cfg.urls)]
     else:
         raise ValueError(f"engine.kind={cfg.kind!r} has no server client here; use http, sglang or vllm")
@@ -308,11 +330,13 @@ def build_stack(model: str, cfg: RolloutConfig | None, engine_cfg: EngineConfig,
                           tracer)
     # plugins, agents, scheduler, tools and env resolve here, before the weights load; the engine comes after
     manager = build_rollout_manager(cfg, None, renderer, reward_fn) if cfg is not None else None
+    record = engine_recording(rollout_cfg)
     if engine_model is not None:
-        engine = build_engine(engine_model(), engine_cfg, sorted(renderer.end_of_turn_ids), image_processor)
+        engine = build_engine(engine_model(), engine_cfg, sorted(renderer.end_of_turn_ids), image_processor,
+                              record=record)
     else:
         engine = load_engine(weights or model, engine_cfg, eos_token_ids=sorted(renderer.end_of_turn_ids),
-                             image_processor=image_processor, dtype=dtype)
+                             image_processor=image_processor, dtype=dtype, record=record)
     if manager is not None:
         manager.engine = engine
     return Stack(engine, renderer, manager, tracer, (engine.close, *_closers(reward_fn)))
@@ -350,7 +374,7 @@ def _ray_stack(model: str, cfg: RolloutConfig, engine_cfg: EngineConfig, rendere
         load_env_factory(cfg.env)
     one = engine_cfg.model_copy(update={"replicas": 1, "distributed": "none"})
     engine = functools.partial(load_engine, weights, one, eos_token_ids=sorted(renderer.end_of_turn_ids),
-                               image_processor=image_processor, dtype=dtype)
+                               image_processor=image_processor, dtype=dtype, record=engine_recording(cfg))
     rollout = RayRollout.start(engine, functools.partial(build_worker_manager, model, cfg, reward),
                                replicas=engine_cfg.replicas, workers=engine_cfg.ray_workers, renderer=renderer,
                                sampling=sampling_params(cfg), address=engine_cfg.ray_address)

@@ -26,7 +26,8 @@ class SamplingConfig(Strict):
     temperature: float = Field(1.0, ge=0)
     """Sampling temperature of rollouts (0 = greedy). The trainer scales its logits by the same value."""
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus mass; keep 1.0 when training (the trainer's logprobs ignore top-p)."""
+    """Nucleus mass; 1.0 disables. Below 1 the engine records each token's kept set (rollout.sampling_mask), which
+    the trainer renormalises over (algo.sampling_mask; docs/off-policy.md)."""
     top_k: int = -1
     """Keep the k most likely tokens; -1 disables."""
     seed: int | None = None
@@ -118,6 +119,21 @@ class RolloutConfig(Strict):
     """Trajectories traced per training step, eval pass or `turnrl rollout`; all are still written to JSONL."""
     sampling: SamplingConfig = SamplingConfig()
     """How rollouts sample (the training distribution; evaluation's greedy pass uses temperature 0)."""
+    sampling_mask: Literal["none", "record"] | None = None
+    """record: the engine reports, for each sampled token, the kept set top-k / top-p left (as its size k: the k most
+    likely tokens) and the trajectory stores it (segments[].kept_counts), so the trainer can score the token under
+    the same truncated distribution (algo.sampling_mask). None = record whenever sampling.top_p < 1 or
+    sampling.top_k > 0. An engine that cannot report it says so once (docs/off-policy.md)."""
+    router_replay: Literal["none", "record"] = "none"
+    """record (MoE policies): the engine records the experts each MoE layer's router chose for every token, and the
+    trajectory stores them (routed_experts), for the trainer to force the same routing (algo.router_replay)."""
+
+    @property
+    def records_sampling_mask(self) -> bool:
+        """`sampling_mask` with its default resolved: record when top-p or top-k cut the distribution."""
+        if self.sampling_mask is not None:
+            return self.sampling_mask == "record"
+        return self.sampling.top_p < 1.0 or self.sampling.top_k > 0
 
 
 class AlgoConfig(Strict):
@@ -154,6 +170,14 @@ class AlgoConfig(Strict):
     """TIS truncates importance weights at this value; MIS masks those outside [1/threshold, threshold]."""
     train_on: list[Literal["completed", "truncated", "aborted", "failed"]] = ["completed", "truncated"]
     """Trajectory statuses that enter the loss (failed ones never should)."""
+    sampling_mask: Literal["renormalize", "ignore"] = "renormalize"
+    """renormalize: score each sampled token under the trainer's distribution renormalised over the kept set the
+    engine sampled it from (rollout.sampling_mask), in the ratio, the importance weights and the loss; trajectories
+    without kept sets fall back to the full softmax, with a warning. ignore: the full softmax everywhere. Both
+    report train/mismatch_kl_k3 (renormalised) and train/mismatch_kl_k3_unmasked (full softmax)."""
+    router_replay: bool = False
+    """MoE policies: the trainer's forward routes every token to the experts the engine chose (recorded with
+    rollout.router_replay: record); the router's gate values still train (turnrl.moe)."""
 
 
 class OptimConfig(Strict):
@@ -383,6 +407,9 @@ class TrainConfig(Strict):
         if "mlflow" in self.trainer.loggers and not self.rollout.trace_uri:
             raise ValueError("trainer.loggers: mlflow logs to the MLflow server at rollout.trace_uri (where the "
                              "trajectory traces go): set rollout.trace_uri")
+        if self.algo.router_replay and self.rollout.router_replay != "record":
+            raise ValueError("algo.router_replay: true replays the routing the engine recorded: set "
+                             "rollout.router_replay: record")
         return self
 
 

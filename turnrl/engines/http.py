@@ -42,6 +42,7 @@ from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save as save_safetensors_bytes
 
 from turnrl.engines.base import EngineError, InvalidRequest, NamedTensors, check_pause
+from turnrl.moe import decode_routing, encode_routing
 from turnrl.observe.watchdog import abandon_after
 from turnrl.types import (
     JSON_SAMPLING_RULES,
@@ -98,6 +99,10 @@ def output_to_json(out: GenerateOutput) -> dict[str, Any]:
         body["token_versions"] = list(out.token_versions)
     if out.preempted:  # stopped by a weight update (pause=abort): the caller resubmits
         body["preempted"] = True
+    if out.kept_counts is not None:  # recorded kept sets (docs/off-policy.md)
+        body["kept_counts"] = list(out.kept_counts)
+    if out.routed_experts is not None:  # recorded MoE routing, in the trajectory format's encoding
+        body["routed_experts"], body["routed_start"] = encode_routing(out.routed_experts), out.routed_start
     return body
 
 
@@ -111,6 +116,9 @@ def output_from_json(body: Any, where: str) -> GenerateOutput:
             cached_prompt_tokens=int(body.get("cached_prompt_tokens", 0)),
             token_versions=None if body.get("token_versions") is None else [int(v) for v in body["token_versions"]],
             preempted=bool(body.get("preempted", False)),
+            kept_counts=None if body.get("kept_counts") is None else [int(k) for k in body["kept_counts"]],
+            routed_experts=None if body.get("routed_experts") is None else decode_routing(body["routed_experts"]),
+            routed_start=int(body.get("routed_start", 0)),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise EngineError(f"{where}: malformed generate response ({type(e).__name__}: {e}): {_excerpt(body)}") from None

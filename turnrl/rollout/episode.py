@@ -37,6 +37,7 @@ from typing import Any
 from turnrl.data import prompt_messages
 from turnrl.engines.base import Engine
 from turnrl.envs.base import Env, EnvFactory, EnvStepError, EnvThreads, EpisodeEnv, TurnEnv, error_with_frames
+from turnrl.moe import merge_routing
 from turnrl.multimodal import check_parity, image_ref
 from turnrl.observe.watchdog import Detail, Watchdog, abandon_after, engine_label
 from turnrl.render import ChatRenderer, SanityMode
@@ -450,10 +451,17 @@ def _joined(parts: list[GenerateOutput]) -> GenerateOutput:
     if len(parts) == 1:
         return parts[0]
     last = parts[-1]
+    kept = None if any(p.kept_counts is None for p in parts) else [k for p in parts for k in p.kept_counts or []]
+    routed = [p for p in parts if p.routed_experts is not None]
+    start = min((p.routed_start for p in routed), default=0)
+    experts = None
+    for p in routed:  # each resubmitted call routes from its own start (positions in the same stream)
+        experts = merge_routing(experts, p.routed_start - start, p.routed_experts)
     return GenerateOutput(
         [t for p in parts for t in p.token_ids], [lp for p in parts for lp in p.logprobs], last.finish_reason,
         last.policy_version, sum(p.cached_prompt_tokens for p in parts),
-        token_versions=[v for p in parts for v in p.versions()])
+        token_versions=[v for p in parts for v in p.versions()], kept_counts=kept, routed_experts=experts,
+        routed_start=start)
 
 
 def derive_seed(base: int | None, trajectory_id: str, turn: int) -> int | None:
