@@ -30,3 +30,23 @@ def tiny_qwen3():
     from turnrl.models import load_model
 
     return load_model("tiny-qwen3")
+
+
+@pytest.fixture()
+def host_refusing_namespaces(monkeypatch, tmp_path):
+    """The sandbox's child program under a seccomp filter refusing unshare(2), as a container's default policy
+    does: the kernel itself says no to every namespace and mount the sandbox asks for."""
+    from turnrl.tools import sandbox
+
+    child = sandbox._CHILD_PROGRAM
+    wrapper = tmp_path / "child_without_namespaces.py"
+    wrapper.write_text(
+        "import os, runpy, sys\n"
+        f"sys.path.insert(0, {os.path.dirname(child)!r})\n"
+        "import _sandbox_kernel\n"
+        "del sys.path[0]\n"
+        "_sandbox_kernel.seccomp_deny(['unshare'])\n"
+        f"sys.argv[0] = {child!r}\n"
+        f"runpy.run_path({child!r}, run_name='__main__')\n"
+    )
+    monkeypatch.setattr(sandbox, "_CHILD_PROGRAM", str(wrapper))

@@ -11,8 +11,8 @@ import pytest
 from fake_sglang import FakeSGLang
 from fakes import ScriptedEngine
 
+from turnrl.build import build_engine
 from turnrl.config import EngineConfig
-from turnrl.engines import build_server_engine
 from turnrl.engines.base import EngineError, InvalidRequest
 from turnrl.engines.embedded import EmbeddedEngine
 from turnrl.engines.http import HttpEngine
@@ -176,12 +176,12 @@ async def test_the_gpu_check_script_passes_against_the_fake(embedded, fake_serve
 
 
 def test_build_server_engine_from_config(tmp_path):
-    one = build_server_engine(EngineConfig(kind="sglang", urls=["http://a:1"]))
+    one = build_engine(None, EngineConfig(kind="sglang", urls=["http://a:1"]))
     assert isinstance(one, SGLangEngine) and one.weights_dir is None
-    many = build_server_engine(EngineConfig(kind="http", urls=["http://a:1", "http://b:2"]))
+    many = build_engine(None, EngineConfig(kind="http", urls=["http://a:1", "http://b:2"]))
     assert isinstance(many, Router) and all(isinstance(r.engine, HttpEngine) for r in many._replicas.values())
     with pytest.raises(ValueError, match="engine.urls is required"):
-        build_server_engine(EngineConfig(kind="sglang"))
+        build_engine(None, EngineConfig(kind="sglang"))
 
 
 @pytest.mark.parametrize(("pause", "calls"), [

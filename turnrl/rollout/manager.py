@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 from turnrl.engines.base import Engine
-from turnrl.envs.base import EnvFactory, EnvThreads
+from turnrl.envs.base import EnvFactory, EnvThreads, maybe_await
 from turnrl.observe.watchdog import Watchdog
 from turnrl.render import ChatRenderer, SanityMode
 from turnrl.rollout.episode import RolloutContext, RolloutLimits
@@ -138,12 +138,6 @@ def _timed_out(ctx: RolloutContext) -> Trajectory:
     return traj
 
 
-async def _maybe_await(value: Any) -> Any:
-    if asyncio.iscoroutine(value) or isinstance(value, asyncio.Future):
-        return await value
-    return value
-
-
 class Rollout(Protocol):
     """Whatever runs the rollouts of a run: a local RolloutManager, a RayRollout (turnrl.rollout.ray) or a
     RemoteRollout (turnrl.rollout.remote, a `turnrl serve` rollout server). `stream` yields trajectories as they
@@ -182,7 +176,7 @@ async def score(traj: Trajectory, reward_fn: RewardFn | None) -> None:
     if reward_fn is None or traj.reward is not None:
         return
     try:
-        value = await _maybe_await(reward_fn(traj))
+        value = await maybe_await(reward_fn(traj))
         if isinstance(value, dict) and "score" in value:
             traj.info["reward_extra"] = {k: v for k, v in value.items() if k != "score"}
             value = value["score"]

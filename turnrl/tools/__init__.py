@@ -4,7 +4,8 @@
     stateful.py        stateful tools (per-trajectory lifecycle), YAML tool configs, ToolSet, ToolSession
     parsers.py         hermes / qwen3_coder tool-call parsers (reasoning stripped, errors for the model)
     calculator.py      calculator (ast, no eval)
-    sandbox.py         a sandboxed Python interpreter (python_exec); its child program is _sandbox_child.py
+    sandbox.py         a sandboxed Python interpreter (python_exec) and the launcher turnrl.agents.sandbox shares;
+                       its child program is _sandbox_child.py, the kernel layers _sandbox_kernel.py
 """
 
 from turnrl.tools.calculator import CalculatorError, calculator, evaluate_expression

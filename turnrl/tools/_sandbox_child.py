@@ -1,138 +1,51 @@
 """The sandbox's child program (turnrl.tools.sandbox runs it as `python -I -B -u _sandbox_child.py config.json`).
 
-It starts as the *supervisor*: it applies the limits and namespaces (inherited by everything it starts), makes
-itself the subreaper of the run, and forks the *worker*, which drops privileges, reports the active layers,
-installs the audit hook and runs the code. The supervisor keeps its privileges only to enforce the wall-clock
-timeout and to kill and reap every process of the run afterwards (orphans are reparented to it, so none is left
-as a zombie either).
+It starts as the *supervisor*: it applies the limits (inherited by everything it starts), makes itself the
+subreaper of the run, and forks the *worker*, which confines itself (`_sandbox_kernel.py`: mounts, privilege drop,
+Landlock, seccomp), reports the active layers and then either runs the Python code (mode "python": the audit hook
+goes on last) or, as the init process of a PID namespace of its own, starts the command (mode "command") and
+reaps whatever it leaves. The supervisor keeps its privileges only to enforce the wall-clock timeout, to relay
+the loopback ports a command may reach, and to kill and reap every process of the run afterwards.
 
 Standard library only, nothing from turnrl: it runs under `python -I` (its own folder is not on sys.path) and
 maybe under another interpreter than the parent's (`SandboxLimits.python`), which need not have turnrl installed.
 """
 
 import contextlib
+import importlib.util
 import json
 import linecache
 import os
 import resource
 import select
+import signal
 import socket
 import stat
 import sys
+import sysconfig
+import threading
 import time
 import traceback
 
+
+def _load_kernel():
+    """The sibling `_sandbox_kernel.py`, by path (under -I this folder is not on sys.path, on purpose)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_kernel.py")
+    spec = importlib.util.spec_from_file_location("_sandbox_kernel", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 try:
-    import ctypes
-except ImportError:  # an interpreter built without ctypes: no namespaces, no privilege drop
-    ctypes = None  # type: ignore[assignment]
+    kernel = _load_kernel()
+except ImportError:  # an interpreter built without ctypes: no namespaces, no privilege drop, no Landlock
+    kernel = None
+LINUX = sys.platform.startswith("linux") and kernel is not None
 
 
 def _report(fd, **message):
     os.write(fd, (json.dumps(message) + "\n").encode())
-
-
-def _setup_supervisor(cfg):
-    for name, (soft, hard) in cfg["rlimits"].items():
-        current_hard = resource.getrlimit(getattr(resource, name))[1]
-        if current_hard != resource.RLIM_INFINITY:  # a non-root parent cannot raise its hard limits
-            soft, hard = min(soft, current_hard), min(hard, current_hard)
-        resource.setrlimit(getattr(resource, name), (soft, hard))
-    layers = {"rlimits": True, "netns": False, "no_new_privs": False, "subreaper": False}
-    if sys.platform.startswith("linux") and ctypes is not None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        flags = 0x40000000 if os.geteuid() == 0 else 0x40000000 | 0x10000000  # NEWNET (| NEWUSER)
-        layers["netns"] = cfg["network_namespace"] and libc.unshare(flags) == 0
-        layers["no_new_privs"] = libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS
-        layers["subreaper"] = libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
-    return layers
-
-
-def _drop_privileges(uid, keep_dac_read_search):
-    libc = ctypes.CDLL(None, use_errno=True)
-    if keep_dac_read_search and libc.prctl(8, 1, 0, 0, 0) != 0:  # PR_SET_KEEPCAPS
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_KEEPCAPS)")
-    os.setgroups([])
-    os.setgid(uid)
-    os.setuid(uid)
-    if keep_dac_read_search:  # permitted = effective = {CAP_DAC_READ_SEARCH}, nothing else
-        class Header(ctypes.Structure):
-            _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-        class Data(ctypes.Structure):
-            _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
-        data = (Data * 2)()
-        data[0].effective = data[0].permitted = 1 << 2
-        if libc.capset(ctypes.byref(Header(0x20080522, 0)), data) != 0:
-            raise OSError(ctypes.get_errno(), "capset(CAP_DAC_READ_SEARCH)")
-
-
-# ---- kernel layers: Landlock (writes) and seccomp (exec) ---------------------------------------------
-_LANDLOCK_WRITES = (1 << 1) | sum(1 << bit for bit in range(4, 13))  # WRITE_FILE, REMOVE_*, MAKE_* (ABI 1)
-_SYSCALLS = {"x86_64": (0xC000003E, 59, 322), "aarch64": (0xC00000B7, 221, 281)}  # arch, execve, execveat
-
-
-def _restrict_writes(root):
-    """Landlock: from now on this process and its children may create, write, remove or rename only beneath
-    `root` (and write /dev/null), whatever they call (native code included). Returns the ABI version, or
-    False where the kernel lacks Landlock."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
-    abi = libc.syscall(444, None, ctypes.c_size_t(0), ctypes.c_uint32(1))  # landlock_create_ruleset: ABI version
-    if abi < 1:
-        return False
-    handled = _LANDLOCK_WRITES | (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0)  # REFER, TRUNCATE
-    file_rights = (1 << 1) | (1 << 14 if abi >= 3 else 0)
-    ruleset = ctypes.c_uint64(handled)  # struct landlock_ruleset_attr {u64 handled_access_fs} (extensible)
-    ruleset_fd = libc.syscall(444, ctypes.byref(ruleset), ctypes.c_size_t(8), ctypes.c_uint32(0))
-    if ruleset_fd < 0:
-        raise OSError(ctypes.get_errno(), "landlock_create_ruleset")
-
-    class PathBeneath(ctypes.Structure):
-        _pack_ = 1
-        _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
-
-    try:
-        for path, rights in ((root, handled), ("/dev/null", file_rights)):
-            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-            try:
-                rule = PathBeneath(rights, fd)
-                if libc.syscall(445, ruleset_fd, 1, ctypes.byref(rule), ctypes.c_uint32(0)) != 0:
-                    raise OSError(ctypes.get_errno(), f"landlock_add_rule({path})")
-            finally:
-                os.close(fd)
-        if libc.syscall(446, ruleset_fd, ctypes.c_uint32(0)) != 0:  # landlock_restrict_self
-            raise OSError(ctypes.get_errno(), "landlock_restrict_self")
-    finally:
-        os.close(ruleset_fd)
-    return abi
-
-
-def _deny_exec():
-    """seccomp: execve and execveat fail with EPERM for this process and its children, so no other program
-    starts, however it is asked for (subprocess internals, ctypes `system`, posix_spawn). Syscalls of another ABI
-    (i386, x32) are refused outright. Returns False on an architecture this filter does not know."""
-    arch, execve, execveat = _SYSCALLS.get(os.uname().machine, (None, None, None))
-    if arch is None:
-        return False
-    load, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
-    allow, refuse = 0x7FFF0000, 0x00050000 | 1  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EPERM
-    program = [(load, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, refuse), (load, 0, 0, 0)]
-    if arch == 0xC000003E:
-        program += [(jge, 0, 1, 0x40000000), (ret, 0, 0, refuse)]  # x32 syscalls on x86_64
-    program += [(jeq, 0, 1, execve), (ret, 0, 0, refuse), (jeq, 0, 1, execveat), (ret, 0, 0, refuse),
-                (ret, 0, 0, allow)]
-
-    class Instruction(ctypes.Structure):
-        _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
-
-    class Program(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(Instruction))]
-
-    instructions = (Instruction * len(program))(*program)
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(22, 2, ctypes.byref(Program(len(program), instructions)), 0, 0) != 0:  # PR_SET_SECCOMP, FILTER
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
-    return True
 
 
 def _optional(layer, *args):
@@ -142,6 +55,137 @@ def _optional(layer, *args):
         return layer(*args)
     except OSError:
         return False
+
+
+def _try(layer, *args):
+    """Run `layer`; True if it held, False if the kernel refused it."""
+    return _optional(lambda: layer(*args) or True)
+
+
+# ---- the supervisor ----------------------------------------------------------------------------------
+def _setup_supervisor(cfg):
+    for name, (soft, hard) in cfg["rlimits"].items():
+        current_hard = resource.getrlimit(getattr(resource, name))[1]
+        if current_hard != resource.RLIM_INFINITY:  # a non-root parent cannot raise its hard limits
+            soft, hard = min(soft, current_hard), min(hard, current_hard)
+        resource.setrlimit(getattr(resource, name), (soft, hard))
+    layers = {"rlimits": True, "netns": False, "mountns": False, "no_new_privs": False, "subreaper": False}
+    if LINUX:
+        libc = kernel._libc()
+        if cfg["mode"] == "python" and cfg["network_namespace"]:  # a command's worker makes its own
+            user = 0 if os.geteuid() == 0 else kernel.CLONE_NEWUSER
+            layers["netns"] = _try(kernel.unshare, kernel.CLONE_NEWNET | user)
+        layers["no_new_privs"] = libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS
+        layers["subreaper"] = libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+        _optional(kernel.die_with_parent)  # the thread that started us waits for us: it dies only with turnrl
+    return layers
+
+
+# ---- what the run may read and write ------------------------------------------------------------------
+def _interpreter_paths():
+    """What this interpreter reads after start-up: its binary, its library directory (libpython, the standard
+    library) and every sys.path entry (lib-dynload, site-packages, paths added by .pth files)."""
+    paths = [os.path.realpath(sys.executable)]
+    if sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        paths.append(sysconfig.get_config_var("LIBDIR"))
+    paths += [entry for entry in sys.path if entry and os.path.isdir(entry)]
+    return paths
+
+
+def _existing(paths):
+    """Resolved, existing, without repeats, in order."""
+    out = []
+    for path in paths:
+        real = os.path.realpath(path)
+        if os.path.exists(real) and real not in out:
+            out.append(real)
+    return out
+
+
+def _readable_by_others(path):
+    mode = os.stat(path).st_mode
+    return bool(mode & stat.S_IROTH) and (not stat.S_ISDIR(mode) or bool(mode & stat.S_IXOTH))
+
+
+def _blocked(paths):
+    """{directory others cannot search (e.g. /root, mode 0700): the allow-listed paths beneath it}."""
+    groups = {}
+    for path in paths:
+        blocker = kernel.first_blocker(path)
+        if blocker is not None:
+            groups.setdefault(blocker, []).append(path)
+    return groups
+
+
+PRIVATE_DIRS = ("/tmp", "/var/tmp", "/run", "/dev/shm")
+"""Where anyone may leave things (files, FIFOs, world-writable Unix sockets such as D-Bus's): in its mount
+namespace the run gets fresh, empty ones, so it neither reaches nor leaves anything there on the host."""
+
+
+def _private_dirs(paths, size_mb=None):
+    """Replace PRIVATE_DIRS with empty tmpfs (allow-listed paths beneath them bound back): writable /tmp and
+    /dev/shm of `size_mb` for a command, else empty and read-only to the run (the Python tool writes only its
+    work dir)."""
+    for directory in PRIVATE_DIRS:
+        if os.path.isdir(directory) and not os.path.islink(directory) and directory not in paths:
+            writable = size_mb is not None and directory in ("/tmp", "/dev/shm")
+            options = f"mode=1777,size={size_mb}m" if writable else "mode=0755,size=1m"
+            kernel.cover(directory, [p for p in paths if p.startswith(directory + "/")], options)
+
+
+def _make_reachable(paths):
+    """The sandbox's uid must reach paths beneath directories it cannot search (a pyenv under /root). In the
+    run's mount namespace each such directory becomes an empty tmpfs holding only those paths, bound back in
+    place: nothing else of it is even there."""
+    for directory, keep in sorted(_blocked(paths).items()):
+        kernel.cover(directory, keep, "mode=0755,size=1m")
+
+
+# ---- mode "python": the worker runs the code ------------------------------------------------------------
+def _confine_python(cfg, layers):
+    """Everything between fork and the code: reachability, privilege drop, Landlock, seccomp, audit hook."""
+    root = os.path.realpath(cfg["cwd"])
+    writes = _existing([root, "/dev/null"])
+    reads = _existing(cfg["reads"] + _interpreter_paths()) if LINUX else []
+    keep_cap = blocked = False
+    if cfg["uid"] is not None:
+        blocked = bool(_blocked(reads + writes))
+        layers["mountns"] = LINUX and _try(kernel.private_mounts)
+        if layers["mountns"]:
+            _private_dirs(reads + writes)
+            _make_reachable(reads + writes)
+        interpreter_unreadable = not all(_readable_by_others(p) for p in _existing(_interpreter_paths()))
+        keep_cap = interpreter_unreadable or (blocked and not layers["mountns"])
+        kernel.drop_privileges(cfg["uid"], keep_cap)
+        _optional(kernel.die_with_parent)
+    os.chdir(root)
+    layers["landlock"] = False
+    if LINUX and cfg["landlock"]:
+        layers["landlock"] = _optional(lambda: kernel.landlock(reads, writes, deny_tcp=not layers["netns"]))
+    restrict_reads = bool(layers["landlock"])
+    denied = ([] if cfg["allow_subprocess"] else ["execve", "execveat"]) + (["open_by_handle_at"] if keep_cap else [])
+    filtered = LINUX and bool(denied) and _optional(kernel.seccomp_deny, denied)
+    layers.update(
+        uid=cfg["uid"],
+        reach="capability" if keep_cap else "mounts" if blocked else None,
+        read_paths=sorted(set(reads + writes)) if restrict_reads else None,
+        read_anywhere=not restrict_reads and (keep_cap or os.geteuid() == 0),
+        no_exec=bool(filtered) and not cfg["allow_subprocess"],
+    )
+    block_network = not layers["netns"]
+    _install_audit_hook(root, block_network, cfg["allow_subprocess"])
+    layers.update(audit_hook=True, network_hook=block_network)
+
+
+def _python_worker(cfg, layers):
+    try:
+        _confine_python(cfg, layers)
+    except BaseException as e:
+        _report(cfg["report_fd"], setup_error=f"{type(e).__name__}: {e}")
+        os._exit(125)
+    _report(cfg["report_fd"], layers=layers)
+    os.close(cfg["report_fd"])
+    _run(cfg.pop("code"))
 
 
 # ---- the audit hook ----------------------------------------------------------------------------------
@@ -233,29 +277,6 @@ def _install_audit_hook(root, block_network, allow_subprocess):
     sys.addaudithook(hook)
 
 
-def _worker(cfg, layers):
-    try:
-        if cfg["uid"] is not None:
-            _drop_privileges(cfg["uid"], cfg["keep_dac_read_search"])
-            layers.update(uid=cfg["uid"], read_anywhere=cfg["keep_dac_read_search"])
-        else:
-            layers.update(uid=None, read_anywhere=os.geteuid() == 0)
-        os.chdir(cfg["cwd"])
-        root = os.path.realpath(cfg["cwd"])
-        kernel = sys.platform.startswith("linux") and ctypes is not None
-        layers["landlock"] = _optional(_restrict_writes, root) if kernel else False
-        layers["no_exec"] = _optional(_deny_exec) if kernel and not cfg["allow_subprocess"] else False
-        block_network = not layers["netns"]
-        _install_audit_hook(root, block_network, cfg["allow_subprocess"])
-        layers.update(audit_hook=True, network_hook=block_network)
-    except BaseException as e:
-        _report(cfg["report_fd"], setup_error=f"{type(e).__name__}: {e}")
-        os._exit(125)
-    _report(cfg["report_fd"], layers=layers)
-    os.close(cfg["report_fd"])
-    _run(cfg.pop("code"))
-
-
 def _run(code):
     linecache.cache["<code>"] = (len(code), None, code.splitlines(True), "<code>")
     sys.argv = ["<code>"]
@@ -272,6 +293,148 @@ def _run(code):
         except BaseException:  # the code broke what formatting needs (it replaced builtins.isinstance...)
             sys.stderr.write(f"{type(e).__name__}: {e}\n")
         sys.exit(1)
+
+
+# ---- mode "command": the worker is the init process of the run ----------------------------------------
+STRICT_LAYERS = ("pidns", "mountns", "netns", "landlock")
+"""What a command's sandbox must have unless it is weak (the separate uid is checked by the parent)."""
+
+
+def _isolate_command(cfg, layers, channel):
+    """As root, before the drop: a mount namespace (fresh /proc and /tmp, blocked directories made reachable,
+    a passwd naming the run's user) and a network namespace (loopback only; its listeners go to the supervisor,
+    which relays them to the host's loopback ports)."""
+    layers["mountns"] = _try(kernel.private_mounts)
+    if layers["mountns"]:
+        if layers["pidns"]:
+            kernel.mount_proc()
+        for name, path in cfg["identity"].items():  # before /tmp is covered: the files are in the control dir
+            kernel.bind_file(path, f"/etc/{name}")
+            cfg["reads"].append(f"/etc/{name}")
+        paths = _existing(cfg["reads"] + cfg["writes"])
+        _private_dirs(paths, cfg["tmp_mb"])
+        _make_reachable(paths)
+    else:  # no private /tmp: temporary files go to HOME
+        cfg["env"]["TMPDIR"] = os.path.join(cfg["home"], ".tmp")
+        os.makedirs(cfg["env"]["TMPDIR"], exist_ok=True)
+        if cfg["uid"] is not None:
+            os.chown(cfg["env"]["TMPDIR"], cfg["uid"], cfg["uid"])
+    layers["netns"] = _try(kernel.unshare, kernel.CLONE_NEWNET)
+    if layers["netns"] and cfg["network"] == "loopback":
+        kernel.loopback_up()
+        listeners = [socket.create_server(("127.0.0.1", port)) for port in cfg["ports"]]
+        socket.send_fds(channel, [json.dumps(cfg["ports"]).encode()], [s.fileno() for s in listeners])
+        for listener in listeners:
+            listener.close()
+    channel.close()
+
+
+def _confine_command(cfg, layers, channel):
+    _isolate_command(cfg, layers, channel)
+    writes = cfg["writes"] + (["/tmp"] if layers["mountns"] else [])
+    reads = cfg["reads"] + (["/proc"] if layers["pidns"] and layers["mountns"] else [])
+    if cfg["uid"] is not None:
+        kernel.drop_privileges(cfg["uid"])
+        _optional(kernel.die_with_parent)
+    os.chdir(cfg["cwd"])
+    deny_tcp = cfg["network"] == "none" and not layers["netns"]
+    layers["landlock"] = _optional(lambda: kernel.landlock(_existing(reads), _existing(writes), deny_tcp=deny_tcp))
+    layers.update(uid=cfg["uid"], read_paths=sorted(_existing(reads + writes)) if layers["landlock"] else None)
+    missing = [name for name in STRICT_LAYERS if not layers[name]]
+    if cfg["strict"] and missing:
+        raise OSError(f"this machine cannot enforce the command sandbox: no {', no '.join(missing)} "
+                      f"({_MISSING_WHY}); set `weak` to run it with what is available")
+
+
+_MISSING_WHY = ("namespaces need root or unprivileged user namespaces; Landlock needs Linux 5.13+ with `landlock` "
+                "in the kernel's lsm= list")
+
+
+def _command_worker(cfg, layers, channel):
+    """PID 1 of the run's PID namespace: confine itself, start the command, reap everything until the command
+    ends, then exit, which makes the kernel kill whatever the command left behind."""
+    try:
+        _confine_command(cfg, layers, channel)
+    except BaseException as e:
+        _report(cfg["report_fd"], setup_error=f"{type(e).__name__}: {e}")
+        os._exit(125)
+    _report(cfg["report_fd"], layers=layers)
+    command = os.fork()
+    if command == 0:
+        os.close(cfg["report_fd"])
+        _exec(cfg["argv"], cfg["env"])
+    while True:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            os._exit(125)
+        if pid == command:
+            _report(cfg["report_fd"], command_exit=os.waitstatus_to_exitcode(status))
+            os._exit(0)
+
+
+def _exec(argv, env):
+    for sig in (signal.SIGINT, signal.SIGPIPE):  # Python changed these; a program expects the defaults
+        signal.signal(sig, signal.SIG_DFL)
+    try:
+        os.execvpe(argv[0], argv, env)
+    except OSError as e:
+        os.write(2, f"sandbox: cannot start {argv[0]!r}: {e}\n".encode())
+        os._exit(127 if isinstance(e, FileNotFoundError) else 126)
+
+
+# ---- the supervisor's side: loopback relay, waiting, killing -------------------------------------------
+_MAX_CONNECTIONS = 64
+
+
+def _relay(channel, timeout_s):
+    """Receive the worker's listening sockets (bound to 127.0.0.1 inside the run's network namespace) and relay
+    each accepted connection to the same port on the host's loopback, where turnrl serves: the only way out."""
+    channel.settimeout(timeout_s)
+    try:
+        message, fds, _flags, _addr = socket.recv_fds(channel, 4096, 64)
+    except OSError:
+        return
+    finally:
+        channel.close()
+    if not fds:
+        return
+    slots = threading.BoundedSemaphore(_MAX_CONNECTIONS)
+    for port, fd in zip(json.loads(message), fds, strict=True):
+        listener = socket.socket(fileno=fd)
+        threading.Thread(target=_accept, args=(listener, port, slots), daemon=True).start()
+
+
+def _accept(listener, port, slots):
+    while True:
+        conn, _ = listener.accept()
+        if not slots.acquire(blocking=False):
+            conn.close()  # the run holds too many connections already
+            continue
+        try:
+            upstream = socket.create_connection(("127.0.0.1", port), timeout=10)
+            upstream.settimeout(None)
+        except OSError:
+            conn.close()
+            slots.release()
+            continue
+        ends = []
+        for src, dst in ((conn, upstream), (upstream, conn)):
+            threading.Thread(target=_pump, args=(src, dst, ends, slots), daemon=True).start()
+
+
+def _pump(src, dst, ends, slots):
+    """Copy src to dst until EOF; the second pump of a pair to finish closes both sockets."""
+    with contextlib.suppress(OSError):
+        while data := src.recv(65536):
+            dst.sendall(data)
+    with contextlib.suppress(OSError):
+        dst.shutdown(socket.SHUT_WR)
+    ends.append(src)  # list.append is atomic
+    if len(ends) == 2:
+        src.close()
+        dst.close()
+        slots.release()
 
 
 def _wait(pid, timeout_s):
@@ -335,9 +498,12 @@ def _kill_all(uid):
             return
 
 
-def _supervise(cfg, worker):
+def _supervise(cfg, worker, pidns):
     status = _wait(worker, cfg["timeout_s"])
-    _kill_all(cfg["uid"])
+    if status is None:
+        with contextlib.suppress(OSError):
+            os.kill(worker, signal.SIGKILL)  # in a PID namespace, init's death kills every process in it
+    _kill_all(None if pidns else cfg["uid"])
     if status is None:
         exit_code = -9
     elif os.WIFSIGNALED(status):
@@ -348,19 +514,39 @@ def _supervise(cfg, worker):
     os._exit(exit_code if exit_code >= 0 else 128 - exit_code)
 
 
+def _fork_into_pid_namespace(layers):
+    """Fork the worker as PID 1 of a new PID namespace where possible (then only restore this process's own
+    namespace for its later threads: the kernel refuses threads while they would differ)."""
+    own = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC) if LINUX else -1
+    layers["pidns"] = LINUX and _try(kernel.unshare, kernel.CLONE_NEWPID)
+    worker = os.fork()
+    if worker and layers["pidns"]:
+        kernel._check(kernel._libc().setns(own, kernel.CLONE_NEWPID), "setns")
+    if own >= 0:
+        os.close(own)
+    return worker
+
+
 def _main():
     with open(sys.argv[1]) as f:
         cfg = json.load(f)
     try:
         layers = _setup_supervisor(cfg)
+        channel, worker_end = socket.socketpair() if cfg["mode"] == "command" else (None, None)
+        worker = _fork_into_pid_namespace(layers) if cfg["mode"] == "command" else os.fork()
     except BaseException as e:
         _report(cfg["report_fd"], setup_error=f"{type(e).__name__}: {e}")
         os._exit(125)
-    worker = os.fork()
     if worker == 0:
-        _worker(cfg, layers)
+        if cfg["mode"] == "command":
+            channel.close()
+            _command_worker(cfg, layers, worker_end)
+        _python_worker(cfg, layers)
         sys.exit(0)
-    _supervise(cfg, worker)
+    if cfg["mode"] == "command":
+        worker_end.close()
+        threading.Thread(target=_relay, args=(channel, cfg["timeout_s"]), daemon=True).start()
+    _supervise(cfg, worker, layers.get("pidns", False))
 
 
 if __name__ == "__main__":

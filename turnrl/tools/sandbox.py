@@ -1,7 +1,9 @@
-"""A sandboxed Python interpreter for tools.
+"""A sandboxed Python interpreter for tools, and the launcher that the command sandbox (turnrl.agents.sandbox)
+shares with it.
 
 `python_exec` (or `make_python_tool(...)` for other limits) runs model-written code in a child process.
-What protects the host, from strongest to weakest (`SandboxResult.layers` says which were active):
+What protects the host, from strongest to weakest (`SandboxResult.layers` says which were active; `turnrl doctor
+--sandbox` prints them for this machine; docs/sandbox.md):
 
 1. Kernel resource limits (`setrlimit`): CPU seconds, address space (memory), file size (also bounds
    the captured stdout/stderr), open files, processes/threads, no core dumps. A supervisor process
@@ -10,17 +12,25 @@ What protects the host, from strongest to weakest (`SandboxResult.layers` says w
    is left). Output is truncated to `max_output_chars`.
 2. Network namespace (Linux, `unshare(CLONE_NEWNET)`): the process sees only a loopback interface
    that is down, so no connection of any kind leaves it, even from native code. Needs root (or
-   unprivileged user namespaces, tried for non-root users). When unavailable, layer 5 blocks sockets.
+   unprivileged user namespaces, tried for non-root users). When unavailable, Landlock (ABI 4+) refuses every
+   TCP bind and connect, and layer 6 blocks sockets.
 3. Privilege drop (when run as root): the code runs as a fresh random unprivileged uid/gid with no
-   supplementary groups and `no_new_privs`. The kernel then refuses writes to files it does not own
-   (everything outside the work dir except world-writable places such as /tmp), enforces the process
-   limit (root ignores RLIMIT_NPROC, so a fork bomb is only contained with this layer), the code cannot
-   signal its supervisor, and after the run every process of that uid is killed. If the Python
-   installation is not readable by other users (e.g. a pyenv under /root), the process keeps
-   CAP_DAC_READ_SEARCH so it can import the standard library: it can then READ every file on the host.
+   supplementary groups, no capabilities and `no_new_privs`. The kernel then refuses writes to files it does
+   not own, enforces the process limit (root ignores RLIMIT_NPROC, so a fork bomb is only contained with this
+   layer), the code cannot signal its supervisor, and after the run every process of that uid is killed. When
+   the Python installation sits beneath a directory other users cannot search (a pyenv under /root), the run
+   gets a mount namespace in which that directory is an empty tmpfs holding only the paths it needs, bound back
+   in place (`layers["reach"] == "mounts"`). Only where the host refuses mounts does it keep
+   CAP_DAC_READ_SEARCH instead (`"capability"`), which Landlock then confines to the allow-list (and seccomp
+   refuses `open_by_handle_at`, the one way around paths).
 4. Landlock (Linux 5.13+ with Landlock enabled; `layers["landlock"]` is its ABI version, else False): the
-   code and everything it starts may write, create, remove, rename or link only beneath the work dir (and
-   write /dev/null), native code included. Reading is not restricted.
+   code and everything it starts may open, list or execute only beneath the read allow-list
+   (`layers["read_paths"]`): the interpreter (its binary, libpython and standard library, every sys.path entry
+   such as site-packages), `SYSTEM_READ_PATHS` (the dynamic loader's cache, shared libraries, locales, time
+   zones, /dev/null and the random devices, the CPU topology), `SandboxLimits.read_paths`, and the work dir.
+   It may write, create, remove, rename or link only beneath the work dir (and write /dev/null). From ABI 6
+   it can neither signal nor reach the abstract Unix sockets of processes outside the run. Without Landlock,
+   reads are not restricted, and the first run logs a warning saying what stays readable.
 5. An exec filter (seccomp; Linux x86_64 / aarch64; `layers["no_exec"]`): `execve` / `execveat` fail with
    EPERM, so no other program starts by any route (subprocess, os.system, `_posixsubprocess.fork_exec`,
    ctypes `system`, posix_spawn). `allow_subprocess` leaves it off.
@@ -39,17 +49,21 @@ What protects the host, from strongest to weakest (`SandboxResult.layers` says w
    - ctypes can rewrite the interpreter's memory, the hook included: the same kernel layers.
 
 What this does NOT protect against:
-- Reading files: world-readable ones always; every file when layer 3 keeps CAP_DAC_READ_SEARCH or when
-  running as root without layer 3. Keep reference answers and secrets out of reach by other means.
-- Seeing the host's processes and their command lines in /proc (there is no PID or mount namespace).
-- Without layer 4: writes into world-writable directories (/tmp, /dev/shm) by native code (such files
+- Metadata: `stat`, `os.path.exists` and `readlink` work on any path (existence, size, owner, times of a file
+  outside the allow-list); Landlock governs opening, not looking up.
+- Without Landlock: reading world-readable files (other users' homes, logs in /tmp, the host's processes and
+  their command lines in /proc), and every file when running as root without layer 3 or when layer 3 had to keep
+  CAP_DAC_READ_SEARCH.
+- Connecting to a Unix socket by path when its permissions let the sandbox's uid write it (a world-writable
+  socket): neither the network namespace nor Landlock (up to ABI 7) covers those.
+- Without Landlock: writes into world-writable directories (/tmp, /dev/shm) by native code (such files
   outlive the run), and without layer 3 as well any write native code can make as the parent's user.
 - Without layer 5 (or with `allow_subprocess`): programs started below the audit hook.
 - Filling the disk with many files that are each under the size limit; a CPU-heavy run slowing its
   neighbours (no cgroups); kernel exploits and side channels.
-- Without layer 3 (a non-root parent): code that kills its supervisor (same uid) can leave processes
-  running after the call, each still bounded by its CPU limit. Without layer 2 as well (no user
-  namespaces): network access from native code.
+- Without layer 3 (a non-root parent) and below Landlock ABI 6: code that kills its supervisor (same uid) can
+  leave processes running after the call, each still bounded by its CPU limit. Without layer 2 as well (no user
+  namespaces): UDP from native code.
 For untrusted code at scale, run it inside a container or VM (gVisor, Firecracker, SandboxFusion) and
 use these limits on top.
 """
@@ -59,26 +73,42 @@ from __future__ import annotations
 import contextlib
 import grp
 import json
+import logging
 import math
 import os
 import pwd
 import random
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from turnrl.tools.function_tool import FunctionTool, ToolResult, function_tool
 
+log = logging.getLogger(__name__)
+
 
 class SandboxError(RuntimeError):
     """The sandbox itself could not be set up (a host problem, not the code's)."""
+
+
+SYSTEM_READ_PATHS: tuple[str, ...] = (
+    "/usr/lib", "/usr/lib64", "/usr/local/lib", "/lib", "/lib64",  # shared libraries, the loader, locales
+    "/etc/ld.so.cache", "/etc/localtime", "/usr/share/zoneinfo", "/usr/share/locale/locale.alias",
+    "/etc/ssl/openssl.cnf", "/etc/ssl/certs",  # what `import ssl` and `hashlib` open
+    "/sys/devices/system/cpu",  # os.cpu_count(), BLAS thread pools
+    "/dev/null", "/dev/zero", "/dev/random", "/dev/urandom",
+)
+"""What every sandboxed process may read besides its own installation and directories: found by tracing the
+files CPython, numpy, sympy, ssl, sqlite3, zoneinfo and locale open (strace), and the same for node. Nothing
+here holds secrets: /etc/shadow, /root, /home, /proc, /tmp and the rest of /etc are outside."""
+PROGRAM_PATHS: tuple[str, ...] = ("/usr/local/bin", "/usr/bin", "/bin")
+"""Where the programs are: readable (and executable) too when a run may start programs (`allow_subprocess`)."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +139,9 @@ class SandboxLimits:
     """Extra environment variables for the code (the parent's environment is never passed on)."""
     base_dir: str | None = None
     """Where the temporary work dirs are created (default: the system temp dir)."""
+    read_paths: tuple[str, ...] = ()
+    """Files and directories the code may read besides the interpreter, SYSTEM_READ_PATHS (and PROGRAM_PATHS with
+    `allow_subprocess`) and its work dir: data the tool serves, a model's files, other programs' installations."""
 
 
 @dataclass
@@ -123,7 +156,9 @@ class SandboxResult:
     """Whether stdout or stderr was cut to `max_output_chars`."""
     layers: dict[str, Any]
     """Which protections were active: rlimits, netns, no_new_privs, subreaper, uid (None: no privilege
-    drop), read_anywhere, landlock (ABI version or False), no_exec, audit_hook, network_hook (sockets
+    drop), mountns and reach (how the uid reaches an installation beneath a directory it cannot search: "mounts",
+    "capability" or None), landlock (ABI version or False), read_paths (the read allow-list; None: reads are not
+    restricted), read_anywhere (every file on the host is readable), no_exec, audit_hook, network_hook (sockets
     blocked by the hook: no netns)."""
 
     def to_text(self, limits: SandboxLimits) -> str:
@@ -165,56 +200,116 @@ def run_python_sandboxed(code: str, limits: SandboxLimits | None = None) -> Sand
     be set up; everything the code does (errors, timeouts, limits) is reported in the result.
     """
     limits = limits or SandboxLimits()
-    sandbox_id = _pick_sandbox_id()
+    sandbox_id = pick_sandbox_id()
     with (
         tempfile.TemporaryDirectory(prefix="turnrl-sbx-ctl-", ignore_cleanup_errors=True) as control,
         tempfile.TemporaryDirectory(prefix="turnrl-sbx-", dir=limits.base_dir, ignore_cleanup_errors=True) as workdir,
     ):
         if sandbox_id is not None:
             os.chown(workdir, sandbox_id, sandbox_id)
-        out_path, err_path = Path(control, "stdout"), Path(control, "stderr")
-        report_r, report_w = os.pipe()
-        try:
-            config = _bootstrap_config(code, limits, workdir, sandbox_id, report_w)
-            Path(control, "config.json").write_text(json.dumps(config))
-            returncode, backstop_fired, wall_s = _spawn_and_wait(limits, control, workdir, report_w)
-        finally:
-            os.close(report_w)
-            report = _read_report(report_r)
-        if backstop_fired or "exit_code" not in report:  # the supervisor itself died: clean up for it
-            _kill_leftovers(sandbox_id, limits)
-        stdout, out_cut = _read_capped(out_path, limits.max_output_chars)
-        stderr, err_cut = _read_capped(err_path, limits.max_output_chars)
+        config = _python_config(code, limits, workdir, sandbox_id)
+        run = launch(config, Launch(limits.python, control, workdir, _sandbox_env(workdir, limits),
+                                    limits.timeout_s, sandbox_id))
+        stdout, out_cut = read_capped(Path(control, "stdout"), limits.max_output_chars)
+        stderr, err_cut = read_capped(Path(control, "stderr"), limits.max_output_chars)
+    report = run.report
     if "setup_error" in report or "layers" not in report:
-        detail = report.get("setup_error") or stderr[-2000:] or f"exit status {returncode}"
+        detail = report.get("setup_error") or stderr[-2000:] or f"exit status {run.returncode}"
         raise SandboxError(f"the Python sandbox could not be set up: {detail}")
-    exit_code = report.get("exit_code", returncode)
-    timed_out = backstop_fired or bool(report.get("timed_out"))
-    return SandboxResult(stdout, stderr, exit_code, timed_out, wall_s, out_cut or err_cut, report["layers"])
+    _warn_if_reads_unrestricted(report["layers"], limits.python)
+    exit_code = report.get("exit_code", run.returncode)
+    timed_out = run.backstop_fired or bool(report.get("timed_out"))
+    return SandboxResult(stdout, stderr, exit_code, timed_out, run.wall_s, out_cut or err_cut, report["layers"])
 
+
+_warned: set[str] = set()
+
+
+def _warn_if_reads_unrestricted(layers: dict[str, Any], python: str) -> None:
+    """Once per process and interpreter: say what sandboxed code can read when Landlock is missing."""
+    if layers.get("read_paths") is not None or python in _warned:
+        return
+    _warned.add(python)
+    log.warning("sandbox: %s", unrestricted_reads_note(layers))
+
+
+def unrestricted_reads_note(layers: dict[str, Any]) -> str:
+    """What stays readable when reads are not restricted (no Landlock), for warnings and `turnrl doctor`."""
+    if layers.get("read_anywhere"):
+        why = ("it keeps CAP_DAC_READ_SEARCH to reach the Python installation" if layers.get("reach") == "capability"
+               else "it runs as root")
+        return ("reads are NOT restricted (the kernel has no Landlock) and " + why + ": sandboxed code can read "
+                "EVERY file on this machine (/etc/shadow, /root, SSH keys, tokens in dotfiles)")
+    return ("reads are NOT restricted (the kernel has no Landlock): sandboxed code can read every file that other "
+            "users may read (world-readable files in /home, /etc and /proc, including other processes' command lines, "
+            "and in /tmp unless the run has its own); /etc/shadow and private files stay unreadable")
+
+
+# ---- launching the supervisor (shared with turnrl.agents.sandbox) ---------------------------------------
 
 _CHILD_PROGRAM = str(Path(__file__).with_name("_sandbox_child.py"))
 """Run by path, not `-m`: under `python -I` (and maybe another interpreter) turnrl need not be importable."""
 _BACKSTOP_GRACE_S = 5.0  # the in-sandbox supervisor enforces timeout_s; this catches a dead supervisor
 
 
-def _spawn_and_wait(limits: SandboxLimits, control: str, workdir: str, report_w: int) -> tuple[int, bool, float]:
-    """Start the supervisor (`_sandbox_child.py`) and wait for it; SIGKILL its process group if it overstays."""
-    argv = [limits.python, "-I", "-B", "-u", _CHILD_PROGRAM, str(Path(control, "config.json"))]
+@dataclass(frozen=True)
+class Launch:
+    """How to start one supervisor (`_sandbox_child.py`)."""
+
+    python: str
+    control: str
+    """A directory only the parent can read: the config, and stdout/stderr (or one `output` file)."""
+    cwd: str
+    env: dict[str, str]
+    """The supervisor's environment (in mode "python", also the code's)."""
+    timeout_s: float
+    sandbox_id: int | None
+    merge_output: bool = False
+    """stdout and stderr into one file, `output` (mode "command"), else `stdout` and `stderr`."""
+
+
+@dataclass
+class Launched:
+    report: dict[str, Any]
+    """What the supervisor and the worker reported: layers, setup_error, exit_code, timed_out, command_exit."""
+    returncode: int
+    backstop_fired: bool
+    wall_s: float
+
+
+def launch(config: dict[str, Any], how: Launch) -> Launched:
+    """Write `config` for the child program, run it, wait, and clean up after a supervisor that died."""
+    report_r, report_w = os.pipe()
+    try:
+        Path(how.control, "config.json").write_text(json.dumps({**config, "report_fd": report_w}))
+        returncode, backstop_fired, wall_s = _spawn_and_wait(how, report_w)
+    finally:
+        os.close(report_w)
+        report = _read_report(report_r)
+    if backstop_fired or "exit_code" not in report:  # the supervisor itself died: clean up for it
+        _kill_leftovers(how.sandbox_id, how.python)
+    return Launched(report, returncode, backstop_fired, wall_s)
+
+
+def _spawn_and_wait(how: Launch, report_w: int) -> tuple[int, bool, float]:
+    """Start the supervisor and wait for it; SIGKILL its process group if it overstays."""
+    argv = [how.python, "-I", "-B", "-u", _CHILD_PROGRAM, str(Path(how.control, "config.json"))]
     start = time.monotonic()
-    with open(Path(control, "stdout"), "wb") as out, open(Path(control, "stderr"), "wb") as err:
+    with contextlib.ExitStack() as files:
+        out = files.enter_context(open(Path(how.control, "output" if how.merge_output else "stdout"), "wb"))
+        err = out if how.merge_output else files.enter_context(open(Path(how.control, "stderr"), "wb"))
         proc = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=err,
-            cwd=workdir,
-            env=_sandbox_env(workdir, limits),
+            cwd=how.cwd,
+            env=how.env,
             start_new_session=True,  # its own process group, killed as a whole by the backstop
             pass_fds=(report_w,),
         )
         try:
-            returncode, backstop_fired = proc.wait(timeout=limits.timeout_s + _BACKSTOP_GRACE_S), False
+            returncode, backstop_fired = proc.wait(timeout=how.timeout_s + _BACKSTOP_GRACE_S), False
         except subprocess.TimeoutExpired:
             returncode, backstop_fired = None, True
         # Normally the supervisor has already killed everything; this matters when it died early.
@@ -238,20 +333,16 @@ def _sandbox_env(workdir: str, limits: SandboxLimits) -> dict[str, str]:
     return {**env, **limits.env}
 
 
-def _bootstrap_config(
-    code: str, limits: SandboxLimits, workdir: str, sandbox_id: int | None, report_fd: int
-) -> dict[str, Any]:
-    nproc = limits.max_processes
-    if os.geteuid() != 0:  # RLIMIT_NPROC counts every process of the user, not just this run's
-        nproc += _user_task_count(os.getuid())
+def _python_config(code: str, limits: SandboxLimits, workdir: str, sandbox_id: int | None) -> dict[str, Any]:
     mb = 1024 * 1024
     return {
+        "mode": "python",
         "code": code,
         "cwd": workdir,
         "timeout_s": limits.timeout_s,
-        "report_fd": report_fd,
         "uid": sandbox_id,
-        "keep_dac_read_search": sandbox_id is not None and not _python_readable_by_others(limits.python),
+        "reads": [*SYSTEM_READ_PATHS, *(PROGRAM_PATHS if limits.allow_subprocess else ()), *limits.read_paths],
+        "landlock": True,
         "allow_subprocess": limits.allow_subprocess,
         "network_namespace": limits.network_namespace,
         "rlimits": {
@@ -259,21 +350,26 @@ def _bootstrap_config(
             "RLIMIT_AS": [limits.memory_mb * mb] * 2,
             "RLIMIT_FSIZE": [limits.max_file_mb * mb] * 2,
             "RLIMIT_NOFILE": [limits.max_open_files] * 2,
-            "RLIMIT_NPROC": [nproc] * 2,
+            "RLIMIT_NPROC": [nproc_limit(limits.max_processes)] * 2,
             "RLIMIT_CORE": [0, 0],
         },
     }
 
 
+def nproc_limit(max_processes: int) -> int:
+    """RLIMIT_NPROC for a run: a non-root parent's limit counts every process of its user, not just the run's."""
+    return max_processes + (_user_task_count(os.getuid()) if os.geteuid() != 0 else 0)
+
+
 _KILL_AS_UID = "import os, sys; u = int(sys.argv[1]); os.setgroups([]); os.setgid(u); os.setuid(u); os.kill(-1, 9)"
 
 
-def _kill_leftovers(sandbox_id: int | None, limits: SandboxLimits) -> None:
+def _kill_leftovers(sandbox_id: int | None, python: str) -> None:
     """Kill every process of the run's uid (kill(-1) after setuid(u) reaches exactly uid u's processes,
     also those that left the process group). Only needed when the supervisor could not do it."""
     if sandbox_id is not None:
         subprocess.run(
-            [limits.python, "-I", "-S", "-c", _KILL_AS_UID, str(sandbox_id)],
+            [python, "-I", "-S", "-c", _KILL_AS_UID, str(sandbox_id)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -304,7 +400,7 @@ def _read_report(fd: int) -> dict[str, Any]:
     return report
 
 
-def _read_capped(path: Path, limit: int) -> tuple[str, bool]:
+def read_capped(path: Path, limit: int) -> tuple[str, bool]:
     """The file's text, or its head and tail around a truncation note when longer than `limit` chars."""
     size = path.stat().st_size
     window = 4 * limit  # bytes that surely hold `limit` characters of UTF-8
@@ -329,7 +425,7 @@ _ID_FLOOR = 100_000  # keep clear of real accounts and container user ranges bel
 _ID_CEILING = 2**31 - 2
 
 
-def _pick_sandbox_id() -> int | None:
+def pick_sandbox_id() -> int | None:
     """A random unused uid (also used as gid) for one run, or None when not root (no drop possible).
 
     Drawn from the OS's entropy, not `random`'s seeded state: trainers seed `random` identically in every
@@ -377,23 +473,6 @@ def _id_in_use(candidate: int) -> bool:
     return False
 
 
-@lru_cache(maxsize=8)
-def _python_readable_by_others(python: str) -> bool:
-    """Whether an unprivileged uid can run `python` and import its standard library and site-packages:
-    each path readable by others and every ancestor directory searchable. Only checked for the running
-    interpreter (another one is assumed unreadable)."""
-    if Path(python).resolve() != Path(sys.executable).resolve():
-        return False
-    paths = [Path(sys.executable).resolve(), *(Path(p).resolve() for p in sys.path if p and Path(p).exists())]
-    for path in paths:
-        mode = path.stat().st_mode
-        if not mode & stat.S_IROTH or (stat.S_ISDIR(mode) and not mode & stat.S_IXOTH):
-            return False
-        if any(not parent.stat().st_mode & stat.S_IXOTH for parent in path.parents):
-            return False
-    return True
-
-
 def _user_task_count(uid: int) -> int:
     """Threads of every process of `uid` (what RLIMIT_NPROC counts)."""
     total = 0
@@ -420,9 +499,11 @@ def make_python_tool(
     allow_subprocess: bool = False,
     python: str = sys.executable,
     env: dict[str, str] | None = None,
+    read_paths: Sequence[str] = (),
 ) -> FunctionTool:
     """A `FunctionTool` `name(code: str)` running code with these `SandboxLimits`. Its result carries
-    metrics exit_code, timed_out, wall_s, truncated."""
+    metrics exit_code, timed_out, wall_s, truncated. `read_paths` are what the code may read besides the
+    interpreter, the system libraries and its work dir."""
     limits = SandboxLimits(
         timeout_s=timeout_s,
         cpu_s=cpu_s,
@@ -433,6 +514,7 @@ def make_python_tool(
         allow_subprocess=allow_subprocess,
         python=python,
         env=dict(env or {}),
+        read_paths=tuple(str(p) for p in read_paths),
     )
 
     def python_exec(code: str) -> ToolResult:
