@@ -36,7 +36,16 @@ from typing import Any
 
 from turnrl.data import prompt_messages
 from turnrl.engines.base import Engine
-from turnrl.envs.base import Env, EnvError, EnvFactory, EnvStepError, EnvThreads, EpisodeEnv, TurnEnv, error_with_frames
+from turnrl.envs.base import (
+    Env,
+    EnvError,
+    EnvFactory,
+    EnvStepError,
+    EnvThreads,
+    EpisodeEnv,
+    TurnEnv,
+    error_with_frames,
+)
 from turnrl.moe import merge_routing
 from turnrl.multimodal import check_parity, image_ref
 from turnrl.observe.watchdog import Detail, Watchdog, abandon_after, engine_label
