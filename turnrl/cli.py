@@ -99,10 +99,14 @@ def _is_bad_input(e: BaseException) -> bool:
 Opt = typer.Option
 
 
+_WHERE_TURNS_RUN = ("--env, --scheduler, --plugin, --tools, --agent-path, --harness and --ray-workers configure where "
+                    "the turns run; with --server the rollout server runs them: pass these to `turnrl serve` instead")
+
+
 @app.command()
 def rollout(
     model: Annotated[str, Opt(help="Local HF directory, hub id, or built-in name (smollm2-135m-instruct, tiny-qwen3).")],
-    data: Annotated[Path, Opt(help="JSONL/parquet rows with a `prompt` (string or chat messages).")],
+    data: Annotated[Path, Opt(help="JSONL/parquet rows with a `prompt`, or a folder of Harbor tasks.")],
     out: Annotated[Path, Opt(help="Output trajectory JSONL (docs/trajectory-format.md).")],
     env: Annotated[str | None, Opt(help="Environment: built-in name, dotted module, or .py file with build_env.")] = None,
     n: Annotated[int, Opt(help="Samples per prompt.")] = 1,
@@ -117,6 +121,7 @@ def rollout(
     agents: Annotated[list[str], Opt("--agent-path", help="Extra agent loop: [name=]file.py:function.")] = [],
     tools: Annotated[list[str], Opt(help="Function-tool .py file or tool-config .yaml (repeatable).")] = [],
     tool_parser: Annotated[str, Opt(help="Tool-call format (hermes, qwen3_coder).")] = "hermes",
+    harness: Annotated[str | None, Opt(help="Coding-agent CLI per episode: claude-code|codex|opencode.")] = None,
     scheduler: Annotated[str | None, Opt(help="ms-swift-style scheduler by name.")] = None,
     gym_env: Annotated[str | None, Opt(help="Gym env of the gym scheduler (ms-swift's --gym_env; env_config.gym_env).")] = None,
     plugin: Annotated[list[str], Opt(help="Python file imported at start-up (repeatable).")] = [],
@@ -139,14 +144,13 @@ def rollout(
 ) -> None:
     """Roll out trajectories of a model in an environment and write them as JSONL."""
     _setup_logging(verbose)
-    if server and (env or scheduler or plugin or tools or agents or ray_workers):
-        _fail("--env, --scheduler, --plugin, --tools, --agent-path and --ray-workers configure where the turns run; "
-              "with --server the rollout server runs them: pass these to `turnrl serve` instead")
+    if server and (env or scheduler or plugin or tools or agents or ray_workers or harness):
+        _fail(_WHERE_TURNS_RUN)
     from turnrl.config import EngineConfig, RolloutConfig, SamplingConfig, effective_rollout_config
     from turnrl.data import load_rows
 
     with _bad_input(ValueError, FileNotFoundError):  # ConfigError, DataError and pydantic's errors among them
-        given = {k: v for k, v in {"max_turns": max_turns, "agent": agent}.items() if v is not None}
+        given = {k: v for k, v in {"max_turns": max_turns, "agent": agent, "harness": harness}.items() if v is not None}
         cfg = effective_rollout_config(RolloutConfig(
             env=env, custom_config=str(custom_config) if custom_config else None, agents=agents,
             tools=tools, tool_parser=tool_parser, scheduler=scheduler, plugins=plugin, n=n, **given,
