@@ -47,7 +47,7 @@ from turnrl.render import ChatRenderer
 from turnrl.rewards import load_reward_fn
 from turnrl.rollout import RolloutLimits, RolloutManager, run_groups
 from turnrl.testing.faults import Faults, SilentServer, faulty_env_factory, fuzz_parsers
-from turnrl.train.loop import group_advantages
+from turnrl.train.samples import group_advantages
 
 MODEL = "tiny-qwen3"
 

@@ -43,10 +43,12 @@ def reset_peak() -> None:
 def worker(args: argparse.Namespace) -> None:
     import torch
 
+    from turnrl.build import build_learner
     from turnrl.config import TrainConfig
     from turnrl.engines.embedded import EmbeddedEngine
     from turnrl.models import load_model
-    from turnrl.train.loop import Trainer, TrainSample
+    from turnrl.train.loop import Trainer
+    from turnrl.train.samples import TrainSample
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
@@ -55,7 +57,7 @@ def worker(args: argparse.Namespace) -> None:
         "trainer": {"parallel": args.parallel, "world_size": world}, "weight_sync": {"bucket_mb": args.bucket_mb},
         "optim": {"lr": 1e-6, "micro_batch_tokens": 1024}, "algo": {"is_mode": "none"}})
     engine = EmbeddedEngine(load_model(MODEL), max_batch_size=1) if rank == 0 else None
-    trainer = Trainer(cfg, load_model(MODEL), engine, rollout=None, train_rows=[{}], eval_rows=[])
+    trainer = Trainer(cfg, build_learner(cfg, load_model(MODEL)), engine, rollout=None, train_rows=[{}], eval_rows=[])
     g = torch.Generator().manual_seed(0)
     samples = [TrainSample(torch.randint(0, 49_152, (64,), generator=g).tolist(),
                            torch.randint(0, 49_152, (64,), generator=g).tolist(), [1] * 64, None,
@@ -75,7 +77,7 @@ def worker(args: argparse.Namespace) -> None:
     reset_peak()
     sync = asyncio.run(trainer.sync_weights())
     sync_peak_mb = (_kb("VmHWM") - before) / 1024
-    n_params = sum(p.numel() for p in trainer.policy.parameters())
+    n_params = sum(p.numel() for p in trainer.learner.policy.parameters())
     print("RESULT " + json.dumps({
         "setup": f"{args.parallel} x {world}", "rank": rank, "best_step_s": min(times),
         "mean_step_s": sum(times) / len(times), "peak_rss_mb": peak_mb,
@@ -96,9 +98,9 @@ def _held_bytes(trainer) -> int:
         return t.to_local() if isinstance(t, DTensor) else t
 
     total = 0
-    for p in trainer.policy.parameters():
+    for p in trainer.learner.policy.parameters():
         total += local(p).nbytes + (local(p.grad).nbytes if p.grad is not None else 0)
-        total += sum(local(v).nbytes for v in trainer.optimizer.state.get(p, {}).values() if hasattr(v, "nbytes"))
+        total += sum(local(v).nbytes for v in trainer.learner.optimizer.state.get(p, {}).values() if hasattr(v, "nbytes"))
     return total
 
 

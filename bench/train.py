@@ -71,10 +71,12 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
+from turnrl.build import build_learner
 from turnrl.config import TrainConfig
 from turnrl.models import load_model, load_tokenizer
 from turnrl.train import algos
-from turnrl.train.loop import Trainer, TrainSample
+from turnrl.train.loop import Trainer
+from turnrl.train.samples import TrainSample
 
 MODEL = "smollm2-135m-instruct"
 LR = 1e-6
@@ -190,7 +192,8 @@ class TurnrlUpdate:
         cfg = TrainConfig(model=MODEL, train_data="unused", output_dir=str(out_dir),
                           algo={"is_mode": "none", "loss_agg": "token_mean", "clip_low": 0.2, "clip_high": 0.2},
                           optim={"lr": LR, "grad_clip": 1.0, "weight_decay": 0.0})
-        self.trainer = Trainer(cfg, load_model(MODEL), engine=None, rollout=None, train_rows=[{}], eval_rows=[])
+        self.trainer = Trainer(cfg, build_learner(cfg, load_model(MODEL)), engine=None, rollout=None, train_rows=[{}],
+                               eval_rows=[])
         if legacy:
             use_legacy_update(self.trainer)
         self.samples = [TrainSample(p, c, [1] * len(c), None, a)
@@ -225,11 +228,12 @@ def use_legacy_update(trainer: Trainer) -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register("turnrl_varlen_legacy", _legacy_varlen_attention)
-    trainer.policy.config._attn_implementation_internal = "turnrl_varlen_legacy"
+    learner = trainer.learner
+    learner.policy.config._attn_implementation_internal = "turnrl_varlen_legacy"
     o = trainer.cfg.optim
-    trainer.optimizer = torch.optim.AdamW(trainer.policy.parameters(), lr=o.lr, betas=o.betas,
+    learner.optimizer = torch.optim.AdamW(learner.policy.parameters(), lr=o.lr, betas=o.betas,
                                           weight_decay=o.weight_decay)
-    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda k: 1.0)
+    learner.scheduler = torch.optim.lr_scheduler.LambdaLR(learner.optimizer, lambda k: 1.0)
 
 
 # ---- TRL -----------------------------------------------------------------------------------------------

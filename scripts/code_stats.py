@@ -53,7 +53,7 @@ def classes(trees: dict[Path, ast.Module]) -> None:
     sizes = {name: node.end_lineno - node.lineno + 1 for name, (node, _) in defined.items()}
     print("class lines: " + ", ".join(f"{name} {sizes.get(name, '-')}" for name in CLASSES))
     overrides = []
-    for name, (node, path) in defined.items():
+    for name, (node, _path) in defined.items():
         mine = {m.name for m in node.body if isinstance(m, ast.FunctionDef | ast.AsyncFunctionDef)}
         for base in node.bases:
             parent = defined.get(base.id) if isinstance(base, ast.Name) else None

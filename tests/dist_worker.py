@@ -23,11 +23,13 @@ from pathlib import Path
 
 import torch
 
+from turnrl.build import build_learner
 from turnrl.config import TrainConfig
 from turnrl.models import load_model
-from turnrl.train.loop import Trainer, TrainSample
+from turnrl.train.loop import PolicyLoss, Trainer
 from turnrl.train.packing import pack_sequences, packed_token_logprobs
 from turnrl.train.parallel import full_tensor
+from turnrl.train.samples import TrainSample
 from turnrl.types import SamplingParams
 
 # grad_clip below the gradient norms of these steps (~0.6-0.9): the clip acts, on sharded gradients. A small
@@ -71,17 +73,18 @@ def fixed_samples(step: int, vocab: int = 49_152) -> list[TrainSample]:
 
 
 def make_trainer(cfg: TrainConfig, engine=None) -> Trainer:
-    return Trainer(cfg, load_model(cfg.model), engine=engine, rollout=None, train_rows=[{}], eval_rows=[])
+    return Trainer(cfg, build_learner(cfg, load_model(cfg.model)), engine=engine, rollout=None, train_rows=[{}],
+                   eval_rows=[])
 
 
 def whole_params(trainer: Trainer) -> dict[str, torch.Tensor]:
     """Every parameter gathered whole (a collective), by name."""
-    return {n: full_tensor(p.detach()).float().clone() for n, p in trainer.policy.named_parameters()}
+    return {n: full_tensor(p.detach()).float().clone() for n, p in trainer.learner.policy.named_parameters()}
 
 
 def whole_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
     """The last optimizer step's (clipped) gradients, gathered whole."""
-    return {n: full_tensor(p.grad).float().clone() for n, p in trainer.policy.named_parameters()
+    return {n: full_tensor(p.grad).float().clone() for n, p in trainer.learner.policy.named_parameters()
             if p.grad is not None}
 
 
@@ -90,8 +93,8 @@ def run_update(out: Path, name: str, world_size: int) -> dict:
     trainer.step = 1
     metrics = trainer.update(fixed_samples(1))
     return {"metrics": metrics, "params": whole_params(trainer), "grads": whole_grads(trainer),
-            "dtypes": sorted({str(p.dtype) for p in trainer.policy.parameters()}),
-            "recomputes": any(getattr(m, "gradient_checkpointing", False) for m in trainer.policy.modules())}
+            "dtypes": sorted({str(p.dtype) for p in trainer.learner.policy.parameters()}),
+            "recomputes": any(getattr(m, "gradient_checkpointing", False) for m in trainer.learner.policy.modules())}
 
 
 def engine_vs_trainer(trainer: Trainer, engine, prompt: list[int]) -> dict:
@@ -104,7 +107,7 @@ def engine_vs_trainer(trainer: Trainer, engine, prompt: list[int]) -> dict:
     tokens, engine_logp, version = trainer.parallel.broadcast_object(sampled)
     row = pack_sequences([(prompt, tokens, [1] * len(tokens))], 4096)[0]
     with torch.no_grad():
-        trainer_logp = packed_token_logprobs(trainer.policy, row, temperature=0.8)
+        trainer_logp = packed_token_logprobs(trainer.learner.policy, row, temperature=0.8)
     return {"engine": torch.tensor(engine_logp), "trainer": trainer_logp, "version": version, "tokens": tokens}
 
 
@@ -139,9 +142,9 @@ def run_lora(out: Path) -> dict:
         prompt = list(range(200, 212))
         result = {"metrics": metrics, "sync": sync, **engine_vs_trainer(trainer, engine, prompt),
                   "changed": sorted(n for n in before if not torch.equal(before[n], after[n])),
-                  "trainable": sorted(n for n, p in trainer.policy.named_parameters() if p.requires_grad)}
+                  "trainable": sorted(n for n, p in trainer.learner.policy.named_parameters() if p.requires_grad)}
         row = pack_sequences([(prompt[:6], prompt[6:], [1] * 6)], 4096)[0]
-        result["reference"] = trainer._reference_logprobs(row, 1.0)
+        result["reference"] = trainer.learner.reference_logprobs(row)
         with torch.no_grad():
             result["base"] = packed_token_logprobs(load_model(cfg.model), row)
         return result
@@ -158,27 +161,30 @@ def run_steps(out: Path, name: str, resume: bool, world_size: int = 2, last: int
     losses = {}
     while trainer.step < last:
         trainer.step += 1
-        if trainer.step == kill_at and trainer.parallel.rank == 1:
-            _die_in_the_second_micro_batch(trainer)
+        if trainer.step == kill_at and trainer.parallel.rank == 1:  # the RL update, with a loss that dies
+            trainer.learner.update(fixed_samples(kill_at), _dying(PolicyLoss(trainer.cfg.algo, kill_at - 1)),
+                                   step=kill_at)
         losses[trainer.step] = trainer.update(fixed_samples(trainer.step))["train/loss"]
         trainer.save_checkpoint()
     probe = torch.arange(300, 316)[None]
     with torch.no_grad():  # every position's logits, for the exported model to match
-        logits = trainer.policy(input_ids=probe, position_ids=torch.arange(16)[None], turnrl_cu_seqlens=[0, 16],
-                                use_cache=False).logits
+        logits = trainer.learner.policy(input_ids=probe, position_ids=torch.arange(16)[None],
+                                        turnrl_cu_seqlens=[0, 16], use_cache=False).logits
     return {"losses": losses, "logits": logits}
 
 
-def _die_in_the_second_micro_batch(trainer: Trainer) -> None:
-    row_loss, calls = trainer._row_loss, []
+def _dying(loss_fn):
+    """`loss_fn`, but the process kills itself in its second micro-batch: after one micro-batch's backward, rank 0
+    is inside the next collective."""
+    calls = []
 
-    def dying(*args, **kwargs):
+    def dying(batch):
         calls.append(1)
-        if len(calls) == 2:  # after one micro-batch's backward: rank 0 is inside the next collective
+        if len(calls) == 2:
             os.kill(os.getpid(), signal.SIGKILL)
-        return row_loss(*args, **kwargs)
+        return loss_fn(batch)
 
-    trainer._row_loss = dying
+    return dying
 
 
 def main(out: Path, tasks: list[str]) -> None:

@@ -125,7 +125,7 @@ def test_sft_on_image_rows_trains_and_turnrl_train_loads_the_llava_checkpoint(tm
         "reward": {"function": "format"}, "algo": {"kl_coef": 0.01}})
     trainer, stack = build_trainer(train_cfg)
     try:
-        assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(1e-6)
+        assert trainer.learner.optimizer.param_groups[0]["lr"] == pytest.approx(1e-6)
         import asyncio
 
         history = asyncio.run(trainer.train())
@@ -135,7 +135,7 @@ def test_sft_on_image_rows_trains_and_turnrl_train_loads_the_llava_checkpoint(tm
 
 
 def test_lr_scale_makes_optimizer_groups_and_refuses_a_name_that_matches_nothing():
-    from turnrl.train.loop import param_groups
+    from turnrl.train.learner import param_groups
 
     model = load_model("tiny-llava")
     groups = param_groups(model, 1e-5, {"vision_tower": 50, "multi_modal_projector": 50})

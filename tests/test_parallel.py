@@ -19,6 +19,7 @@ import dist_worker as worker
 import pytest
 import torch
 
+from turnrl.build import build_learner
 from turnrl.config import ConfigError, TrainConfig, load_config
 from turnrl.models import load_model
 from turnrl.train.checkpoint import export_checkpoint
@@ -179,7 +180,8 @@ def test_export_writes_tokenizer_and_merged_lora(tmp_path, qwen3_tokenizer):
 
     manager = SimpleNamespace(renderer=SimpleNamespace(tokenizer=qwen3_tokenizer))
     cfg = worker.config(tmp_path / "run", 1, **worker.LORA)
-    trainer = Trainer(cfg, load_model(cfg.model), engine=None, rollout=manager, train_rows=[{}], eval_rows=[])
+    trainer = Trainer(cfg, build_learner(cfg, load_model(cfg.model)), engine=None, rollout=manager, train_rows=[{}],
+                      eval_rows=[])
     trainer.step = 1
     trainer.update(worker.fixed_samples(1))
     ckpt = trainer.save_checkpoint()
@@ -194,7 +196,7 @@ def test_export_writes_tokenizer_and_merged_lora(tmp_path, qwen3_tokenizer):
     assert tokenizer.chat_template == qwen3_tokenizer.chat_template
     probe = torch.arange(300, 316)[None]
     with torch.no_grad():  # the trained adapters applied by peft, against the merged export
-        expected = trainer.policy(input_ids=probe, position_ids=torch.arange(16)[None], turnrl_cu_seqlens=[0, 16]).logits
+        expected = trainer.learner.policy(input_ids=probe, position_ids=torch.arange(16)[None], turnrl_cu_seqlens=[0, 16]).logits
         torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(out)(probe).logits, expected)
         base = load_model(cfg.model)(probe).logits
     assert (base - expected).abs().max() > 1e-4  # the adapters did change the model

@@ -22,7 +22,7 @@ from turnrl.config import RolloutConfig, TrainConfig
 from turnrl.render import ChatRenderer
 from turnrl.rewards import bind_reward, boxed_answer_reward
 from turnrl.rollout import RolloutLimits, RolloutManager, run_groups
-from turnrl.train.loop import group_advantages
+from turnrl.train.samples import group_advantages
 from turnrl.types import RolloutStatus, SegmentSource, TerminationReason
 
 MODEL, TEMPLATE, ENV = SegmentSource.MODEL, SegmentSource.TEMPLATE, SegmentSource.ENV

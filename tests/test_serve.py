@@ -25,7 +25,7 @@ from turnrl.rewards import bind_reward
 from turnrl.rollout import RolloutLimits, RolloutManager, run_groups
 from turnrl.serve.app import BindError, ServerThread, check_bind, create_app
 from turnrl.serve.sessions import ChatProxy
-from turnrl.train.loop import group_advantages
+from turnrl.train.samples import group_advantages
 from turnrl.types import RolloutStatus, SamplingParams, SegmentSource, TerminationReason, Trajectory
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -191,8 +191,8 @@ def test_sft_loss_is_the_nll_of_assistant_tokens_packed_or_not(tmp_path):
     for micro in (4096, 64):  # everything in one packed row, then about one sequence per row
         trainer, stack = build_sft(sft_config(tmp_path, optim={"lr": 1e-3, "micro_batch_tokens": micro}))
         try:
-            assert len(trainer._pack(trainer.samples, list(range(6)))) == (1 if micro == 4096 else 6)
-            expected = manual_nll(trainer.policy, trainer.samples)
+            assert len(trainer.learner.pack(trainer.samples, list(range(6)))) == (1 if micro == 4096 else 6)
+            expected = manual_nll(trainer.learner.policy, trainer.samples)
             metrics = trainer.update(trainer.samples)
             losses.append(metrics["train/loss"])
             assert metrics["train/loss"] == pytest.approx(expected, rel=1e-4)
@@ -224,7 +224,7 @@ def test_sft_trains_and_turnrl_train_loads_its_checkpoint_as_model(tmp_path):
         "reward": {"function": "format"}, "algo": {"kl_coef": 0.01}})
     trainer, stack = build_trainer(train_cfg)
     try:
-        policy = trainer.policy.state_dict()
+        policy = trainer.learner.policy.state_dict()
         assert all(torch.equal(policy[k], v) for k, v in saved.items() if k in policy)
         engine = stack.engine.model.state_dict()
         assert torch.equal(engine["model.embed_tokens.weight"], saved["model.embed_tokens.weight"])

@@ -12,11 +12,13 @@ import sys
 import pytest
 import torch
 
+from turnrl.build import build_learner
 from turnrl.cli import run_training
 from turnrl.config import TrainConfig, load_config
 from turnrl.engines.embedded import EmbeddedEngine
-from turnrl.train.loop import PromptSampler, Trainer, TrainSample, group_advantages
+from turnrl.train.loop import Trainer
 from turnrl.train.packing import pack_sequences, packed_token_logprobs, use_varlen_attention
+from turnrl.train.samples import PromptSampler, TrainSample, group_advantages
 from turnrl.types import RolloutStatus, SamplingParams, TerminationReason, Trajectory
 
 
@@ -76,7 +78,7 @@ def test_one_update_changes_parameters_and_lowers_the_loss(tiny_qwen3, qwen3_tok
     policy = copy.deepcopy(tiny_qwen3)
     cfg = TrainConfig(model="tiny-qwen3", train_data="x", output_dir=str(tmp_path),
                       optim={"lr": 1e-2, "grad_clip": None}, algo={"is_mode": "none"})
-    trainer = Trainer(cfg, policy, engine=None, rollout=None, train_rows=[{}], eval_rows=[])
+    trainer = Trainer(cfg, build_learner(cfg, policy), engine=None, rollout=None, train_rows=[{}], eval_rows=[])
     samples = _fixed_samples(qwen3_tokenizer)
 
     def surrogate() -> float:  # -mean(A * logp) over tokens: what the first PPO step decreases
@@ -183,15 +185,15 @@ def test_an_engine_sharing_the_policy_tensors_samples_what_an_engine_with_a_copy
     (tmp_path / "reward.py").write_text("def reward(response):\n    return float(len(response) % 3)\n")
     trainer, stack = build_trainer(_config(tmp_path, data, tmp_path / "probe", steps=1))
     try:  # sync mode on the CPU: one copy of the weights, the engine's module over the policy's tensors
-        assert trainer.shares_weights and trainer.engine.model is not trainer.policy
-        assert trainer.engine.model.lm_head.weight is trainer.policy.lm_head.weight
-        assert trainer.engine.model.config._attn_implementation != trainer.policy.config._attn_implementation
+        assert trainer.shares_weights and trainer.engine.model is not trainer.learner.policy
+        assert trainer.engine.model.lm_head.weight is trainer.learner.policy.lm_head.weight
+        assert trainer.engine.model.config._attn_implementation != trainer.learner.policy.config._attn_implementation
     finally:
         stack.close()
     trainer, stack = build_trainer(_config(tmp_path, data, tmp_path / "probe", steps=1,
                                            trainer={"mode": "async", "max_staleness": 1}))
     try:  # async: rollouts go on during the update, so the engine has its own copy
-        assert trainer.engine.model.lm_head.weight.data_ptr() != trainer.policy.lm_head.weight.data_ptr()
+        assert trainer.engine.model.lm_head.weight.data_ptr() != trainer.learner.policy.lm_head.weight.data_ptr()
         assert not trainer.shares_weights
     finally:
         stack.close()
@@ -229,7 +231,7 @@ def test_mismatch_is_reported_per_staleness_and_the_anchor_is_chosen(tiny_qwen3,
     policy = copy.deepcopy(tiny_qwen3)
     cfg = TrainConfig(model="tiny-qwen3", train_data="x", output_dir=str(tmp_path), optim={"lr": 1e-4},
                       algo={"is_mode": "truncate", "decoupled": decoupled})
-    trainer = Trainer(cfg, policy, engine=None, rollout=None, train_rows=[{}], eval_rows=[])
+    trainer = Trainer(cfg, build_learner(cfg, policy), engine=None, rollout=None, train_rows=[{}], eval_rows=[])
     trainer.step = 3  # updating policy version 2
     metrics = trainer.update(_behaviour_samples(qwen3_tokenizer, policy, shift=0.1))
     # log ratio proximal/behaviour = 0.1 on every token: k3 = e^0.1 - 1 - 0.1, for both ages of data
@@ -246,7 +248,7 @@ def test_mismatch_is_reported_per_staleness_and_the_anchor_is_chosen(tiny_qwen3,
 
 PROBE = """
 import os, sys, torch
-from turnrl.train.loop import map_large_allocations
+from turnrl.train.learner import map_large_allocations
 def rss_mb():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 if sys.argv[1] == "on":

@@ -12,6 +12,7 @@ import pytest
 from fakes import ScriptedEngine
 
 from turnrl.agents import AGENTS
+from turnrl.build import build_learner
 from turnrl.config import RolloutConfig
 from turnrl.engines.base import EngineError
 from turnrl.engines.http import HttpEngine
@@ -173,7 +174,7 @@ async def test_a_training_step_whose_update_hangs_fails_naming_the_phase(tiny_qw
                        reward_fn=lambda traj: float(traj.sample_index))  # unequal rewards: samples to train on
     cfg = TrainConfig(model="tiny-qwen3", train_data="x", output_dir=str(tmp_path), prompts_per_step=1,
                       rollout={"n": 2, "max_new_tokens": 8})
-    trainer = Trainer(cfg, copy.deepcopy(tiny_qwen3), engine, manager, [{"prompt": "hi"}], [])
+    trainer = Trainer(cfg, build_learner(cfg, copy.deepcopy(tiny_qwen3)), engine, manager, [{"prompt": "hi"}], [])
     assert trainer.watchdog is manager.watchdog
 
     def deadlocked_update(samples):

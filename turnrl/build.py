@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
     from turnrl.agents.harness import HarnessSettings
     from turnrl.rewards.judge import Judge
+    from turnrl.train.learner import Learner, LearnerOptions
     from turnrl.train.loop import Trainer
     from turnrl.train.parallel import Parallel
     from turnrl.train.sft import SFTTrainer
@@ -428,9 +429,37 @@ def build_trainer(cfg: TrainConfig, *, checkpoint: Path | None = None, console: 
     policy = loaded[0] if loaded else load_model(weights or cfg.model, dtype=DTYPES[cfg.dtype]).eval()
     if checkpoint and cfg.rollout_server and stack.engine is not None:  # the server loaded its own weights
         asyncio.run(stack.engine.update_weights(policy.state_dict()))
-    trainer = Trainer(cfg, policy, stack.engine, stack.rollout, train_rows, eval_rows, console, stack.tracer,
-                      parallel=parallel)
+    trainer = Trainer(cfg, build_learner(cfg, policy, parallel), stack.engine, stack.rollout, train_rows, eval_rows,
+                      console, stack.tracer)
     return trainer, stack
+
+
+def build_learner(cfg: TrainConfig, policy: torch.nn.Module, parallel: Parallel | None = None) -> Learner:
+    """The policy as `cfg` trains it (turnrl.train.learner) over `parallel` (None: `Parallel.start` from
+    torchrun's environment, or one process)."""
+    from turnrl.train.learner import Learner
+    from turnrl.train.parallel import Parallel
+
+    return Learner(policy, parallel or Parallel.start(cfg.trainer, cfg.device), learner_options(cfg))
+
+
+def learner_options(cfg: TrainConfig) -> LearnerOptions:
+    """The Learner's options from `cfg`'s optim, algo, trainer and weight_sync. RL's logprobs are at the sampling
+    temperature (the engine's distribution) with a KL reference when algo.kl_coef > 0; SFT's (an SFTConfig)
+    at temperature 1, without a reference."""
+    from turnrl.models import DTYPES
+    from turnrl.train.learner import LearnerOptions
+    from turnrl.train.lora import apply_lora
+
+    o, a, t, sft = cfg.optim, cfg.algo, cfg.trainer, isinstance(cfg, SFTConfig)
+    return LearnerOptions(
+        lr=o.lr, betas=o.betas, weight_decay=o.weight_decay, warmup_steps=o.warmup_steps, lr_scale=o.lr_scale,
+        freeze=tuple(o.freeze), epochs=o.epochs, mini_batches=o.mini_batches, micro_batch_tokens=o.micro_batch_tokens,
+        grad_clip=o.grad_clip, gradient_checkpointing=o.gradient_checkpointing, loss_agg=a.loss_agg,
+        norm_constant=a.norm_constant, temperature=1.0 if sft else (cfg.rollout.sampling.temperature or 1.0),
+        kl_reference=a.kl_coef > 0 and not sft, dtype=DTYPES[cfg.dtype], cpu_offload=t.cpu_offload, seed=cfg.seed,
+        sync_bucket_bytes=int(cfg.weight_sync.bucket_mb * 2**20), sync_pause=cfg.weight_sync.pause,
+        lora=None if t.lora is None else functools.partial(apply_lora, cfg=t.lora))
 
 
 def build_sft(cfg: SFTConfig, *, console: Console | None = None,
@@ -462,8 +491,8 @@ def build_sft(cfg: SFTConfig, *, console: Console | None = None,
                                            sanity=cfg.rollout.sanity_check, max_tokens=cfg.sft.max_tokens)
         cfg.steps = sft_steps(cfg, len(samples))
         policy = load_model(cfg.model, dtype=DTYPES[cfg.dtype]).eval()
-        trainer = SFTTrainer(cfg, policy, stack.engine, stack.rollout, samples, eval_rows, sft_renderer, console,
-                             stack.tracer, parallel=parallel, report=report)
+        trainer = SFTTrainer(cfg, build_learner(cfg, policy, parallel), stack.engine, stack.rollout, samples,
+                             eval_rows, sft_renderer, console, stack.tracer, report=report)
     except BaseException:
         stack.close()
         raise

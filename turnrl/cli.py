@@ -432,7 +432,7 @@ def run_evaluation(cfg: TrainConfig, checkpoint: Path | None = None, out: Path |
 
     from turnrl.build import build_trainer
     from turnrl.train.checkpoint import export_checkpoint, has_hf_weights
-    from turnrl.train.loop import format_step_line, sampled_path
+    from turnrl.train.evaluation import format_step_line, sampled_path
     from turnrl.train.parallel import Parallel
     from turnrl.train.runs import find_checkpoint
 

@@ -20,6 +20,10 @@ naming a folder that is gone): what `--resume` and `turnrl eval` use.
 `export_checkpoint(CKPT, OUT_DIR)` writes a Hugging Face directory from `state/` in one process, whatever
 world size wrote it; `load_checkpoint_model(CKPT)` gives the policy of a checkpoint, from `model/` when its
 weights are there, else from `state/`.
+
+The training loops (turnrl.train.loop, turnrl.train.sft) save and resume through `save_checkpoint` and
+`resume_checkpoint`: the learner's state (weights, optimizer, scheduler) and each rank's RNG here, the loop's
+own state (step, data position, history, the RL buffer) as the dict they hand in and get back.
 """
 
 from __future__ import annotations
@@ -27,13 +31,14 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import os
 import random
 import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -43,12 +48,18 @@ from turnrl.train import lora
 from turnrl.train.parallel import Parallel
 from turnrl.train.weights import weight_buckets, weight_sources
 
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from turnrl.train.learner import Learner
+
 HF_SHARD_BYTES = 4 * 2**30  # safetensors files of a Hugging Face directory (transformers' own default is 5 GB)
 WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json")
 MANIFEST = "manifest.json"
 REQUIRED = ("trainer_state.pt", "state/.metadata", "rng/rank_00000.pt")
 """Files every checkpoint has (what a checkpoint from before manifests is checked for)."""
 _STEP = re.compile(r"step_(\d+)$")
+log = logging.getLogger(__name__)
 
 
 def _state_options(loading: bool = False):
@@ -200,6 +211,107 @@ def _model_to_fill(ckpt: Path, cfg) -> nn.Module:
 # ---------------------------------------------------------------------------------------------------
 # Atomic writes, manifests, and choosing the checkpoint to resume
 # ---------------------------------------------------------------------------------------------------
+def save_checkpoint(learner: Learner, path: Path, loop_state: dict[str, Any], *, renderer: Any,
+                    hf_weights: bool) -> Path:
+    """Sharded state that resumes exactly (every rank writes its part), the loop's `loop_state` and a Hugging
+    Face model dir (with `hf_weights`, its weights; always the config and the `renderer`'s tokenizer), written
+    into a staging folder and renamed into place once complete (with its manifest), then named by `latest`."""
+    parallel = learner.parallel
+    staged = staging_dir(path)
+    if parallel.is_main:
+        shutil.rmtree(staged, ignore_errors=True)  # left by a run that died while saving
+        staged.mkdir(parents=True)
+    parallel.barrier()
+    save_rng(staged, parallel.rank)
+    save_training_state(staged, learner.policy, learner.optimizer)
+    write_hf(learner.policy, staged / "model", parallel, learner.options.dtype, weights=hf_weights)
+    if parallel.is_main:
+        save_tokenizer(renderer, staged / "model")
+        torch.save({**loop_state, "scheduler": learner.scheduler.state_dict(), "world_size": parallel.world_size},
+                   staged / "trainer_state.pt")
+    parallel.barrier()  # every rank's files are written before the checkpoint is published
+    if parallel.is_main:
+        publish_checkpoint(staged, path)
+    parallel.barrier()
+    return path
+
+
+def save_tokenizer(renderer: Any, where: Path) -> None:
+    """Tokenizer (and a VLM's image processor and chat template) beside the weights: a self-contained dir.
+    The processor is saved piecewise: without a video processor its own save_pretrained fails."""
+    if getattr(renderer, "tokenizer", None) is not None:
+        renderer.tokenizer.save_pretrained(where)
+    processor = getattr(renderer, "processor", None)
+    if processor is not None:
+        processor.image_processor.save_pretrained(where)
+        (where / "chat_template.jinja").write_text(processor.chat_template)
+
+
+def resume_checkpoint(learner: Learner, run_dir: Path, resume: bool | str, *, lora: dict[str, Any] | None,
+                      console: Console) -> dict[str, Any] | None:
+    """Restore the learner (weights, optimizer, scheduler) and this rank's RNG from the checkpoint to resume
+    (`resume_point`: rank 0 chooses, the other ranks take its choice), whatever world size wrote it. Returns
+    the loop's saved state (None: nothing to resume); what was logged after the checkpoint is dropped from
+    the run's metrics.jsonl and groups.jsonl, to be done again. `lora`: the run's trainer.lora, which must be
+    the checkpoint's."""
+    parallel = learner.parallel
+    choice: Path | ValueError | None = None
+    if parallel.is_main:
+        try:
+            choice = resume_point(resume, run_dir, console)
+        except ValueError as e:
+            choice = e
+    path = parallel.broadcast_object(choice)
+    if isinstance(path, ValueError):
+        raise path
+    if path is None:
+        return None
+    state = torch.load(path / "trainer_state.pt", weights_only=False)
+    saved_lora = state["config"]["trainer"]["lora"]
+    if saved_lora != lora:
+        raise ValueError(f"checkpoint {path}: trainer.lora was {saved_lora}, the config now has {lora}; "
+                         "resume with the same adapters")
+    load_training_state(path, learner.policy, learner.optimizer)
+    learner.scheduler.load_state_dict(state["scheduler"])
+    load_rng(path, parallel.rank)
+    if parallel.is_main:  # never log a step twice
+        for name in ("metrics.jsonl", "groups.jsonl"):
+            _truncate_after(run_dir / name, state["step"])
+        moved = supersede_newer(path) if path.parent.resolve() == (run_dir / "checkpoints").resolve() else []
+        console.print(f"resumed from {path} (step {state['step']}, written by {state['world_size']} ranks, "
+                      f"now {parallel.world_size})"
+                      + (f"; moved the newer {', '.join(moved)} to checkpoints/superseded/" if moved else ""),
+                      soft_wrap=True)
+    return state
+
+
+def resume_point(resume: bool | str, run_dir: Path, console: Console) -> Path | None:
+    """The checkpoint `resume` names (a checkpoint folder), else the newest valid one of the run in `run_dir`;
+    the newer ones skipped (broken, incomplete) are named in one line. None: nothing to resume."""
+    if isinstance(resume, str) and checkpoint_step(Path(resume)) is not None:
+        path = Path(resume)
+        problem = checkpoint_problem(path)
+        if problem is not None:
+            raise ValueError(f"resume: checkpoint {path} {problem}")
+        return path
+    found, notes = select_checkpoint(run_dir)
+    if found is None:
+        log.warning("resume: no valid checkpoint in %s%s; starting from scratch", run_dir,
+                    f" ({'; '.join(notes)})" if notes else "")
+    elif notes:
+        console.print(f"[yellow]resume:[/] {'; '.join(notes)}; resuming from {found.name}", soft_wrap=True)
+    return found
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """Keep the JSONL lines of `path` whose `step` is at most `step` (a resumed run writes the later ones again)."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step]
+    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
+
 def staging_dir(path: Path) -> Path:
     """Where every rank writes the checkpoint `path` before it is published (`publish_checkpoint`)."""
     return path.parent / f".tmp-{path.name}"

@@ -14,9 +14,10 @@ Two kinds of rows, one file may mix them:
   the JSONL keeps image references, not pixel tensors). FAILED and ABORTED trajectories are never trained on.
   `--filter 'reward>=1'` keeps the successful ones: rejection-sampling fine-tuning.
 
-The update is the trainer's (`SFTTrainer` is a `Trainer` with a masked negative log-likelihood in place of the
-policy loss): packed rows, loss only where the mask is 1, the same process group and FSDP2 path at any world
-size, the same checkpoints, and evaluation through the rollout on held-out RL rows. A checkpoint's `model/`
+The update is RL's: `SFTTrainer` runs the same `Learner` (turnrl.train.learner) with `masked_nll` as its loss in
+place of the policy loss: packed rows, loss only where the mask is 1, the same process group and FSDP2 path at
+any world size, the same checkpoints, and evaluation through the rollout on held-out RL rows
+(turnrl.train.evaluation). A checkpoint's `model/`
 directory, linked as `output_dir/model`, is what `turnrl train` takes as its `model`.
 """
 
@@ -34,13 +35,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.console import Console
 
+from turnrl.config import SFTConfig
 from turnrl.data import DataError, conversation_messages, read_rows, resolve_image_paths
+from turnrl.observe.tracing import TrajectoryTracer
 from turnrl.render import ChatRenderer, RenderError, SanityMode
 from turnrl.rollout.episode import RolloutContext, RolloutLimits, drive
-from turnrl.train import algos
-from turnrl.train.loop import PromptSampler, Trainer, TrainSample, format_step_line, save_tokenizer, to_sample
-from turnrl.train.packing import PackedRow, packed_token_logprobs, unpack_to_padded
+from turnrl.train.checkpoint import resume_checkpoint, save_checkpoint
+from turnrl.train.evaluation import Evaluator, format_step_line, write_metrics
+from turnrl.train.learner import Learner, MicroBatch
+from turnrl.train.samples import PromptSampler, TrainSample, to_sample
 from turnrl.types import (
     FinishReason,
     GenerateOutput,
@@ -310,39 +315,56 @@ def load_sft_samples(path: str | Path, renderer: ChatRenderer, *, filter_expr: s
     return samples, report
 
 
-# ---- the trainer -----------------------------------------------------------------------------------
-class SFTTrainer(Trainer):
-    """The Trainer with a masked negative log-likelihood as its loss, over fixed samples instead of rollouts.
-    Everything else is the Trainer's: the update (packing, token-balanced ranks, FSDP2), checkpoints, resume,
-    evaluation through the rollout, weight sync to the engine before each evaluation."""
+# ---- the loop ----------------------------------------------------------------------------------------
+def masked_nll(batch: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    """SFT's loss: the negative log-likelihood of each trained (mask 1) token, at temperature 1; the learner
+    aggregates it as `algo.loss_agg` says (token_mean: over every trained token of the batch, on all ranks)."""
+    trained_logp = batch.logp_B_T.detach()[batch.mask_B_T.bool()]
+    return -batch.logp_B_T, {"train/nll": float(-trained_logp.mean())}
 
-    def __init__(self, cfg: Any, policy: torch.nn.Module, engine: Any, rollout: Any, samples: list[TrainSample],
-                 eval_rows: list[dict], renderer: ChatRenderer, console: Any = None, tracer: Any = None,
-                 parallel: Any = None, report: dict[str, Any] | None = None):
-        super().__init__(cfg, policy, engine, rollout, [], eval_rows, console, tracer, parallel)
-        self.samples, self.renderer = samples, renderer
+
+class SFTTrainer:
+    """Supervised fine-tuning over fixed samples: the `Learner` RL trains (packing, token-balanced ranks, FSDP2,
+    the checkpoints, resume, weight sync) with `masked_nll` as its loss, and evaluation through the rollout on
+    held-out RL rows before, every `eval_every` steps and after (the engine gets the weights first)."""
+
+    def __init__(self, cfg: SFTConfig, learner: Learner, engine: Any, rollout: Any, samples: list[TrainSample],
+                 eval_rows: list[dict], renderer: ChatRenderer, console: Console | None = None,
+                 tracer: TrajectoryTracer | None = None, report: dict[str, Any] | None = None):
+        self.cfg, self.learner, self.engine, self.parallel = cfg, learner, engine, learner.parallel
+        self.samples, self.eval_rows, self.renderer = samples, eval_rows, renderer
         self.report = report or {}
         """What load_sft_samples found: rows, filtered out, skipped with reasons, tokens."""
+        self.console = console or Console()
+        self.out = Path(cfg.run_dir or cfg.output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.tracer = tracer if tracer is not None else TrajectoryTracer(None)
         self.sampler = PromptSampler(len(samples), min(cfg.sft.batch_size, len(samples)), cfg.seed, cfg.shuffle)
+        self.steps = sft_steps(cfg, len(samples))
+        self.step = 0
+        self.history: list[dict[str, Any]] = []
+        self.evaluator = Evaluator(rollout, eval_rows, out=self.out, tracer=self.tracer, console=self.console,
+                                   greedy_n=cfg.eval_n, sampled_n=cfg.eval_sampled_n,
+                                   max_new_tokens=cfg.rollout.max_new_tokens)
 
-    async def train(self) -> list[dict[str, float]]:
+    async def train(self) -> list[dict[str, Any]]:
         self.tracer.log_params(self.cfg.model_dump())
         if self.cfg.resume and self.load_checkpoint() and self.eval_rows:
             await self.sync_weights()
         if self.step == 0:
-            await self._evaluate_on_main("before")
-        while self.step < self.cfg.steps:
+            await self._evaluate("before")
+        while self.step < self.steps:
             self.step += 1
             self._log(self.sft_step())
-            if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.step < self.cfg.steps \
-                    and self.eval_rows:
+            if self.eval_rows and self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and (
+                    self.step < self.steps):
                 await self.sync_weights()
-                await self._evaluate_on_main(f"step{self.step}")
+                await self._evaluate(f"step{self.step}")
             if self.cfg.save_every and self.step % self.cfg.save_every == 0:
                 self.save_checkpoint()
         if self.eval_rows:  # every rank has the rows: every rank takes part in the weight gathers
             await self.sync_weights()
-            await self._evaluate_on_main("after")
+            await self._evaluate("after")
         self.save_checkpoint()
         return self.history
 
@@ -352,24 +374,40 @@ class SFTTrainer(Trainer):
         metrics = self.update(batch)
         return {"step": float(self.step), **metrics, "sft/sequences": float(len(batch)),
                 "sft/epoch": self.sampler.epoch + self.sampler.position / max(len(self.samples), 1),
-                "train/lr": float(self.scheduler.get_last_lr()[0]), "time/step_s": time.perf_counter() - t0}
+                "train/lr": float(self.learner.scheduler.get_last_lr()[0]), "time/step_s": time.perf_counter() - t0}
 
-    def _row_loss(self, row: PackedRow, batch: list[TrainSample], members: list[int], old: dict | None,
-                  temperature: float, denominator: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        """Negative log-likelihood of the mask-1 tokens at temperature 1, aggregated as `algo.loss_agg` says
-        (token_mean: over every trained token of the batch, on all ranks)."""
-        a = self.cfg.algo
-        lengths = [len(s.response_ids) for s in batch]
-        logp_N = packed_token_logprobs(self.policy, row)
-        nll_B_T = -unpack_to_padded(logp_N, row, lengths)
-        mask_B_T = unpack_to_padded(torch.ones_like(logp_N), row, lengths)
-        loss = algos.aggregate_loss(nll_B_T, mask_B_T, a.loss_agg, norm_constant=a.norm_constant,
-                                    denominator=denominator)
-        return loss, {"train/loss": float(loss.detach()), "train/nll": float(-logp_N.detach().mean())}
+    def update(self, samples: list[TrainSample]) -> dict[str, float]:
+        """One SFT update on `samples` (every rank passes the same list): the learner's, with `masked_nll`."""
+        return self.learner.update(samples, masked_nll, step=self.step)
 
-    def save_checkpoint(self, final: bool = True) -> Path:
-        """The Trainer's checkpoint, and `output_dir/model` linked to its model directory."""
-        path = super().save_checkpoint(final)
+    async def sync_weights(self) -> dict[str, float]:
+        """The evaluation engine gets the policy's weights (every rank takes part in the gathers)."""
+        return await self.learner.sync_weights(self.engine, version=self.step)
+
+    async def _evaluate(self, tag: str) -> None:
+        """Evaluation runs where the rollout is, on rank 0; the other ranks wait for it in their next collective."""
+        if self.eval_rows and self.parallel.is_main:
+            self._log(await self.evaluator.evaluate(tag, self.step))
+
+    def _log(self, m: dict[str, Any]) -> None:
+        self.history.append(m)
+        if not self.parallel.is_main:
+            return
+        write_metrics(self.out, m, self.step, self.tracer)
+        self.console.print(format_step_line(m, self.steps) if "eval/reward_mean" in m else
+                           f"sft step {m['step']:.0f}/{self.steps}  epoch {m['sft/epoch']:.2f}  "
+                           f"loss {m['train/loss']:.4f}  {m['sft/sequences']:.0f} sequences  "
+                           f"{m['train/tokens']:.0f} tokens  train {m['train/tokens_per_s']:.0f} tok/s  "
+                           f"step {m['time/step_s']:.1f}s")
+
+    def save_checkpoint(self) -> Path:
+        """The learner's checkpoint with this loop's state, the Hugging Face weights unless trainer.save_hf is
+        false (turnrl.train.checkpoint), and `output_dir/model` linked to its model directory."""
+        state = {"step": self.step, "sampler": self.sampler.state_dict(), "history": self.history,
+                 "config": self.cfg.model_dump()} if self.parallel.is_main else {}
+        save_hf = self.cfg.trainer.save_hf
+        path = save_checkpoint(self.learner, self.out / "checkpoints" / f"step_{self.step:06d}", state,
+                               renderer=self.renderer, hf_weights=save_hf is True or save_hf == "final")
         if self.parallel.is_main:
             link = self.out / "model"
             if link.is_symlink():
@@ -380,17 +418,18 @@ class SFTTrainer(Trainer):
                 link.symlink_to(Path("checkpoints") / path.name / "model", target_is_directory=True)
         return path
 
-    def _save_tokenizer(self, where: Path) -> None:
-        save_tokenizer(self.renderer, where)
+    def load_checkpoint(self) -> bool:
+        """Restore the learner, data position, RNG and history from the checkpoint to resume (cfg.resume)."""
+        lora = self.cfg.trainer.lora
+        state = resume_checkpoint(self.learner, self.out, self.cfg.resume, console=self.console,
+                                  lora=lora.model_dump() if lora else None)
+        if state is None:
+            return False
+        self.sampler.load_state_dict(state["sampler"])
+        self.step, self.history = state["step"], state["history"]
+        return True
 
-    def format_line(self, m: dict[str, Any]) -> str:
-        if "eval/reward_mean" in m:
-            return format_step_line(m, self.cfg.steps)
-        return (f"sft step {m['step']:.0f}/{self.cfg.steps}  epoch {m['sft/epoch']:.2f}  loss {m['train/loss']:.4f}  "
-                f"{m['sft/sequences']:.0f} sequences  {m['train/tokens']:.0f} tokens  "
-                f"train {m['train/tokens_per_s']:.0f} tok/s  step {m['time/step_s']:.1f}s")
 
-
-def sft_steps(cfg: Any, n_samples: int) -> int:
+def sft_steps(cfg: SFTConfig, n_samples: int) -> int:
     """Optimizer steps: `steps` when set, else sft.epochs passes of sft.batch_size sequences."""
     return cfg.steps or max(1, math.ceil(cfg.sft.epochs * n_samples / min(cfg.sft.batch_size, n_samples)))

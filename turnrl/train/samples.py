@@ -1,0 +1,107 @@
+"""What the update trains on: trajectories become `TrainSample`s with group-relative advantages, and the prompt
+rows of each step come from a resumable sampler.
+
+    scored, stats = group_advantages(groups, cfg)          # per group, over the trajectories we train on
+    samples = [to_sample(traj, adv) for traj, adv in scored]
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from turnrl.config import TrainConfig
+from turnrl.train import algos
+from turnrl.types import Trajectory
+
+
+class PromptSampler:
+    """Epoch-wise shuffled batches of rows; its state (epoch, position) makes a resumed run see the same data."""
+
+    def __init__(self, n_rows: int, batch_size: int, seed: int, shuffle: bool = True):
+        self.n_rows, self.batch_size, self.seed, self.shuffle = n_rows, batch_size, seed, shuffle
+        self.epoch, self.position = 0, 0
+        self._cached: tuple[int, list[int]] = (-1, [])
+
+    def _order(self) -> list[int]:
+        order = list(range(self.n_rows))
+        if self.shuffle:
+            random.Random(self.seed * 100_003 + self.epoch).shuffle(order)
+        return order
+
+    def next_batch(self) -> list[int]:
+        return [self.next_index() for _ in range(self.batch_size)]
+
+    def next_index(self) -> int:
+        if self.position >= self.n_rows:
+            self.epoch, self.position = self.epoch + 1, 0
+        if self._cached[0] != self.epoch:
+            self._cached = (self.epoch, self._order())
+        self.position += 1
+        return self._cached[1][self.position - 1]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+
+
+@dataclass
+class TrainSample:
+    """One trajectory as the loss sees it."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: list[int]
+    rollout_logprobs: list[float] | None  # aligned with response_ids (0.0 at mask 0), None = not usable
+    advantage: float
+    mm_inputs: dict[str, torch.Tensor] | None = None  # VLM processor tensors (pixel_values, image_grid_thw)
+    versions: list[int] | None = None  # the policy version that sampled each response token (-1 at mask 0)
+
+
+def group_advantages(groups: list[list[Trajectory]], cfg: TrainConfig) -> tuple[list[tuple[Trajectory, float]], dict]:
+    """Advantages per group over the trajectories we train on. Split episodes (several samples with one
+    `episode_id`) count once in their group and share the episode's advantage."""
+    train_on = set(cfg.algo.train_on)
+    kept: list[Trajectory] = []
+    group_ids: list[int] = []
+    episode_keys: list[tuple[int, str]] = []
+    for g, group in enumerate(groups):
+        for traj in group:
+            if str(traj.status) in train_on and traj.reward is not None:
+                kept.append(traj)
+                group_ids.append(g)
+                episode_keys.append((g, traj.episode_id or traj.id))
+    if not kept:
+        return [], {"train/trained_trajectories": 0.0}
+    episodes = list(dict.fromkeys(episode_keys))
+    episode_reward: dict[tuple[int, str], float] = {}
+    for key, traj in zip(episode_keys, kept, strict=True):
+        if key in episode_reward and episode_reward[key] != traj.reward:
+            raise ValueError(f"split episode {key[1]!r} has unequal rewards ({episode_reward[key]} vs {traj.reward}); "
+                             "samples of one episode must share its reward")
+        episode_reward[key] = float(traj.reward)  # type: ignore[arg-type]  # kept trajectories are scored
+    rewards_E = torch.tensor([episode_reward[e] for e in episodes], dtype=torch.float64)
+    groups_E = torch.tensor([e[0] for e in episodes])
+    if cfg.algo.advantage == "rloo":
+        adv_E = algos.rloo_advantages(rewards_E, groups_E)
+    else:
+        adv_E = algos.grpo_advantages(rewards_E, groups_E, normalize_std=cfg.algo.normalize_std)
+    adv_of = dict(zip(episodes, adv_E.tolist(), strict=True))
+    stats = {f"train/{k}": float(v) for k, v in algos.group_reward_stats(rewards_E, groups_E).items()}
+    stats["train/trained_trajectories"] = float(len(kept))
+    return [(traj, adv_of[key]) for traj, key in zip(kept, episode_keys, strict=True)], stats
+
+
+def to_sample(traj: Trajectory, advantage: float) -> TrainSample:
+    logprobs = traj.rollout_logprobs
+    behaviour = None
+    if logprobs is not None and len(logprobs) == len(traj.response_ids):
+        behaviour = [0.0 if lp is None else lp for lp in logprobs]
+    versions = [-1 if s.policy_version is None or not m else s.policy_version
+                for s in traj.segments for m in s.loss_mask]
+    return TrainSample(traj.prompt_ids, traj.response_ids, traj.loss_mask,
+                       behaviour, advantage, traj.mm_train_inputs or None, versions)
