@@ -138,9 +138,10 @@ def test_a_bad_task_toml_is_named_with_its_field(tmp_path, toml, message):
 
 def test_a_folder_of_tasks_is_a_dataset_and_rows_may_name_tasks(tmp_path):
     rows = load_rows(TASKS)
-    assert [r["id"] for r in rows] == ["hanging-test", "harbor-template-task", "json-rewards", "write-greeting"]
-    assert rows[3]["prompt"] == load_task(TASKS / "write-greeting").instruction
-    assert rows[3]["harbor_task"] == str(TASKS / "write-greeting")
+    assert [r["id"] for r in rows] == ["hanging-test", "harbor-template-task", "json-rewards", "write-farewell",
+                                       "write-greeting"]
+    assert rows[4]["prompt"] == load_task(TASKS / "write-greeting").instruction
+    assert rows[4]["harbor_task"] == str(TASKS / "write-greeting")
     assert [r["id"] for r in load_rows(TASKS / "write-greeting")] == ["write-greeting"]  # one task folder
     data = tmp_path / "rows.jsonl"
     shutil.copytree(TASKS / "write-greeting", tmp_path / "tasks" / "greet")
@@ -253,8 +254,8 @@ async def test_a_cli_that_hangs_is_killed_at_its_limit(qwen3_tokenizer, tmp_path
 
 @needs_sandbox
 @pytest.mark.parametrize(("mode", "reason", "message", "output"), [
-    ("exit", "env_error", "harness custom exited with status 3 without calling the model", "giving up"),
-    ("silent", "env_error", "harness custom exited without calling the model", "fake agent in /app"),
+    ("exit", "env_error", "harness custom exited with status 3 and no model call was answered", "giving up"),
+    ("silent", "env_error", "harness custom exited and no model call was answered", "fake agent in /app"),
     ("crash", "env_error", "harness custom crashed (exit status 1) after 1 model calls", "segfault in the tool runner"),
 ])
 async def test_a_cli_that_fails_ends_its_episode_failed_saying_why(qwen3_tokenizer, tmp_path, mode, reason, message,

@@ -116,10 +116,13 @@ BUILTIN: dict[str, HarnessSpec] = {
         package="@openai/codex",
     ),
     # opencode 1.18: `opencode run` with permissions auto-approved, an OpenAI-compatible provider (chat
-    # completions; the provider package is bundled in its binary) pointing at the session.
+    # completions; the provider package is bundled in its binary) pointing at the session; nothing fetched or
+    # installed at run time (models list, updates, language servers, default plugins, sharing).
     "opencode": HarnessSpec(
         command=("opencode", "run", "--model", "turnrl/{model}", "--format", "json", "--auto", "{instruction}"),
         api="chat",
+        env=dict.fromkeys(("OPENCODE_DISABLE_MODELS_FETCH", "OPENCODE_DISABLE_AUTOUPDATE", "OPENCODE_DISABLE_LSP_DOWNLOAD",
+                           "OPENCODE_DISABLE_DEFAULT_PLUGINS", "OPENCODE_DISABLE_SHARE"), "1"),
         files={".config/opencode/opencode.json": (
             '{"$schema": "https://opencode.ai/config.json", "autoupdate": false, "share": "disabled", '
             '"model": "turnrl/{model}", "provider": {"turnrl": {"npm": "@ai-sdk/openai-compatible", '
@@ -346,7 +349,8 @@ def _agent_failure(agent: CommandResult, session: Session, name: str, limit: flo
                                            f"every process it started; its last output:\n{tail}")
     if not session.calls:
         how = f"exited with status {agent.exit_code}" if agent.exit_code else "exited"
-        return TerminationReason.ENV_ERROR, f"harness {name} {how} without calling the model; its last output:\n{tail}"
+        return TerminationReason.ENV_ERROR, (f"harness {name} {how} and no model call was answered (it made none, or "
+                                             f"each was refused); its last output:\n{tail}")
     if agent.exit_code != 0 and not session.limit_reached:
         return TerminationReason.ENV_ERROR, (f"harness {name} crashed (exit status {agent.exit_code}) after "
                                              f"{len(session.calls)} model calls; its last output:\n{tail}")

@@ -1,0 +1,70 @@
+"""A scripted policy that drives real coding-agent CLIs: it reads the tools the CLI offered from the prompt it was
+given (the Qwen3 template lists them one JSON per line inside <tools>), writes the task's file with the CLI's own
+write tool (Claude Code's Write, opencode's write, Codex's exec_command, the test CLI's write_file), and says it is
+done once a tool result came back. A call without tools (a title) gets a short title. tiny-qwen3 cannot drive a
+CLI; this script can, and every token it "samples" goes through the engine contract like a model's."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from collections.abc import Callable
+
+WRITERS: dict[str, Callable[[str, str], dict]] = {
+    "Write": lambda path, text: {"file_path": path, "content": text + "\n"},          # Claude Code
+    "write": lambda path, text: {"filePath": path, "content": text + "\n"},           # opencode
+    "exec_command": lambda path, text: {"cmd": f"printf '%s\\n' {shlex.quote(text)} > {shlex.quote(path)}"},  # Codex
+    "write_file": lambda path, text: {"path": path, "content": text},                 # tests/harness_cli.py
+}
+
+
+def offered_tools(prompt: str) -> list[str]:
+    """The names of the tools in the prompt's <tools> block (function tools, flattened namespaces included)."""
+    block = re.search(r"<tools>\n(.*?)\n</tools>", prompt, re.S)
+    names = []
+    for line in block.group(1).splitlines() if block else ():
+        try:
+            tool = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        names.append((tool.get("function") or tool).get("name"))
+    return names
+
+
+def answered(prompt: str) -> bool:
+    """Whether the last turn before the assistant's brought a tool result."""
+    head = prompt.rsplit("<|im_start|>assistant", 1)[0]
+    last = head.rsplit("<|im_start|>", 1)[-1]
+    return "<tool_response>" in last
+
+
+def tool_call(name: str, arguments: dict) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+_TASK = re.compile(r"named `([^`]+)` in the working directory \((/[^)]*)\) whose whole content is the line:\s*\n"
+                   r"\s*\n([^\n]+)")
+
+
+def the_task(prompt: str) -> tuple[str, str]:
+    """(path, text) the task's instruction asks for (tests/data/harbor/write-*), read from the prompt."""
+    found = _TASK.search(prompt)
+    assert found, "the prompt holds no write-a-file instruction"
+    return f"{found.group(2).rstrip('/')}/{found.group(1)}", found.group(3).strip()
+
+
+def harness_policy(text_of: Callable[[str, str], str | None] | None = None) -> Callable[[str, int, str], str | None]:
+    """The ScriptedEngine script: the text the task asks for, or `text_of(request_id, text)` (None: the engine
+    fails the call)."""
+    def script(request_id: str, turn: int, prompt: str) -> str | None:
+        if answered(prompt):
+            return "Done: the file is written."
+        tools = offered_tools(prompt)
+        writer = next((name for name in WRITERS if name in tools), None)
+        if writer is None:
+            return "Greeting file"
+        path, text = the_task(prompt)
+        content = text if text_of is None else text_of(request_id, text)
+        return None if content is None else tool_call(writer, WRITERS[writer](path, content))
+    return script
