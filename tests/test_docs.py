@@ -49,3 +49,14 @@ def test_a_key_added_to_the_schema_fails_the_check(monkeypatch):
     rendered = gen["render"]()
     assert "| `turnrl_new_key` | int (>= 1) | `3` | A key the page does not list yet. |" in rendered
     assert rendered != (ROOT / "docs" / "config.md").read_text()  # what --check compares: it would fail
+
+
+def test_the_readme_tree_names_every_module_and_folder():
+    """README's architecture tree is how a newcomer finds a file: every folder and public module is in it."""
+    text = (ROOT / "README.md").read_text()
+    tree = text.split("## Architecture", 1)[1].split("```")[1]
+    package = ROOT / "turnrl"
+    names = {p.name for p in package.iterdir() if p.is_dir() and not p.name.startswith("__")} - {"templates"}
+    names |= {p.name for p in package.rglob("*.py") if not p.name.startswith("_")}
+    missing = sorted(name for name in names if name.removesuffix(".py") not in tree)
+    assert not missing, f"README.md's architecture tree leaves out {missing}"

@@ -483,7 +483,7 @@ async def test_a_bad_request_fails_alone_and_never_joins_a_batch(fresh_engine, m
         "empty prompt": ([], GREEDY, "prompt_ids"),
         "longer than the context": ([1] * eng.max_context, GREEDY, "prompt_ids"),
         "top_k 'x'": (prompts[1], _unchecked(top_k="x"), "sampling.top_k"),
-        "NaN temperature": (prompts[1], SamplingParams(temperature=float("nan")), "sampling.temperature"),
+        "NaN temperature": (prompts[1], _unchecked(temperature=float("nan")), "sampling.temperature"),
         "string max_new_tokens": (prompts[1], _unchecked(max_new_tokens="5"), "sampling.max_new_tokens"),
         "seed 'x'": (prompts[1], _unchecked(seed="x"), "sampling.seed"),
         "stop_token_ids 5": (prompts[1], _unchecked(stop_token_ids=5), "sampling.stop_token_ids"),

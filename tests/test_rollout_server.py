@@ -356,3 +356,28 @@ def test_build_trainer_uses_the_rollout_server_and_pushes_weights(qwen3_tokenize
     assert engine.calls and {c.params.temperature for c in engine.calls} == {0.7}
     assert metrics["rollout/reward_mean"] == 0.5 and metrics["train/samples"] == 4.0  # rewards computed here
     assert metrics["train/policy_version"] == 1.0 and engine.policy_version == 1  # weights reached the server
+
+
+def test_rollout_lines_hold_what_a_trajectory_file_holds(qwen3_tokenizer, tmp_path, monkeypatch):
+    """A value JSON has no type for (a PIL image in a message) goes over /rollout as TrajectoryWriter writes it:
+    the server had its own copy of the JSON default, which had drifted and sent `str(image)`."""
+    from PIL import Image
+
+    from turnrl.observe.stats import TrajectoryWriter
+
+    image = Image.new("RGB", (2, 2), "red")
+    traj = Trajectory(id="0-0", group_id="0", sample_index=0, prompt_ids=[1, 2],
+                      messages=[{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text",
+                                                                                                "text": "colour?"}]}])
+    engine = ScriptedEngine(qwen3_tokenizer, scenarios.replies("red"))
+    cfg = RolloutConfig(scheduler="test_retry", max_turns=1, max_new_tokens=16)
+    with rollout_server(engine, qwen3_tokenizer, cfg) as (url, manager):
+        async def stream(*args, **kwargs):
+            yield traj
+
+        monkeypatch.setattr(manager, "stream", stream)
+        lines = httpx.post(f"{url}/rollout", json={"rows": [ROW]}, timeout=30).text.splitlines()
+    with TrajectoryWriter(tmp_path / "t.jsonl") as writer:
+        writer.write(traj)
+    assert lines[0] == (tmp_path / "t.jsonl").read_text().strip()
+    assert json.loads(lines[0])["messages"][0]["content"][0]["image"].startswith("sha256:")

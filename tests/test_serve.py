@@ -24,6 +24,7 @@ from turnrl.render import ChatRenderer
 from turnrl.rewards import bind_reward
 from turnrl.rollout import RolloutLimits, RolloutManager, run_groups
 from turnrl.serve.app import BindError, ServerThread, check_bind, create_app
+from turnrl.serve.openai import chat_completion
 from turnrl.serve.sessions import ChatProxy
 from turnrl.train.samples import group_advantages
 from turnrl.types import RolloutStatus, SamplingParams, SegmentSource, TerminationReason, Trajectory
@@ -232,10 +233,10 @@ async def test_interleaved_conversations_in_one_session_stay_separate(qwen3_toke
     tools = _example_agent().TOOLS
     conversations = [[{"role": "user", "content": "What is 6*7?"}], [{"role": "user", "content": "And 7*6?"}]]
     for messages in conversations:
-        reply = (await proxy.chat_completion("s", {"messages": messages, "tools": tools}))["choices"][0]["message"]
+        reply = (await chat_completion(proxy, "s", {"messages": messages, "tools": tools}))["choices"][0]["message"]
         messages += [reply, {"role": "tool", "tool_call_id": reply["tool_calls"][0]["id"], "content": "42"}]
     for messages in conversations:
-        await proxy.chat_completion("s", {"messages": messages, "tools": tools})
+        await chat_completion(proxy, "s", {"messages": messages, "tools": tools})
     first, second = proxy.trajectories("s", group_id="g")
     assert (first.num_turns, second.num_turns, first.group_id) == (2, 2, "g")
     assert "6*7" in qwen3_tokenizer.decode(first.prompt_ids) and "7*6" in qwen3_tokenizer.decode(second.prompt_ids)

@@ -21,7 +21,9 @@ from test_serve import QUESTION, RecordingEngine, calculator_script
 from turnrl.engines.embedded import EmbeddedEngine
 from turnrl.render import ChatRenderer
 from turnrl.serve.app import ServerThread, create_app
-from turnrl.serve.sessions import ChatProxy, ReplyStream
+from turnrl.serve.openai import chat_completion
+from turnrl.serve.sessions import ChatProxy
+from turnrl.serve.streaming import ReplyStream
 from turnrl.types import RolloutStatus, SegmentSource, TerminationReason, Trajectory
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -533,7 +535,7 @@ def test_a_stream_holds_back_what_may_begin_a_stop_string(qwen3_tokenizer):
     """Token by token, no chunk carries text of the stop string, even its first part ("Observ")."""
     served = Served(qwen3_tokenizer, script=lambda rid, turn, prompt: REACT_REPLY)
     chunks: list[str] = []
-    stream = ReplyStream(served.proxy, None, None, lambda kind, delta: chunks.append(delta), ["Observation:"])
+    stream = ReplyStream(served.proxy.renderer, None, None, lambda kind, delta: chunks.append(delta), ["Observation:"])
     try:
         for token in qwen3_tokenizer(REACT_REPLY, add_special_tokens=False)["input_ids"]:
             stream.push(token)
@@ -551,13 +553,13 @@ async def test_the_embedded_engine_stops_as_soon_as_a_stop_string_appears(tiny_q
     proxy = ChatProxy(engine, renderer)
     hello = [{"role": "user", "content": "Tell me a story."}]
     try:
-        free = await proxy.chat_completion("free", {"messages": hello, "temperature": 0, "max_tokens": 64})
+        free = await chat_completion(proxy, "free", {"messages": hello, "temperature": 0, "max_tokens": 64})
         ids = proxy.session("free").calls[0].completion_ids
         assert len(ids) == 64, "the tiny model must not end its turn by itself here"
         stop = renderer.decode(ids[10:13])  # three tokens from the middle
         assert free["choices"][0]["message"]["content"].count(stop) >= 1
         before = engine.stats["generated_tokens"]
-        answer = await proxy.chat_completion("stopped", {"messages": hello, "temperature": 0, "max_tokens": 64,
+        answer = await chat_completion(proxy, "stopped", {"messages": hello, "temperature": 0, "max_tokens": 64,
                                                          "stop": [stop]})
         [call] = proxy.session("stopped").calls
         whole = renderer.decode(ids)

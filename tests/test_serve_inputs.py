@@ -150,6 +150,7 @@ def test_chat_refuses_bad_fields_with_a_400_naming_the_field(live, name, fields,
     ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].content[0]"),
     ("/v1/responses", {"input": "hi", "previous_response_id": "resp_nope"}, "previous_response_id"),
+    ("/v1/responses", {"input": "hi", "previous_response_id": ["resp_x"]}, "previous_response_id"),  # was a 500
 ])
 def test_responses_api_refuses_bad_fields(live, path, body, param):
     url, _, _ = live

@@ -480,8 +480,8 @@ def build_sft(cfg: SFTConfig, *, console: Console | None = None,
         stack = build_stack(cfg.model, cfg.rollout, cfg.engine, reward=cfg.reward, dtype=cfg.dtype)
     else:
         renderer, _ = build_policy_renderer(cfg.model, cfg.rollout)
-        tracer = TrajectoryTracer.from_config(cfg.rollout, renderer.tokenizer) if parallel.is_main else \
-            TrajectoryTracer(None)
+        tracer = (TrajectoryTracer.from_config(cfg.rollout, renderer.tokenizer) if parallel.is_main
+                  else TrajectoryTracer(None))
         stack = Stack(None, renderer, None, tracer)
     try:
         toolset = _sft_toolset(cfg.rollout, stack.rollout)

@@ -173,8 +173,8 @@ def _llava_processor(model_dir: Path, config: Any):
     import transformers
     from transformers import AutoTokenizer, LlavaProcessor
 
-    settings = json.loads((model_dir / "preprocessor_config.json").read_text()) \
-        if (model_dir / "preprocessor_config.json").exists() else {}
+    preprocessor = model_dir / "preprocessor_config.json"
+    settings = json.loads(preprocessor.read_text()) if preprocessor.exists() else {}
     kind = settings.get("image_processor_type", "CLIPImageProcessor").removesuffix("Fast")
     cls = getattr(transformers, f"{kind}Pil", None) or getattr(transformers, kind, None)
     if cls is None:
@@ -276,8 +276,8 @@ def materialise_llava(out: Path, lm_dir: str | Path, *, text_config: Any = None,
     tokenizer = AutoTokenizer.from_pretrained(lm_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": [LLAVA_IMAGE_TOKEN]})
     torch.manual_seed(0)
-    lm = AutoModelForCausalLM.from_config(text_config) if text_config is not None else \
-        AutoModelForCausalLM.from_pretrained(lm_dir, dtype=torch.float32)
+    lm = (AutoModelForCausalLM.from_config(text_config) if text_config is not None
+          else AutoModelForCausalLM.from_pretrained(lm_dir, dtype=torch.float32))
     lm.resize_token_embeddings(len(tokenizer), mean_resizing=False)  # a row for <image> (replaced by features)
     config = llava_config(lm.config, cast(int, tokenizer.convert_tokens_to_ids(LLAVA_IMAGE_TOKEN)), **vision)
     model = LlavaForConditionalGeneration(config)

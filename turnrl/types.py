@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -129,16 +130,79 @@ class SamplingParams:
     """Seed for this request's sampler; None uses the engine's generator."""
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        for name, rule in SAMPLING_RULES.items():
+            if not rule.check(getattr(self, name)):
+                raise ValueError(f"SamplingParams.{name} must be {rule.expected}, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def is_int(value: Any) -> bool:
+    """An integer that is not a bool (JSON's `true` is not a token id)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_real(value: Any) -> bool:
+    """A finite integer or float that is not a bool."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    """What a value must be: `check(value)` holds; `expected` says it to the user ("an integer >= 1")."""
+
+    check: Callable[[Any], bool]
+    expected: str
+
+
+SAMPLING_RULES: dict[str, FieldRule] = {
+    "temperature": FieldRule(lambda v: is_real(v) and v >= 0, "a finite number >= 0"),
+    "top_p": FieldRule(lambda v: is_real(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "top_k": FieldRule(is_int, "an integer (-1 or 0 disables it)"),
+    "max_new_tokens": FieldRule(lambda v: is_int(v) and v >= 1, "an integer >= 1"),
+    "stop_token_ids": FieldRule(lambda v: isinstance(v, list | tuple | set | frozenset) and all(is_int(t) and t >= 0
+                                                                                          for t in v),
+                           "a list of token ids (integers >= 0)"),
+    "seed": FieldRule(lambda v: v is None or (is_int(v) and -(2**63) <= v < 2**64), "null or a 64-bit integer"),
+}
+"""The rule of every SamplingParams field: the one table, checked wherever sampling settings enter. `SamplingParams`
+checks it when built; the token-level wire (`sampling_from_json`, turnrl/engines/http.py) checks the JSON
+against it before building one, so the error names the field as sent (`sampling.top_k`); `EmbeddedEngine`
+checks it again at its door (`check_sampling`: params whose checks were bypassed would fail every request
+batched with them); the chat APIs check their request fields against `CHAT_SAMPLING_RULES`. Where a boundary
+differs, it is written here:
+- the token-level wire: `stop_token_ids: null` means none (`JSON_SAMPLING_RULES`);
+- the chat APIs (OpenAI, Responses, Anthropic): `top_p: 0` is allowed, as OpenAI allows it: the smallest nucleus,
+  the most likely token alone, so the proxy samples greedily (top_p 1, top_k 1); a field sent as null is
+  absent; the cap is named `max_tokens` (`max_output_tokens`, `max_completion_tokens`) and stop *strings*
+  replace `stop_token_ids` (`CHAT_SAMPLING_RULES`, `turnrl.serve.http.sampling_fields`);
+- an engine bounds stop token ids by its vocabulary too (`check_sampling`);
+- the run's config (`SamplingConfig`, turnrl/config.py) states the same ranges in pydantic for its fields."""
+
+JSON_SAMPLING_RULES: dict[str, FieldRule] = {
+    **SAMPLING_RULES,
+    "stop_token_ids": FieldRule(lambda v: v is None or SAMPLING_RULES["stop_token_ids"].check(v),
+                           "null or a list of token ids (integers >= 0)"),
+}
+"""The token-level wire's rules (`POST /generate`, `POST /rollout`): `stop_token_ids` may be null."""
+
+CHAT_SAMPLING_RULES: dict[str, FieldRule] = {
+    **{name: SAMPLING_RULES[name] for name in ("temperature", "top_k", "max_new_tokens", "seed")},
+    "top_p": FieldRule(lambda v: is_real(v) and 0 <= v <= 1, "a number in [0, 1]"),
+}
+"""The chat APIs' rules, by SamplingParams name: `top_p` 0 allowed (greedy); no stop token ids."""
+
+
+def broken_sampling_field(fields: dict[str, Any], rules: dict[str, FieldRule] = SAMPLING_RULES) -> tuple[str, str] | None:
+    """(name, what it must be) of the first of `fields` that breaks its rule in `rules`; None when all hold.
+    A name without a rule is the caller's to refuse."""
+    for name, value in fields.items():
+        rule = rules.get(name)
+        if rule is not None and not rule.check(value):
+            return name, rule.expected
+    return None
 
 
 @dataclass
@@ -465,7 +529,7 @@ def validate_segment(seg: Segment, where: str) -> None:
 
 def _check_token_ids(ids: list[int], where: str) -> None:
     for t in ids:
-        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+        if not is_int(t) or t < 0:
             raise ValueError(f"{where}: token ids must be non-negative ints, got {t!r}")
 
 

@@ -49,6 +49,7 @@ from typing import Any
 from urllib.parse import quote
 
 from turnrl.engines.base import Engine
+from turnrl.envs.base import maybe_await
 from turnrl.loading import load_object
 from turnrl.observe.watchdog import abandon_after
 from turnrl.render import ChatRenderer
@@ -175,7 +176,7 @@ async def _call(run: Callable[..., Any], base_url: str, api_key: str, sample: di
     # A synchronous agent (the sync OpenAI client) would block this loop, which must stay free to run the
     # engine calls its requests trigger. (An async callable object returns its coroutine from the thread.)
     result = await asyncio.to_thread(run, base_url, api_key, sample)
-    return await result if inspect.isawaitable(result) else result
+    return await maybe_await(result)
 
 
 def _as_reward(value: Any, spec: str) -> float | None:

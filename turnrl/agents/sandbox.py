@@ -335,9 +335,10 @@ def doctor_rows() -> list[tuple[str, str]]:
     from turnrl.tools.sandbox import SandboxLimits, run_python_sandboxed, unrestricted_reads_note
 
     abi, system = landlock_abi(), os.uname()
-    landlock = (f"ABI {abi}: reads and writes by allow-list" + (", TCP bind/connect" if abi >= 4 else "")
-                + (", signals and abstract Unix sockets scoped to the run" if abi >= 6 else "")) if abi else \
-        "absent: reads are NOT restricted (Linux 5.13+ with landlock in the kernel's lsm= list)"
+    landlock = "absent: reads are NOT restricted (Linux 5.13+ with landlock in the kernel's lsm= list)"
+    if abi:
+        landlock = (f"ABI {abi}: reads and writes by allow-list" + (", TCP bind/connect" if abi >= 4 else "")
+                    + (", signals and abstract Unix sockets scoped to the run" if abi >= 6 else ""))
     rows = [
         ("kernel", f"{system.sysname} {system.release} {system.machine}"),
         ("user", "root: each run gets a fresh uid" if os.geteuid() == 0 else

@@ -28,7 +28,6 @@ import contextlib
 import inspect
 import itertools
 import logging
-import math
 import queue
 import threading
 import time
@@ -40,7 +39,14 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from turnrl.engines.base import EngineError, InvalidRequest, NamedTensors, check_pause
-from turnrl.types import FinishReason, GenerateOutput, SamplingParams
+from turnrl.types import (
+    SAMPLING_RULES,
+    FinishReason,
+    GenerateOutput,
+    SamplingParams,
+    broken_sampling_field,
+    is_int,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -229,33 +235,18 @@ def draw(logp_N_V: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return torch.searchsorted(cdf_N_V, u_N_1)[:, 0]
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def check_sampling(params: Any, where: str, vocab_size: int) -> None:
-    """Raise InvalidRequest naming the first SamplingParams field an engine step could not use."""
+    """Raise InvalidRequest naming the first SamplingParams field an engine step could not use: the rules of
+    `SAMPLING_RULES` (params can reach here with their checks bypassed) and stop ids inside the vocabulary."""
     if not isinstance(params, SamplingParams):
         raise InvalidRequest(f"{where}: sampling params must be SamplingParams, got {type(params).__name__}", "sampling")
-    checks = [
-        ("temperature", _is_real(params.temperature) and params.temperature >= 0, "a finite number >= 0"),
-        ("top_p", _is_real(params.top_p) and 0 < params.top_p <= 1, "a number in (0, 1]"),
-        ("top_k", _is_int(params.top_k), "an int (-1 or 0 disables it)"),
-        ("max_new_tokens", _is_int(params.max_new_tokens) and params.max_new_tokens >= 1, "an int >= 1"),
-        ("stop_token_ids", isinstance(params.stop_token_ids, list | tuple | frozenset | set)
-         and all(_is_int(t) and 0 <= t < vocab_size for t in params.stop_token_ids),
-         f"a list of token ids (ints in [0, {vocab_size}))"),
-        ("seed", params.seed is None or (_is_int(params.seed) and -(2**63) <= params.seed < 2**64),
-         "null or a 64-bit int"),
-    ]
-    for name, ok, expected in checks:
-        if not ok:
-            raise InvalidRequest(f"{where}: sampling.{name} must be {expected}, got {getattr(params, name)!r}",
-                                 f"sampling.{name}")
+    broken = broken_sampling_field({name: getattr(params, name) for name in SAMPLING_RULES})
+    if broken is None and not all(t < vocab_size for t in params.stop_token_ids):
+        broken = "stop_token_ids", f"a list of token ids (integers in [0, {vocab_size}))"
+    if broken is not None:
+        name, expected = broken
+        raise InvalidRequest(f"{where}: sampling.{name} must be {expected}, got {getattr(params, name)!r}",
+                             f"sampling.{name}")
 
 
 def _prefill_groups(admitted: list[tuple[_Request, int]], max_group: int) -> list[list[tuple[_Request, int]]]:
@@ -368,7 +359,7 @@ class EmbeddedEngine:
             raise InvalidRequest(f"{where}: empty prompt (prompt_ids must be a non-empty list of token ids)",
                                  "prompt_ids")
         for i, t in enumerate(prompt_ids):
-            if not _is_int(t) or not 0 <= t < self.vocab_size:
+            if not is_int(t) or not 0 <= t < self.vocab_size:
                 raise InvalidRequest(f"{where}: prompt_ids[{i}] = {t!r} is not a token id (an int in "
                                      f"[0, {self.vocab_size}))", "prompt_ids")
         check_sampling(params, where, self.vocab_size)

@@ -4,7 +4,7 @@ A trainer on one machine can sample from an engine on another: `turnrl serve --h
 `HttpEngine("http://host:8000", token="T")` here. Tokens travel as ids, never as text, so nothing is
 re-tokenized on the way.
 
-The wire format (JSON unless said otherwise; `turnrl/serve/app.py` is the other side):
+The wire format (JSON unless said otherwise; `turnrl/serve/engine_routes.py` is the other side):
 
     POST /generate      {"prompt_ids": [int], "sampling": {SamplingParams fields}, "request_id": str,
                          "images": [str]?}
@@ -29,7 +29,6 @@ import asyncio
 import base64
 import dataclasses
 import io
-import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -43,13 +42,19 @@ from safetensors.torch import save as save_safetensors_bytes
 
 from turnrl.engines.base import EngineError, InvalidRequest, NamedTensors, check_pause
 from turnrl.observe.watchdog import abandon_after
-from turnrl.types import FinishReason, GenerateOutput, SamplingParams
+from turnrl.types import (
+    JSON_SAMPLING_RULES,
+    FinishReason,
+    GenerateOutput,
+    SamplingParams,
+    broken_sampling_field,
+)
 
 TOKEN_ENV = "TURNRL_SERVE_TOKEN"
 
 
 # ---------------------------------------------------------------------------------------------------
-# Wire format (shared with turnrl/serve/app.py)
+# Wire format (shared with turnrl/serve/engine_routes.py)
 # ---------------------------------------------------------------------------------------------------
 def sampling_to_json(params: SamplingParams) -> dict[str, Any]:
     body = dataclasses.asdict(params)
@@ -67,38 +72,15 @@ def sampling_from_json(body: Any, where: str = "sampling") -> SamplingParams:
     if unknown:
         raise InvalidRequest(f"{where}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}",
                              f"{where}.{sorted(unknown)[0]}")
+    broken = broken_sampling_field(body, JSON_SAMPLING_RULES)
+    if broken is not None:
+        name, expected = broken
+        raise InvalidRequest(f"{where}.{name} must be {expected}, got {_json_type(body[name])} {body[name]!r}"[:300],
+                             f"{where}.{name}")
     fields = dict(body)
-    for name, value in fields.items():
-        check, expected = _SAMPLING_JSON[name]
-        if not check(value):
-            raise InvalidRequest(f"{where}.{name} must be {expected}, got {_json_type(value)} {value!r}"[:300],
-                                 f"{where}.{name}")
     if "stop_token_ids" in fields:
         fields["stop_token_ids"] = tuple(fields["stop_token_ids"] or ())
-    try:
-        return SamplingParams(**fields)
-    except ValueError as e:  # SamplingParams' own range checks name the field
-        field = next((n for n in fields if f".{n} " in str(e)), None)
-        raise InvalidRequest(f"{where}: {e}", f"{where}.{field}" if field else where) from None
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-
-
-_SAMPLING_JSON: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "temperature": (lambda v: _is_number(v) and v >= 0, "a finite number >= 0"),
-    "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
-    "top_k": (_is_int, "an integer (-1 disables it)"),
-    "max_new_tokens": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    "stop_token_ids": (lambda v: v is None or (isinstance(v, list) and all(_is_int(t) and t >= 0 for t in v)),
-                       "a list of token ids (integers >= 0)"),
-    "seed": (lambda v: v is None or (_is_int(v) and -(2**63) <= v < 2**64), "null or a 64-bit integer"),
-}
+    return SamplingParams(**fields)
 
 
 def _json_type(value: Any) -> str:

@@ -138,7 +138,7 @@ class TrajectoryWriter:
         self._file: IO[str] = open(self.path, mode, encoding="utf-8")
 
     def write(self, traj: Trajectory) -> None:
-        self._file.write(json.dumps(traj.to_json(), ensure_ascii=False, default=_json_default) + "\n")
+        self._file.write(json.dumps(traj.to_json(), ensure_ascii=False, default=json_default) + "\n")
         self._file.flush()
 
     def close(self) -> None:
@@ -151,7 +151,9 @@ class TrajectoryWriter:
         self.close()
 
 
-def _json_default(obj: Any) -> Any:
+def json_default(obj: Any) -> Any:
+    """What a trajectory's JSON holds for a value JSON has no type for (`json.dumps(..., default=json_default)`),
+    in a JSONL file as on the rollout server's stream."""
     if hasattr(obj, "getpixel"):  # a PIL image in a message part: its ref, as in `Trajectory.images`
         from turnrl.multimodal import image_ref
 

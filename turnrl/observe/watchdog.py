@@ -296,8 +296,9 @@ def _describe(component: str, detail: str, is_trajectory: bool, ages: list[float
     what = f"{component} ({detail + ', ' if detail else ''}oldest {max(ages):.0f} s)"
     if is_trajectory:
         noun = "trajectory" if len(ages) == 1 else "trajectories"
-        return f"{len(ages)} {noun} in the agent ({detail or 'no engine or env call'}, oldest {max(ages):.0f} s)" \
-            if component == "trajectory" else f"{len(ages)} {noun} waiting on {what}"
+        if component != "trajectory":
+            return f"{len(ages)} {noun} waiting on {what}"
+        return f"{len(ages)} {noun} in the agent ({detail or 'no engine or env call'}, oldest {max(ages):.0f} s)"
     return what if len(ages) == 1 else f"{len(ages)} × {what}"
 
 

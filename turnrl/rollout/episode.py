@@ -243,8 +243,8 @@ class Episode:
         if room is not None and room <= 0:
             raise EpisodeEnd(TerminationReason.TOKEN_BUDGET)
         max_new = self.limits.max_new_tokens if room is None else min(self.limits.max_new_tokens, room)
-        self.length_reason = TerminationReason.LENGTH if max_new == self.limits.max_new_tokens \
-            else TerminationReason.TOKEN_BUDGET
+        self.length_reason = (TerminationReason.LENGTH if max_new == self.limits.max_new_tokens
+                              else TerminationReason.TOKEN_BUDGET)
         params = dataclasses.replace(self.ctx.sampling, max_new_tokens=max_new, stop_token_ids=self._stop_ids,
                                      seed=derive_seed(self.ctx.sampling.seed, self.ctx.trajectory_id, n))
         traj = self.trajectory

@@ -18,7 +18,7 @@ What runs where:
   each trajectory as it arrives (concurrently, while later ones are still generating); weight updates, through
   `engine` (an HttpEngine on the same server, `POST /update_weights`).
 
-Wire format (turnrl/serve/app.py is the other side): `POST /rollout` with
+Wire format (turnrl/serve/engine_routes.py is the other side): `POST /rollout` with
 `{"rows": [...], "n": int, "id_prefix": str, "sampling": {SamplingParams fields}?}` answers a stream of
 NDJSON lines, `application/x-ndjson`: one Trajectory JSON (docs/trajectory-format.md) per finished trajectory,
 in completion order; blank heartbeat lines while nothing finishes; and a last line `{"done": true,

@@ -1,62 +1,27 @@
 """The chat proxy: chat requests in, exact tokens recorded per session, trajectories out.
 
-An external agent (a plain `openai` or `anthropic` client loop, LangGraph, the OpenAI Agents SDK, anything) talks
-to `/v1` or `/sessions/{id}/v1` as if it were OpenAI or Anthropic (turnrl/serve/app.py; the Responses and Anthropic
-APIs are converted to chat messages by turnrl/serve/chat_apis.py, so one `ChatCall` path serves all three). For every
-call the proxy records the exact prompt token ids it sent to the engine, the completion token ids and their
-sampling logprobs. Nothing recorded is ever re-tokenized text.
+An external agent (a plain `openai` or `anthropic` client loop, LangGraph, the OpenAI Agents SDK, a coding-agent
+CLI) talks to `/v1` or `/sessions/{id}/v1` as if it were OpenAI or Anthropic. Each API's module (openai.py,
+responses.py, anthropic.py) turns its body into a `ChatCall`, the proxy's own terms, so one path records every
+call: the exact prompt token ids sent to the engine, the completion token ids and their sampling logprobs.
+Nothing recorded is ever re-tokenized text. docs/serving.md tells the rules in full; in short:
 
-Sessions (`ChatProxy.resolve`, the session rule): a call names its session by the URL, else by the X-Session-Id
-header, the body's `user` or `metadata.session_id`; a call naming none continues the open session whose
-conversation its messages extend (the continuation test below), else opens a new one. A session is open until a
-reward is posted (`set_reward`: FINISHED), or it idles past `session_ttl_s` (`reap`: ABORTED, with the reason;
-its trajectories end ABORTED/cancelled). A call carrying `metadata.reward` is the episode's last: it is
-recorded, then the session is finished with that reward. A per-turn reward (a list, one per call) gives each
-trajectory the `turn_rewards` of its own calls and the episode their sum.
+- Sessions (`ChatProxy.resolve`, the session rule): a call names its session by the URL, the X-Session-Id header,
+  the body's `user` or `metadata.session_id`; a call naming none continues the open session whose conversation
+  its messages extend (`_continues`), else opens a new one. A session is open until a reward is posted
+  (`set_reward`: FINISHED) or it idles past `session_ttl_s` (`reap`: ABORTED).
+- Prompt tokens (`ChatProxy._prompt`; masks are born with the tokens, as in `drive`): a request that continues
+  an earlier call (its messages, then the reply returned for it, then new messages; compared after
+  normalisation, `_canonical`) gets that call's prompt + completion tokens as recorded, the template's turn
+  closing and the observation delta of the new messages; any other request is rendered afresh.
+- Trajectories (`assemble_trajectories`): a call whose prompt extends an open trajectory's token stream is
+  appended to it (the tokens between are mask-0 segments, the completion mask 1 with its logprobs); one that
+  extends none starts a new trajectory of the same episode (`episode_id`, the session id; the same reward).
+- Replies (`ChatProxy._reply`): tool calls parsed from the completion text (`tool_parser`); reasoning in
+  `reasoning_content`; stop strings and streaming in turnrl/serve/streaming.py.
 
-How a request becomes prompt tokens (masks are born with the tokens, as in `drive`):
-- If the request continues an earlier call of the session — its messages start with that call's messages,
-  followed by the assistant message this proxy returned for it, then new messages (tool results, a user
-  turn) — the prompt is that call's prompt + completion tokens, exactly as recorded, plus the template's
-  turn closing and the observation delta of the new messages (`ChatRenderer.observation_ids`, the same
-  dummy-prefix rendering `drive` uses). Messages are compared after normalisation (content None == "",
-  text parts joined, tool-call arguments compared as parsed JSON), so a client that echoes the reply back
-  in its own shape still matches. The most recent matching call wins.
-- Otherwise (the agent rewrote or dropped history, changed tools, or it is the first call) the request is
-  rendered afresh with the chat template.
-
-How a session becomes trajectories (`assemble_trajectories`): calls are taken in the order they completed.
-A call whose prompt extends an open trajectory's token stream (prompt + everything after it) exactly is
-appended to it: the tokens between the stream and the prompt become mask-0 segments (template closing,
-then tool/env observation), the completion a mask-1 model segment with its logprobs. A call that extends no
-open trajectory starts a new one. So an agent that keeps its history yields one trajectory; one that drops
-or rewrites history yields several, which share `episode_id` (the session id) and the episode's
-reward.
-
-Replies: tool calls are parsed from the completion text (`tool_parser`, hermes by default) into OpenAI
-`tool_calls` (finish_reason "tool_calls"); reasoning goes to `reasoning_content`; a malformed call is returned as
-the text the model wrote (the parse errors are kept in the trajectory's turn notes). `tool_choice: "none"`
-turns parsing off; "required" or a named tool is treated as "auto" (decoding is not constrained). Refused with a
-400 that names the field: a request field of the wrong type or range, `n > 1`, non-text content parts (this is a
-text model); a prompt longer than the engine's context is refused by the engine.
-
-Stop strings (`stop`, Anthropic's `stop_sequences`; `StopWatch`) are matched in the decoded completion, across
-tokens and inside one. An engine that streams tokens ends the call as soon as one appears; another's output is
-cut afterwards. The reply is the text before the stop string (finish_reason stop); the recorded completion runs
-through the token that completed it, so the tokens are exactly those sampled and a continuation's prompt holds
-them (the model sees the stop string it wrote).
-
-Streaming (`complete(..., on_delta=)`, `ReplyStream`): the reply's text is sent as it is generated, decoded
-incrementally from the sampled token ids (an engine with `generate(on_token=)`, as EmbeddedEngine, streams
-while it decodes; others stream the whole output once it is back). The recorded reply is exactly what the
-streamed chunks add up to, so the client's echo of it continues the recorded tokens.
-
-Tokenisation (the chat template over a conversation that may be megabytes long) runs in a worker thread, off the
-event loop that serves every other request.
-
-Engine calls run on the caller's event loop: a session opened with `loop=` (the RolloutManager's loop) has its
-engine calls scheduled there even when the HTTP server runs in another thread, so the engine is used exactly
-as `drive` uses it.
+Tokenisation runs in a worker thread, off the event loop that serves every other request. Engine calls run on
+the session's event loop (`loop=`, the RolloutManager's), so the engine is used exactly as `drive` uses it.
 """
 
 from __future__ import annotations
@@ -67,21 +32,22 @@ import dataclasses
 import inspect
 import json
 import logging
-import math
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
 from turnrl.engines.base import Engine
-from turnrl.reasoning import REASONING_MARKERS, split_reasoning
+from turnrl.reasoning import split_reasoning
 from turnrl.render import ChatRenderer, RenderError
 from turnrl.rollout.builder import TrajectoryBuilder
 from turnrl.rollout.episode import derive_seed
-from turnrl.tools.parsers import CALL_OPEN, get_parser
+from turnrl.serve.streaming import ReplyStream, StopMatch, StopWatch, TextStream
+from turnrl.tools.parsers import get_parser
 from turnrl.types import (
     FinishReason,
     GenerateOutput,
@@ -92,11 +58,13 @@ from turnrl.types import (
     TerminationReason,
     Trajectory,
     TurnRecord,
+    is_real,
 )
 
 log = logging.getLogger(__name__)
 
-ROLES = {"system", "user", "assistant", "tool"}
+KEEP_REPLIES = 10_000
+"""Replies a proxy remembers by id (`ChatProxy.remember`), oldest forgotten first."""
 
 
 class ChatRequestError(ValueError):
@@ -186,13 +154,14 @@ class Session:
 @dataclass
 class ChatCall:
     """One model call in the proxy's own terms (chat-completions messages and tools), whichever API it came
-    through: `chat_call_from_openai`, `turnrl.serve.chat_apis` for the Responses and Anthropic APIs."""
+    through (each API module's `parse`: turnrl/serve/openai.py, responses.py, anthropic.py)."""
 
     messages: list[Message]
     tools: list[dict] | None = None
     tool_choice: Any = None
     sampling: dict[str, Any] = field(default_factory=dict)
-    """Validated request fields: temperature, top_p, top_k, seed, max_tokens, stop (a list of strings)."""
+    """Validated request fields, by SamplingParams' names (temperature, top_p, top_k, seed, max_new_tokens), and
+    `stop` (a list of strings)."""
     reward: Any = None
     """`metadata.reward` of the request: this is the episode's last call; its reward (a number or per-turn list)."""
     model: str | None = None
@@ -228,6 +197,7 @@ class ChatProxy:
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
         self._streams = "on_token" in inspect.signature(engine.generate).parameters
+        self._replies: OrderedDict[str, tuple[str, list[Message]]] = OrderedDict()
 
     # ---- sessions --------------------------------------------------------------------------------
     def open_session(self, session_id: str | None = None, **settings: Any) -> Session:
@@ -315,6 +285,18 @@ class ChatProxy:
             self._forget_old()
         return reaped
 
+    # ---- replies by id (the Responses API's previous_response_id) ----------------------------------
+    def remember(self, reply_id: str, call: RecordedCall, session_id: str) -> None:
+        """Keep the conversation `call` ended (its messages and reply) under the id its client got, with its
+        session, for a later request that names it (the newest `KEEP_REPLIES`)."""
+        self._replies[reply_id] = (session_id, [*call.messages, call.reply])
+        while len(self._replies) > KEEP_REPLIES:
+            self._replies.popitem(last=False)
+
+    def recall(self, reply_id: str) -> tuple[str, list[Message]] | None:
+        """(session id, conversation) of a remembered reply id; None when it is unknown (or forgotten)."""
+        return self._replies.get(reply_id)
+
     def _forget_old(self) -> None:
         with self._lock:
             done = [s for s in self._sessions.values() if s.status != SessionStatus.OPEN]
@@ -322,18 +304,6 @@ class ChatProxy:
                 del self._sessions[s.id]
 
     # ---- a model call ----------------------------------------------------------------------------
-    async def chat_completion(self, session_id: str | Session, request: dict[str, Any]) -> dict[str, Any]:
-        """Serve one OpenAI `chat.completions.create` body (without streaming); returns the response body."""
-        chat = chat_call_from_openai(request)
-        if request.get("stream"):
-            raise ChatRequestError("stream=true: use ChatProxy.complete with on_delta (the HTTP server does)",
-                                   param="stream")
-        session = session_id if isinstance(session_id, Session) else self.session(
-            session_id, create=self.create_sessions)
-        call, finish = await self.complete(session, chat)
-        return chat_response(call, finish, request.get("model") or self.model_name, bool(request.get("logprobs")),
-                             self.renderer)
-
     async def complete(self, session: Session, chat: ChatCall,
                        on_delta: Callable[[str, Any], None] | None = None) -> tuple[RecordedCall, str]:
         """Run one model call of `session` and record it; returns (the call, the OpenAI finish_reason).
@@ -354,7 +324,7 @@ class ChatProxy:
         params, notes = await asyncio.to_thread(self._sampling, session, chat.sampling)
         stop_strings = chat.sampling.get("stop") or []
         stops = StopWatch(self.renderer, stop_strings)
-        stream = ReplyStream(self, chat.tools, chat.tool_choice, on_delta, stop_strings) if on_delta else None
+        stream = ReplyStream(self.renderer, chat.tools, chat.tool_choice, on_delta, stop_strings) if on_delta else None
         if on_delta:
             on_delta("start", len(prompt_ids))
         t0, start_ns = time.perf_counter(), time.time_ns()
@@ -463,7 +433,7 @@ class ChatProxy:
         fields: dict[str, Any] = {}
         notes: dict[str, Any] = {}
         given = {k: asked[k] for k in ("temperature", "top_p", "top_k", "seed") if asked.get(k) is not None}
-        if given.get("top_p") == 0:  # OpenAI allows it: the smallest nucleus, the most likely token alone
+        if given.get("top_p") == 0:  # OpenAI allows it: the smallest nucleus, greedy (CHAT_SAMPLING_RULES)
             given.update(top_p=1.0, top_k=1)
         if session.sampling is None:
             fields.update(given)
@@ -473,7 +443,7 @@ class ChatProxy:
             if ignored:
                 notes["ignored_request_sampling"] = ignored
         cap = session.max_new_tokens or base.max_new_tokens
-        wanted = asked.get("max_tokens")
+        wanted = asked.get("max_new_tokens")
         fields["max_new_tokens"] = min(cap, wanted) if wanted else cap
         stops = set(base.stop_token_ids) | self.renderer.end_of_turn_ids | self._one_token_stops(asked.get("stop"))
         fields["stop_token_ids"] = tuple(sorted(stops))
@@ -517,31 +487,6 @@ class ChatProxy:
         return message, finish, notes
 
 
-def chat_response(call: RecordedCall, finish: str, model: str, logprobs: bool, renderer: ChatRenderer
-                  ) -> dict[str, Any]:
-    """The OpenAI `chat.completion` body of a recorded call."""
-    return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "message": copy.deepcopy(call.reply), "finish_reason": finish,
-                     "logprobs": chat_logprobs(call, renderer) if logprobs else None}],
-        "usage": chat_usage(call),
-    }
-
-
-def chat_logprobs(call: RecordedCall, renderer: ChatRenderer) -> dict[str, Any]:
-    """OpenAI's `choices[0].logprobs`: each completion token's logprob (its top alternatives are not available:
-    a request for them is refused, see `chat_call_from_openai`)."""
-    return {"content": [{"token": renderer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []} for t, lp in zip(call.completion_ids, call.logprobs, strict=True)]}
-
-
-def chat_usage(call: RecordedCall) -> dict[str, Any]:
-    prompt_tokens, completion_tokens = len(call.prompt_ids), len(call.completion_ids)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": call.cached_prompt_tokens}}
-
-
 async def _on_loop(loop: asyncio.AbstractEventLoop | None, coro: Any) -> Any:
     """Await `coro` on `loop` (the session's), from whatever loop the HTTP server runs on."""
     if loop is None or loop is asyncio.get_running_loop():
@@ -572,9 +517,9 @@ def _reward_value(reward: Any, calls: int, where: str = "reward") -> tuple[float
         except json.JSONDecodeError:
             raise ChatRequestError(f"{where} must be a number or a list of numbers, got the string {reward!r}",
                                    param=where) from None
-    if _is_number(reward):
+    if is_real(reward):
         return float(reward), None
-    if isinstance(reward, list) and all(_is_number(r) for r in reward):
+    if isinstance(reward, list) and all(is_real(r) for r in reward):
         if len(reward) != calls:
             raise ChatRequestError(f"{where}: {len(reward)} per-turn rewards for {calls} model calls; give one per "
                                    "call (in call order) or a single number", param=where)
@@ -596,109 +541,9 @@ def _apply_rewards(session: Session, trajectories: list[Trajectory]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Requests: the OpenAI chat body, field by field
-# ---------------------------------------------------------------------------------------------------
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-
-
-SAMPLING_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "temperature": (lambda v: _is_number(v) and v >= 0, "a finite number >= 0"),
-    "top_p": (lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
-    "top_k": (_is_int, "an integer (-1 disables it)"),
-    "seed": (lambda v: _is_int(v) and -(2**63) <= v < 2**64, "a 64-bit integer"),
-    "max_tokens": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-}
-
-
-def sampling_fields(body: dict[str, Any], names: dict[str, str], stop_field: str) -> dict[str, Any]:
-    """The sampling fields of a request body, each checked: `names` maps the body's field names to the proxy's
-    (temperature, top_p, top_k, seed, max_tokens); `stop_field` holds a string or a list of strings."""
-    out: dict[str, Any] = {}
-    for name, ours in names.items():
-        value = body.get(name)
-        if value is None:
-            continue
-        check, expected = SAMPLING_FIELDS[ours]
-        if not check(value):
-            raise ChatRequestError(f"{name} must be {expected}, got {value!r}"[:300], param=name)
-        out[ours] = value
-    stop = body.get(stop_field)
-    if stop is not None:
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-            raise ChatRequestError(f"{stop_field} must be a string or a list of non-empty strings, got {stop!r}"[:300],
-                                   param=stop_field)
-        out["stop"] = stops
-    return out
-
-
-def metadata_reward(body: dict[str, Any]) -> Any:
-    metadata = body.get("metadata")
-    if metadata is not None and not isinstance(metadata, dict):
-        raise ChatRequestError(f"metadata must be an object, got {metadata!r}"[:200], param="metadata")
-    return (metadata or {}).get("reward")
-
-
-def chat_call_from_openai(request: dict[str, Any]) -> ChatCall:
-    """A ChatCall from an OpenAI chat-completions body; ChatRequestError names the first bad field."""
-    if request.get("stream") is not None and not isinstance(request["stream"], bool):
-        raise ChatRequestError(f"stream must be a boolean, got {request['stream']!r}", param="stream")
-    n = request.get("n")
-    if n is not None and n != 1:
-        raise ChatRequestError(f"n={n!r} is not supported; send one request per sample", param="n")
-    messages = request.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ChatRequestError("messages must be a non-empty list of {role, content} objects", param="messages")
-    for i, m in enumerate(messages):
-        role = m.get("role") if isinstance(m, dict) else None
-        if role not in ROLES | {"developer"}:
-            raise ChatRequestError(f"messages[{i}].role must be one of {sorted(ROLES | {'developer'})}, got {role!r}",
-                                   param=f"messages[{i}].role")
-        _text(m.get("content"), f"messages[{i}].content")
-        _check_tool_calls(m.get("tool_calls"), f"messages[{i}].tool_calls")
-    _check_logprobs(request)
-    tools = request.get("tools") or None
-    if tools is not None and not (isinstance(tools, list) and all(
-            isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
-            for t in tools)):
-        raise ChatRequestError('tools must be a list of {"type": "function", "function": {"name", ...}} objects',
-                               param="tools")
-    names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
-             "max_tokens": "max_tokens", "max_completion_tokens": "max_tokens"}
-    return ChatCall(messages=messages, tools=tools, tool_choice=request.get("tool_choice"),
-                    sampling=sampling_fields(request, names, "stop"), reward=metadata_reward(request),
-                    model=request.get("model"))
-
-
-def _check_logprobs(request: dict[str, Any]) -> None:
-    logprobs, top = request.get("logprobs"), request.get("top_logprobs")
-    if logprobs is not None and not isinstance(logprobs, bool):
-        raise ChatRequestError(f"logprobs must be a boolean, got {logprobs!r}", param="logprobs")
-    if top is not None and not (_is_int(top) and 0 <= top <= 20):
-        raise ChatRequestError(f"top_logprobs must be an integer 0..20, got {top!r}", param="top_logprobs")
-    if top:
-        raise ChatRequestError("top_logprobs > 0 is not available: the engine returns the logprob of each sampled "
-                               "token only, not its alternatives; send top_logprobs=0 (or none)", param="top_logprobs")
-
-
-def _check_tool_calls(calls: Any, where: str) -> None:
-    if calls is None:
-        return
-    if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
-                                              for c in calls):
-        raise ChatRequestError(f'{where} must be a list of {{"id", "type": "function", "function": {{"name", '
-                               f'"arguments"}}}} objects', param=where)
-
-
-# ---------------------------------------------------------------------------------------------------
 # Messages: normalisation for the template, canonical form for matching
 # ---------------------------------------------------------------------------------------------------
-def _text(content: Any, where: str = "content") -> str:
+def message_text(content: Any, where: str = "content") -> str:
     """Message content as text: None is "", text parts are joined; other parts are refused."""
     if content is None:
         return ""
@@ -729,7 +574,7 @@ def _arguments(arguments: Any) -> Any:
 def _for_template(message: Message) -> Message:
     """What the chat template gets: text content, parsed tool-call arguments, no null fields."""
     role = "system" if message["role"] == "developer" else message["role"]
-    out: Message = {"role": role, "content": _text(message.get("content"))}
+    out: Message = {"role": role, "content": message_text(message.get("content"))}
     if message.get("tool_calls"):
         out["tool_calls"] = [
             {**c, "function": {**c["function"], "arguments": _arguments(c["function"].get("arguments"))}}
@@ -748,214 +593,11 @@ def _canonical(message: Message) -> tuple:
         for c in message.get("tool_calls") or ()
     )
     role = "system" if message.get("role") == "developer" else message.get("role")
-    return role, _text(message.get("content")), calls, message.get("tool_call_id")
+    return role, message_text(message.get("content")), calls, message.get("tool_call_id")
 
 
 def _tools_key(tools: list[dict] | None) -> str:
     return json.dumps(tools or [], sort_keys=True)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Streaming: the reply as it is generated, decoded from the sampled token ids
-# ---------------------------------------------------------------------------------------------------
-class IncrementalDecoder:
-    """Text of a growing token sequence, released only when it is final: a token that ends inside a multi-byte
-    character decodes to U+FFFD, so its text waits for the tokens that complete it (the window re-decoded is
-    a few tokens, as in vLLM and TGI)."""
-
-    def __init__(self, decode: Callable[[list[int]], str]):
-        self.decode, self.prefix, self.read = decode, 0, 0
-        self.ids: list[int] = []
-
-    def push(self, token: int) -> str:
-        self.ids.append(token)
-        before = self.decode(self.ids[self.prefix: self.read])
-        text = self.decode(self.ids[self.prefix:])
-        if len(text) <= len(before) or text.endswith("\ufffd"):
-            return ""
-        self.prefix, self.read = self.read, len(self.ids)
-        return text[len(before):]
-
-
-def find_stop(text: str, stops: list[str], start: int = 0) -> tuple[int, str] | None:
-    """(position, stop string) of the earliest stop string in `text[start:]`, if any."""
-    found = [(at, stop) for stop in stops if (at := text.find(stop, start)) >= 0]
-    return min(found) if found else None
-
-
-def partial_tail(text: str, markers: list[str]) -> int:
-    """The length of the longest tail of `text` that is a proper beginning of one of `markers` (text that may
-    still become a marker, so it is held back)."""
-    return max((k for m in markers for k in range(1, len(m)) if text.endswith(m[:k])), default=0)
-
-
-@dataclass
-class StopMatch:
-    """Where a stop string ended a completion."""
-
-    stop: str
-    tokens: int
-    """Completion tokens kept: through the one whose text completed the stop string."""
-    text: str
-    """The reply text: the completion's decoded text before the stop string."""
-
-
-class StopWatch:
-    """Watches a completion's decoded text for the request's stop strings (OpenAI `stop`, Anthropic
-    `stop_sequences`), token by token, as vLLM does: a stop string may span tokens or end inside one (".\n" holds
-    "\n"). `push` says when one has appeared (the engine then ends the call); `cut` trims the engine's output to
-    the token that completed it, so the recorded tokens are exactly what the model produced up to there."""
-
-    def __init__(self, renderer: ChatRenderer, stops: list[str]):
-        self.stops, self.end_of_turn_ids = stops, renderer.end_of_turn_ids
-        self.decoder = IncrementalDecoder(renderer.decode)
-        self.text, self.pushed = "", 0
-        self.match: StopMatch | None = None
-
-    def push(self, token: int) -> bool:
-        """Take the next completion token; True once a stop string has appeared."""
-        if self.match is not None or not self.stops:
-            return self.match is not None
-        self.pushed += 1
-        if token in self.end_of_turn_ids:
-            return False
-        start = max(0, len(self.text) - max(map(len, self.stops)) + 1)
-        self.text += self.decoder.push(token)
-        found = find_stop(self.text, self.stops, start)
-        if found is not None:
-            self.match = StopMatch(found[1], self.pushed, self.text[: found[0]])
-        return self.match is not None
-
-    def cut(self, out: GenerateOutput) -> tuple[GenerateOutput, StopMatch | None]:
-        """`out` through the token that completed a stop string (finish_reason stop), and the match; `out` as it
-        is when no stop string appeared. Tokens not yet pushed (an engine without token streaming) are pushed."""
-        for token in out.token_ids[self.pushed:]:
-            if self.push(token):
-                break
-        if self.match is None:
-            return out, None
-        n = self.match.tokens
-        versions = out.token_versions[:n] if out.token_versions is not None else None
-        return dataclasses.replace(out, token_ids=out.token_ids[:n], logprobs=out.logprobs[:n],
-                                   finish_reason=FinishReason.STOP, token_versions=versions), self.match
-
-
-class TextStream:
-    """A legacy text completion streamed as `on_text(text)` calls: decoded incrementally, holding back text that
-    may begin a stop string, ending where one begins."""
-
-    def __init__(self, renderer: ChatRenderer, stops: list[str], on_text: Callable[[str], None]):
-        self.decoder, self.end_of_turn_ids = IncrementalDecoder(renderer.decode), renderer.end_of_turn_ids
-        self.stops, self.on_text = stops, on_text
-        self.text, self.sent, self.stopped = "", 0, False
-
-    def push(self, token: int) -> None:
-        if self.stopped or token in self.end_of_turn_ids:
-            return
-        start = max(0, len(self.text) - max(map(len, self.stops), default=0) + 1)  # only where a new one can end
-        self.text += self.decoder.push(token)
-        found = find_stop(self.text, self.stops, start)
-        if found is not None:
-            self.text, self.stopped = self.text[: found[0]], True
-        self._send(len(self.text) - (0 if self.stopped else partial_tail(self.text, self.stops)))
-
-    def _send(self, upto: int) -> None:
-        if upto > self.sent:
-            self.on_text(self.text[self.sent: upto])
-            self.sent = upto
-
-    def finish(self, text: str) -> None:
-        """Send what `text` (the whole completion's) adds to what was sent."""
-        if text.startswith(self.text[: self.sent]):
-            self.text = text
-            self._send(len(text))
-
-
-class ReplyStream:
-    """One reply streamed as it is generated, as `on_delta(kind, text)` calls (kind "reasoning" or "content").
-
-    The text is decoded incrementally from the sampled token ids (IncrementalDecoder) and routed by the
-    reasoning markers (turnrl.reasoning); text that may be the start of a marker is held until it is not; at a
-    tool call (`<tool_call>`, when the request has tools) streaming stops, since calls are parsed from the whole
-    text as without streaming. Text that may be the start of one of the request's `stops` is held too, and the
-    text ends where a stop string begins. Leading and trailing whitespace is held as the reply strips it.
-    `finish` sends what the reply adds to the streamed text and returns the reply as the client assembled it:
-    that is what is recorded, so the client's echo of it continues the recorded tokens."""
-
-    def __init__(self, proxy: ChatProxy, tools: list[dict] | None, tool_choice: Any,
-                 on_delta: Callable[[str, str], None], stops: list[str] | None = None):
-        self.renderer, self.on_delta, self.stops = proxy.renderer, on_delta, stops or []
-        self.tool_mode = bool(tools) and tool_choice != "none"
-        self.decoder = IncrementalDecoder(self.renderer.decode)
-        self.text, self.pos, self.phase = "", 0, "content"
-        self.raw = {"reasoning": "", "content": ""}
-        self.sent = {"reasoning": "", "content": ""}
-        self.done = self.stopped = False
-
-    def push(self, token: int) -> None:
-        if self.done or self.stopped or token in self.renderer.end_of_turn_ids:
-            return
-        self.text += self.decoder.push(token)
-        found = find_stop(self.text, self.stops)
-        if found is not None:  # the reply ends before it; later tokens are cut from the recorded call
-            self.text, self.stopped = self.text[: found[0]], True
-        self._route(final=False)
-
-    def _markers(self) -> dict[str, str]:
-        """marker -> the phase it switches to."""
-        if self.phase == "reasoning":
-            return {close: "content" for _, close in REASONING_MARKERS}
-        markers = {open_: "reasoning" for open_, _ in REASONING_MARKERS}
-        markers.update({close: "held" for _, close in REASONING_MARKERS})  # it was reasoning: cannot be undone
-        if self.tool_mode:
-            markers[CALL_OPEN] = "held"
-        return markers
-
-    def _route(self, final: bool) -> None:
-        while self.phase != "held":
-            rest, markers = self.text[self.pos:], self._markers()
-            found = min(((rest.find(m), m) for m in markers if m in rest), default=None)
-            if found is None:
-                hold = 0 if final else min(len(rest), partial_tail(self.text, [*markers, *self.stops]))
-                self._emit(rest[: len(rest) - hold])
-                self.pos += len(rest) - hold
-                return
-            at, marker = found
-            self._emit(rest[:at])
-            self.pos += at + len(marker)
-            self.phase = markers[marker]
-
-    def _emit(self, text: str) -> None:
-        kind = self.phase
-        self.raw[kind] += text
-        strip = kind == "reasoning" or self.tool_mode or bool(self.raw["reasoning"])
-        target = (self.raw[kind].lstrip() if strip else self.raw[kind]).rstrip()
-        self._send(kind, target)
-
-    def _send(self, kind: str, target: str) -> None:
-        if target.startswith(self.sent[kind]) and len(target) > len(self.sent[kind]):
-            delta = target[len(self.sent[kind]):]
-            self.sent[kind] = target
-            self.on_delta(kind, delta)
-
-    def finish(self, text: str, reply: Message) -> Message:
-        """Send the rest of `reply` (parsed from the completion's whole `text`) and return the reply as streamed."""
-        if text.startswith(self.text):
-            self.text = text
-        self._route(final=True)
-        self.done = True
-        out = dict(reply)
-        for kind, key in (("reasoning", "reasoning_content"), ("content", "content")):
-            final = reply.get(key) or ""
-            self._send(kind, final)  # only when the final text extends what was sent
-            if self.sent[kind] != final:
-                log.info("streamed %s differs from the parsed reply; recording what was streamed", kind)
-            out[key] = self.sent[kind]
-        if not out["reasoning_content"]:
-            out.pop("reasoning_content")
-        if not out["content"] and reply.get("tool_calls"):
-            out["content"] = None
-        return out
 
 
 # ---------------------------------------------------------------------------------------------------
