@@ -44,7 +44,7 @@ def tool_call(name: str, arguments: dict) -> str:
 
 
 _TASK = re.compile(r"named `([^`]+)` in the working directory \((/[^)]*)\) whose whole content is the line:\s*\n"
-                   r"\s*\n([^\n]+)")
+                   r"\s*\n([^\n<]+)")  # the line ends at a newline or at the end of its turn (<|im_end|>)
 
 
 def the_task(prompt: str) -> tuple[str, str]:
@@ -67,4 +67,31 @@ def harness_policy(text_of: Callable[[str, str], str | None] | None = None) -> C
         path, text = the_task(prompt)
         content = text if text_of is None else text_of(request_id, text)
         return None if content is None else tool_call(writer, WRITERS[writer](path, content))
+    return script
+
+
+SUBAGENT = "SUBAGENT: "
+
+
+def codex_subagent_policy() -> Callable[[str, int, str], str | None]:
+    """Codex with a sub-agent: the main agent spawns one through the namespaced tool `multi_agent_v1__spawn_agent`
+    (flattened as the Responses API does), waits for it (`multi_agent_v1__wait_agent` with the id spawn_agent
+    returned) and is done when it reports back; the sub-agent (its task starts with SUBAGENT) writes the file."""
+    def script(request_id: str, turn: int, prompt: str) -> str | None:
+        head = prompt.rsplit("<|im_start|>assistant", 1)[0]
+        last = head.rsplit("<|im_start|>", 1)[-1]
+        if f"<|im_start|>user\n{SUBAGENT}" in prompt:  # the sub-agent's own conversation
+            if answered(prompt):
+                return "Sub-agent done."
+            path, text = the_task(prompt)
+            return tool_call("exec_command", WRITERS["exec_command"](path, text))
+        if "<subagent_notification>" in last or '<tool_call>\n{"name": "multi_agent_v1__wait_agent"' in head:
+            return "Done: the sub-agent wrote the file."
+        spawned = re.search(r'"agent_id"\s*:\s*"([^"]+)"', last)
+        if spawned:
+            return tool_call("multi_agent_v1__wait_agent", {"targets": [spawned.group(1)], "timeout_ms": 60000})
+        path, text = the_task(prompt)
+        task = f"{SUBAGENT}Create a file named `{path.rsplit('/', 1)[1]}` in the working directory (/app) whose " \
+               f"whole content is the line:\n\n{text}"
+        return tool_call("multi_agent_v1__spawn_agent", {"message": task})
     return script

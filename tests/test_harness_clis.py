@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 from fakes import Call, ScriptedEngine
-from harness_policy import harness_policy
+from harness_policy import codex_subagent_policy, harness_policy
 from test_harness import TASKS, assert_token_exact, processes_of_uid
 
 from turnrl.agents.harness import BUILTIN, find_cli, harness_search_path, make_harness_agent
@@ -74,8 +74,8 @@ def record_bodies(engine, renderer) -> list[dict]:
     return bodies
 
 
-async def run_cli(name: str, qwen3_tokenizer, tmp_path: Path, rows: list[dict], **policy):
-    engine = ScriptedEngine(qwen3_tokenizer, harness_policy(**policy))
+async def run_cli(name: str, qwen3_tokenizer, tmp_path: Path, rows: list[dict], policy=None):
+    engine = ScriptedEngine(qwen3_tokenizer, policy or harness_policy())
     renderer = ChatRenderer(qwen3_tokenizer)
     bodies = record_bodies(engine, renderer)
     (tmp_path / "runs").mkdir()
@@ -85,7 +85,8 @@ async def run_cli(name: str, qwen3_tokenizer, tmp_path: Path, rows: list[dict], 
     groups = await run_groups(manager, rows)
     if CAPTURE:
         Path(CAPTURE).mkdir(parents=True, exist_ok=True)
-        Path(CAPTURE, f"{name}.json").write_text(json.dumps(bodies, indent=1, ensure_ascii=False) + "\n")
+        suffix = "" if policy is None else "-subagent"
+        Path(CAPTURE, f"{name}{suffix}.json").write_text(json.dumps(bodies, indent=1, ensure_ascii=False) + "\n")
     return engine, bodies, groups
 
 
@@ -103,6 +104,31 @@ async def test_a_real_cli_writes_the_file_through_its_own_tool_and_earns_reward_
     assert worker.info["harness"]["exit_code"] == 0 and worker.info["harness"]["sandbox"]["mounts"] == ["/app"]
     assert processes_of_uid(worker.info["harness"]["sandbox"]["uid"]) == []
     assert list((tmp_path / "runs").iterdir()) == []
+
+
+@pytest.mark.skipif(not installed("codex"), reason="codex is not installed: make harnesses")
+async def test_codex_with_its_namespace_and_hosted_tools_spawns_a_sub_agent(qwen3_tokenizer, tmp_path):
+    """Codex offers a namespace tool (`multi_agent_v1`, its sub-agents) and a hosted one (`web_search`). The model
+    sees the namespace's tools as `multi_agent_v1__<name>` functions and not web_search; its call of
+    `multi_agent_v1__spawn_agent` goes back to Codex as `spawn_agent` in namespace `multi_agent_v1`, which Codex
+    runs: the sub-agent's calls arrive in the same session and are a trajectory of their own in the episode (same
+    episode_id, same reward: the sub-agent wrote the file)."""
+    engine, bodies, [episode] = await run_cli("codex", qwen3_tokenizer, tmp_path, load_rows(TASKS / "write-greeting"),
+                                              policy=codex_subagent_policy())
+    first = bodies[0]["body"]
+    assert {"namespace", "web_search"} <= {t["type"] for t in first["tools"]}
+    assert {"include", "reasoning", "prompt_cache_key", "client_metadata", "store"} <= set(first)
+    echoed = [item for b in bodies for item in b["body"]["input"] if item.get("type") == "function_call"]
+    assert {"name": "spawn_agent", "namespace": "multi_agent_v1"}.items() <= echoed[0].items()
+    assert len(episode) == 2 and {t.reward for t in episode} == {1.0} and {t.episode_id for t in episode} == {
+        episode[0].id}
+    main, sub = sorted(episode, key=lambda t: -t.num_turns)
+    prompt = qwen3_tokenizer.decode(main.prompt_ids)
+    assert '"name": "multi_agent_v1__spawn_agent"' in prompt and '"web_search"' not in prompt
+    assert all(turn.extra.get("tools_not_offered") == ["web_search"] for turn in main.turns)
+    assert "SUBAGENT" in qwen3_tokenizer.decode(sub.prompt_ids)
+    for traj in episode:
+        assert_token_exact(traj, engine)
 
 
 # ---- training ----------------------------------------------------------------------------------------------
