@@ -13,10 +13,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from fakes import ScriptedEngine
 from harness_policy import codex_subagent_policy, harness_policy
 from test_harness import assert_token_exact
+
 from turnrl.render import ChatRenderer
 from turnrl.serve import anthropic, responses
 from turnrl.serve.app import ServerThread, create_app
