@@ -304,6 +304,36 @@ async def test_a_trajectory_timeout_kills_the_cli_at_once(qwen3_tokenizer, tmp_p
 
 
 @needs_sandbox
+async def test_a_call_beyond_max_turns_ends_the_episode_and_the_tests_still_score_it(qwen3_tokenizer, tmp_path):
+    """rollout.max_turns bounds the CLI's model calls: the next is refused (the test CLI then exits 1), the episode
+    ran its course (COMPLETED / max_turns), and the tests score what it did."""
+    engine = ScriptedEngine(qwen3_tokenizer, greeting_script())
+    rollout = manager(engine, qwen3_tokenizer, settings(tmp_path))
+    rollout.limits.max_turns = 1
+    [[traj]] = await run_groups(rollout, load_rows(TASKS / "write-greeting"))
+    assert traj.status == RolloutStatus.COMPLETED and traj.termination_reason == TerminationReason.MAX_TURNS
+    assert traj.reward == 1.0 and traj.info["harness"]["exit_code"] == 1 and len(engine.calls) == 1
+    assert "HTTP Error 400" in traj.info["harness"]["output_tail"], traj.info["harness"]["output_tail"]
+
+
+@needs_sandbox
+async def test_without_its_own_user_the_harness_refuses_unless_weak(qwen3_tokenizer, tmp_path, monkeypatch):
+    """Not root (simulated: no uid to switch to): strict refuses, naming `sandbox: weak`; weak runs the CLI as this
+    user with the other layers (the task's /app still mounted)."""
+    from turnrl.agents import sandbox as command_sandbox
+
+    monkeypatch.setattr(command_sandbox, "pick_sandbox_id", lambda: None)
+    engine = ScriptedEngine(qwen3_tokenizer, greeting_script())
+    [[strict]] = await run_groups(manager(engine, qwen3_tokenizer, settings(tmp_path)), load_rows(TASKS / "write-greeting"))
+    assert strict.status == RolloutStatus.FAILED and "set `sandbox: weak`" in strict.error
+    weak = manager(engine, qwen3_tokenizer, settings(tmp_path, sandbox="weak"))
+    [[traj]] = await run_groups(weak, load_rows(TASKS / "write-greeting"))
+    assert traj.status == RolloutStatus.COMPLETED and traj.reward == 1.0, traj.error
+    assert traj.info["harness"]["sandbox"]["uid"] is None and traj.info["harness"]["sandbox"]["mounts"] == ["/app"]
+    assert list((tmp_path / "runs").iterdir()) == []
+
+
+@needs_sandbox
 async def test_a_row_without_a_task_is_scored_by_the_reward_function(qwen3_tokenizer, tmp_path):
     engine = ScriptedEngine(qwen3_tokenizer, greeting_script())
     scored = []
