@@ -197,6 +197,17 @@ def test_a_harness_config_names_a_builtin_or_a_cli_of_its_own():
         harness_settings(HarnessConfig(command=["no-such-agent"], api="chat"))
 
 
+def test_turnrl_rollout_names_a_bad_harness_before_loading_anything(tmp_path):
+    from typer.testing import CliRunner
+
+    from turnrl.cli import app
+
+    result = CliRunner().invoke(app, ["rollout", "--model", "tiny-qwen3", "--harness", "aider", "--data",
+                                      str(TASKS / "write-greeting"), "--out", str(tmp_path / "o.jsonl")])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and "harness" in said and "'claude-code', 'codex' or 'opencode'" in said, said
+
+
 def test_builtin_harnesses_fill_their_configuration_per_episode():
     codex = harness_spec("codex", env={"RUST_LOG": "warn"})
     assert codex.api == "responses" and codex.env["RUST_LOG"] == "warn" and codex.env["CODEX_HOME"] == "{home}/.codex"

@@ -131,6 +131,28 @@ async def test_codex_with_its_namespace_and_hosted_tools_spawns_a_sub_agent(qwen
         assert_token_exact(traj, engine)
 
 
+@pytest.mark.skipif(not installed("codex"), reason="codex is not installed: make harnesses")
+def test_turnrl_rollout_with_the_harness_flag_on_a_folder_of_tasks(tmp_path, monkeypatch, qwen3_tokenizer):
+    """`turnrl rollout --harness codex --data <Harbor tasks>`: the user's command, end to end."""
+    from typer.testing import CliRunner
+
+    from fakes import script_the_cli
+    from turnrl.cli import app
+
+    script_the_cli(monkeypatch, qwen3_tokenizer, harness_policy())
+    data = tmp_path / "tasks"
+    for task in ("write-greeting", "write-farewell"):
+        shutil.copytree(TASKS / task, data / task)
+    out = tmp_path / "out.jsonl"
+    result = CliRunner().invoke(app, ["rollout", "--model", "tiny-qwen3", "--harness", "codex", "--data", str(data),
+                                      "--out", str(out), "--max-turns", "8", "--max-new-tokens", "512"])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["id"] for r in rows) == ["write-farewell-0", "write-greeting-0"]
+    assert all(r["reward"] == 1.0 and r["status"] == "completed" and r["info"]["harness"]["name"] == "codex"
+               for r in rows)
+
+
 # ---- training ----------------------------------------------------------------------------------------------
 class RefusingEngine(ScriptedEngine):
     """The scripted policy, except that the third sample of each group gets its agent calls refused as a real

@@ -204,7 +204,8 @@ def _flag_errors(error: Any) -> str:
     """A pydantic ValidationError of the flags' config, one clause per bad flag."""
     clauses = []
     for err in error.errors():
-        field = str(err["loc"][-1]) if err["loc"] else ""
+        loc = [str(part) for part in err["loc"]]
+        field = "harness" if loc[:1] == ["harness"] else loc[-1] if loc else ""  # --harness is a whole section
         flag = _FLAGS.get(field, "--" + field.replace("_", "-"))
         clauses.append(f"{flag}: {err['msg']} (got {err.get('input')!r:.60})")
     return "; ".join(clauses)
