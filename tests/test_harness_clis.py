@@ -134,9 +134,9 @@ async def test_codex_with_its_namespace_and_hosted_tools_spawns_a_sub_agent(qwen
 @pytest.mark.skipif(not installed("codex"), reason="codex is not installed: make harnesses")
 def test_turnrl_rollout_with_the_harness_flag_on_a_folder_of_tasks(tmp_path, monkeypatch, qwen3_tokenizer):
     """`turnrl rollout --harness codex --data <Harbor tasks>`: the user's command, end to end."""
+    from fakes import script_the_cli
     from typer.testing import CliRunner
 
-    from fakes import script_the_cli
     from turnrl.cli import app
 
     script_the_cli(monkeypatch, qwen3_tokenizer, harness_policy())
