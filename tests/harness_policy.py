@@ -73,25 +73,53 @@ def harness_policy(text_of: Callable[[str, str], str | None] | None = None) -> C
 SUBAGENT = "SUBAGENT: "
 
 
+def is_subagent(prompt: str) -> bool:
+    """A sub-agent's conversation: a user turn (not a tool result) holds the task its parent gave it."""
+    return any(turn.startswith("user") and SUBAGENT in turn and "<tool_response>" not in turn
+               for turn in prompt.split("<|im_start|>"))
+
+
+def _sub_task(prompt: str) -> str:
+    path, text = the_task(prompt)
+    return (f"{SUBAGENT}Create a file named `{path.rsplit('/', 1)[1]}` in the working directory (/app) whose whole "
+            f"content is the line:\n\n{text}")
+
+
+def _sub_agent_turn(prompt: str) -> str:
+    """The sub-agent writes the file with its CLI's write tool, then reports."""
+    if answered(prompt):
+        return "Sub-agent done."
+    writer = next(name for name in WRITERS if name in offered_tools(prompt))
+    path, text = the_task(prompt)
+    return tool_call(writer, WRITERS[writer](path, text))
+
+
 def codex_subagent_policy() -> Callable[[str, int, str], str | None]:
     """Codex with a sub-agent: the main agent spawns one through the namespaced tool `multi_agent_v1__spawn_agent`
     (flattened as the Responses API does), waits for it (`multi_agent_v1__wait_agent` with the id spawn_agent
     returned) and is done when it reports back; the sub-agent (its task starts with SUBAGENT) writes the file."""
     def script(request_id: str, turn: int, prompt: str) -> str | None:
+        if is_subagent(prompt):
+            return _sub_agent_turn(prompt)
         head = prompt.rsplit("<|im_start|>assistant", 1)[0]
         last = head.rsplit("<|im_start|>", 1)[-1]
-        if f"<|im_start|>user\n{SUBAGENT}" in prompt:  # the sub-agent's own conversation
-            if answered(prompt):
-                return "Sub-agent done."
-            path, text = the_task(prompt)
-            return tool_call("exec_command", WRITERS["exec_command"](path, text))
         if "<subagent_notification>" in last or '<tool_call>\n{"name": "multi_agent_v1__wait_agent"' in head:
             return "Done: the sub-agent wrote the file."
         spawned = re.search(r'"agent_id"\s*:\s*"([^"]+)"', last)
         if spawned:
             return tool_call("multi_agent_v1__wait_agent", {"targets": [spawned.group(1)], "timeout_ms": 60000})
-        path, text = the_task(prompt)
-        task = f"{SUBAGENT}Create a file named `{path.rsplit('/', 1)[1]}` in the working directory (/app) whose " \
-               f"whole content is the line:\n\n{text}"
-        return tool_call("multi_agent_v1__spawn_agent", {"message": task})
+        return tool_call("multi_agent_v1__spawn_agent", {"message": _sub_task(prompt)})
+    return script
+
+
+def claude_subagent_policy() -> Callable[[str, int, str], str | None]:
+    """Claude Code with a sub-agent: the main agent gives the task to its Agent tool (in the foreground) and is
+    done when the result comes back; the sub-agent writes the file with Write."""
+    def script(request_id: str, turn: int, prompt: str) -> str | None:
+        if is_subagent(prompt):
+            return _sub_agent_turn(prompt)
+        if answered(prompt):
+            return "Done: the sub-agent wrote the file."
+        return tool_call("Agent", {"description": "Write the greeting file", "prompt": _sub_task(prompt),
+                                   "run_in_background": False})
     return script

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 from fakes import Call, ScriptedEngine
-from harness_policy import codex_subagent_policy, harness_policy
+from harness_policy import claude_subagent_policy, codex_subagent_policy, harness_policy, is_subagent
 from test_harness import TASKS, assert_token_exact, processes_of_uid
 
 from turnrl.agents.harness import BUILTIN, find_cli, harness_search_path, make_harness_agent
@@ -151,6 +151,21 @@ def test_turnrl_rollout_with_the_harness_flag_on_a_folder_of_tasks(tmp_path, mon
     assert sorted(r["id"] for r in rows) == ["write-farewell-0", "write-greeting-0"]
     assert all(r["reward"] == 1.0 and r["status"] == "completed" and r["info"]["harness"]["name"] == "codex"
                for r in rows)
+
+
+@pytest.mark.skipif(not installed("claude-code"), reason="claude-code is not installed: make harnesses")
+async def test_claude_codes_agent_tool_runs_a_sub_agent_whose_calls_join_the_episode(qwen3_tokenizer, tmp_path):
+    """Claude Code's Agent tool starts a sub-agent that calls the same session URL: its calls are a trajectory of
+    the episode (same episode_id, same reward: the sub-agent wrote the file)."""
+    engine, bodies, [episode] = await run_cli("claude-code", qwen3_tokenizer, tmp_path,
+                                              load_rows(TASKS / "write-greeting"), policy=claude_subagent_policy())
+    assert all(b["status"] == 200 for b in bodies)
+    assert len(episode) == 2 and {t.reward for t in episode} == {1.0}, [(t.error, t.num_turns) for t in episode]
+    assert {t.episode_id for t in episode} == {episode[0].id}
+    sub = next(t for t in episode if is_subagent(qwen3_tokenizer.decode(t.prompt_ids)))
+    assert any(s.source == SegmentSource.TOOL for s in sub.segments)  # its Write ran
+    for traj in episode:
+        assert_token_exact(traj, engine)
 
 
 # ---- training ----------------------------------------------------------------------------------------------

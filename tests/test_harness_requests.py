@@ -1,10 +1,10 @@
 """The chat APIs against the request bodies the real CLIs sent (tests/data/harness_requests/, captured by
 `TURNRL_CAPTURE_HARNESS=tests/data/harness_requests pytest -m slow tests/test_harness_clis.py`): Claude Code 2.1.328
-(Anthropic Messages), Codex CLI 0.171.0 (Responses, with its namespace and hosted tools, and with a sub-agent) and
-opencode 1.18.33 (chat completions). Each CLI's requests are replayed in order on a session of `turnrl serve`'s
-app over the same scripted policy, so each echoes the replies it got: every one is answered (no 400), the
-conversation continues the recorded tokens, and the trajectories are what the CLI's run gave. Runs in the default
-suite: the CLIs themselves are not needed."""
+(Anthropic Messages, also with a sub-agent of its Agent tool), Codex CLI 0.171.0 (Responses, with its namespace and
+hosted tools, and with a sub-agent) and opencode 1.18.33 (chat completions). Each CLI's requests are replayed in
+order on a session of `turnrl serve`'s app over the same scripted policy, so each echoes the replies it got: every
+one is answered (no 400), the conversation continues the recorded tokens, and the trajectories are what the CLI's
+run gave. Runs in the default suite: the CLIs themselves are not needed."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fakes import ScriptedEngine
-from harness_policy import codex_subagent_policy, harness_policy
+from harness_policy import claude_subagent_policy, codex_subagent_policy, harness_policy
 from test_harness import assert_token_exact
 
 from turnrl.render import ChatRenderer
@@ -32,6 +32,7 @@ def captured(name: str) -> list[dict]:
 
 @pytest.mark.parametrize(("name", "policy", "pieces"), [
     ("claude-code", harness_policy, [2]),        # its agent's two calls, one continuing the other
+    ("claude-code-subagent", claude_subagent_policy, [2, 3]),  # the main agent, and the one its Agent tool ran
     ("codex", harness_policy, [2]),
     ("codex-subagent", codex_subagent_policy, [3, 2]),  # the main agent, and the sub-agent it spawned
     ("opencode", harness_policy, [1, 2]),        # the title call, and the agent's two calls

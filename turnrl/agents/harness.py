@@ -230,21 +230,22 @@ async def run_harness(ctx: RolloutContext, sample: dict[str, Any], settings: Har
     session = gw.proxy.open_session(ctx.trajectory_id, loop=asyncio.get_running_loop(), sampling=ctx.sampling,
                                     max_new_tokens=ctx.limits.max_new_tokens, max_calls=ctx.limits.max_turns)
     t0, limit = time.perf_counter(), _agent_limit(settings, task)
-    with _run_folder(settings.base_dir) as run:
-        try:
+    try:
+        with _run_folder(settings.base_dir) as run:
             agent = await _blocking(lambda cancel: _run_cli(settings, task, sample, gw, session, run, limit, cancel))
-        except asyncio.CancelledError:  # trajectory_timeout_s: keep what was generated for the FAILED record
-            if session.calls:
-                ctx.partial = _assemble(ctx, session, None)[0]
-            raise
-        finally:
-            await _close(ctx, gw, session)
-        failure = _agent_failure(agent, session, settings.name, limit)
-        verdict = None
-        if failure is None and task is not None:
-            verdict = await _blocking(lambda cancel: verify(
-                task, run.work, timeout_s=settings.test_timeout_s, weak=settings.weak, base_dir=settings.base_dir,
-                cancel=cancel))
+            gw.proxy.close_session(session.id)  # the CLI and all it started are gone: a late call gets a 404
+            failure = _agent_failure(agent, session, settings.name, limit)
+            verdict = None
+            if failure is None and task is not None:
+                verdict = await _blocking(lambda cancel: verify(
+                    task, run.work, timeout_s=settings.test_timeout_s, weak=settings.weak,
+                    base_dir=settings.base_dir, cancel=cancel))
+    except asyncio.CancelledError:  # trajectory_timeout_s: keep what was generated for the FAILED record
+        if session.calls:
+            ctx.partial = _assemble(ctx, session, None)[0]
+        raise
+    finally:
+        await _close(ctx, gw, session)
     return _episode(ctx, session, settings, agent, verdict, failure, time.perf_counter() - t0)
 
 
