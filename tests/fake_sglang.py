@@ -5,11 +5,15 @@ fake does not know are refused (400), so a typo in the adapter cannot pass unnot
 SGLang: `temperature: 0` means greedy; a matched stop token is trimmed from `output_ids` unless `no_stop_trim`
 (logprobs keep it); `finish_reason` is a dict; `weight_version` is a string ("default" before any update);
 `/abort_request` ends a running request with `finish_reason.type == "abort"`; an over-long prompt is a 400.
+`return_sampling_mask` / `return_routed_experts` answer from the engine behind the fake, which must record them
+(EmbeddedEngine(record_sampling_mask=..., record_routing=...)): the kept sets' sizes are real, their ids are
+placeholders (the engine reports sizes only), and routing covers [0, prompt + output - 1) as SGLang's does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 from pathlib import Path
 from typing import Any, Literal
 
@@ -44,6 +48,9 @@ class GenerateReqInput(_Strict):
     rid: str | None = None
     image_data: list[str] | None = None
     stream: bool = False
+    return_sampling_mask: bool | None = None
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
 
 class UpdateWeightFromDiskReqInput(_Strict):
@@ -109,7 +116,9 @@ class FakeSGLang:
                 finish = {"type": "abort", "message": "Abort before update weights"}
             else:
                 finish = {"type": "length", "length": len(out.token_ids)}
-            return self._response(req, rid, out.token_ids, out.logprobs, finish, out.cached_prompt_tokens)
+            response = self._response(req, rid, out.token_ids, out.logprobs, finish, out.cached_prompt_tokens)
+            response["meta_info"].update(_recorded(req, out))
+            return response
 
         @app.post("/update_weights_from_disk")
         async def update_weights_from_disk(req: UpdateWeightFromDiskReqInput):
@@ -189,6 +198,19 @@ class FakeSGLang:
         if req.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for t, lp in zip(ids, logprobs, strict=True)]
         return {"text": "", "output_ids": output_ids, "meta_info": meta}
+
+
+def _recorded(req: GenerateReqInput, out: Any) -> dict[str, Any]:
+    """SGLang's sampling-mask and routed-experts fields of meta_info, when asked, from what the engine recorded."""
+    meta: dict[str, Any] = {}
+    if req.return_sampling_mask and out.kept_counts is not None:
+        meta["output_token_sampling_mask"] = [list(range(k)) for k in out.kept_counts]  # sizes real, ids not
+        meta["output_token_sampling_logprobs"] = list(out.logprobs)
+        meta["output_token_sampling_mask_length"] = len(out.kept_counts)
+    if req.return_routed_experts and out.routed_experts is not None:
+        assert out.routed_start == req.routed_experts_start_len == 0, "the fake serves whole-stream routing only"
+        meta["routed_experts"] = base64.b64encode(out.routed_experts.int().numpy().astype("<i4").tobytes()).decode()
+    return meta
 
 
 def _params(p: SGLangSamplingParams) -> SamplingParams:

@@ -49,6 +49,7 @@ def test_async_training_keeps_staleness_within_the_bound(tmp_path):
     history = run_training(_config(tmp_path, data, tmp_path / "run", steps=5))
     steps = [m for m in history if "async/staleness_max" in m]
     assert len(steps) == 5 and all(m["async/staleness_max"] <= 2 for m in steps)
+    assert [m["async/lost"] for m in steps] == [0.0] * 5  # stated every step (it was not)
     ledger = _ledger(tmp_path / "run")
     assert sorted(g["index"] for g in ledger) == list(range(10))  # 5 steps x 2 groups, each trained once
     for g in ledger:

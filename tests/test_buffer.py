@@ -103,6 +103,9 @@ async def test_a_checkpoint_loses_no_admitted_prompt(qwen3_tokenizer):
     trained_ids = {g.index for _, groups in trained for g in groups}
     assert {g["index"] for g in state["groups"]} <= trained_ids  # buffered and re-issued groups were all trained
     assert resumed.trained == 12 and max(resumed.stats.staleness) <= 2
+    assert buffer.lost == 0 and resumed.lost == 0  # every admitted group is in flight, buffered or trained
+    resumed.pending.pop(next(iter(resumed.pending)))  # a group that vanished without being trained ...
+    assert resumed.lost == 1  # ... is what async/lost counts
 
 
 @pytest.mark.parametrize("pause", ["keep", "wait", "abort"])

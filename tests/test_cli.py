@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+from fakes import script_the_cli
 from typer.testing import CliRunner
 
 from turnrl.cli import app
@@ -126,3 +127,91 @@ def test_a_run_that_cannot_start_says_why_in_one_line_and_leaves_no_run_behind(t
     assert result.exit_code == 2 and "model 'no-org/no-such-model' is not in the local Hugging Face cache" in said, said
     assert "run directory" not in said
     assert list((tmp_path / "runs").iterdir()) == []  # no empty run directory, no link to one
+
+
+def test_qwen3s_empty_think_block_is_a_known_harmless_difference_not_a_warning(tmp_path):
+    """tiny-qwen3 on arithmetic: a full render adds Qwen3's empty <think> block to the last assistant turn. Before,
+    every trajectory counted as a render mismatch, with a warning on the first command a user runs."""
+    import turnrl.rollout.episode as rollout_module
+
+    rollout_module._EXPLAINED.clear()
+    data = _data(tmp_path, [{"id": f"q{i}", "prompt": f"What is {i} + 3?", "answer": i + 3} for i in range(4)])
+    out = tmp_path / "out.jsonl"
+    args = ["rollout", "--model", "tiny-qwen3", "--env", "arithmetic", "--data", str(data), "--n", "2",
+            "--max-turns", "1", "--max-new-tokens", "8", "--out", str(out), "--seed", "1", "--reward", "env"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "WARNING" not in result.output and "re-render" not in result.output
+    assert re.search(r"render difference, known harmless\s*│\s*8", result.output) and "render mismatch" not in result.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(r["metrics"]["render_harmless"] == 1.0 and r["metrics"]["render_mismatch"] == 0.0 for r in rows)
+    rollout_module._EXPLAINED.clear()
+    verbose = " ".join(runner.invoke(app, [*args, "-v"]).output.split())  # -v: explained once, at info
+    assert verbose.count("known to be harmless for this template (reasoning") == 1
+    assert "first differing tokens, at stream position" in verbose and "'<think>\\n\\n</think>\\n\\n" in verbose
+
+
+BAD_ENV = '''
+def parse(text):
+    return int(text.split()[0])
+
+
+class Bad:
+    def step(self, response_text):
+        return parse(response_text), True, {}
+
+
+def build_env(sample, config):
+    return Bad()
+'''
+
+
+def test_an_env_that_raises_leaves_its_last_frames_in_the_error_and_its_traceback_at_v(tmp_path, monkeypatch,
+                                                                                     qwen3_tokenizer):
+    (tmp_path / "bad_env.py").write_text(BAD_ENV)
+    data = _data(tmp_path, [{"id": "q0", "prompt": "hi"}])
+    out = tmp_path / "out.jsonl"
+    script_the_cli(monkeypatch, qwen3_tokenizer, lambda rid, turn, prompt: "hello")
+    args = ["rollout", "--model", "tiny-qwen3", "--env", str(tmp_path / "bad_env.py"), "--data", str(data),
+            "--max-turns", "1", "--max-new-tokens", "8", "--out", str(out)]
+    quiet = runner.invoke(app, args)
+    assert quiet.exit_code == 0, quiet.output
+    [row] = map(json.loads, out.read_text().splitlines())
+    assert (row["status"], row["termination_reason"]) == ("failed", "env_error")
+    # before: "ValueError: invalid literal for int() with base 10: 'hello'" and nothing more, anywhere
+    assert row["error"].startswith("ValueError: invalid literal for int() with base 10: 'hello' [at bad_env.py:3 "
+                                   "in parse: return int(text.split()[0]); called from bad_env.py:8 in step; ")
+    assert "Traceback" not in quiet.output and "bad_env.py:3 in parse" in quiet.output  # the one-line warning
+    verbose = runner.invoke(app, [*args, "-v"]).output
+    assert "Traceback (most recent call last)" in verbose and f'File "{tmp_path / "bad_env.py"}", line 3' in verbose
+
+
+@pytest.mark.parametrize(("content", "args", "message"), [
+    ("", ["--index", "4"], "--index 4: {path} has 4 trajectories, so --index must be in 0..3"),
+    ("", ["--index", "-1"], "--index -1: {path} has 4 trajectories, so --index must be in 0..3"),
+    ("", ["--index", "9", "--html", "page.html"], "--index 9: {path} has 4 trajectories"),
+    ('{"prompt": "What is 2 + 3?"}\n', [], "{path} line 1 is not a trajectory (no id, status, prompt_ids"),
+    ("not json\n", [], "{path} line 1 is not JSON (Expecting value); expected trajectory JSONL"),
+])
+def test_view_of_a_bad_index_or_a_file_that_is_not_trajectories_is_one_line(tmp_path, content, args, message):
+    path = tmp_path / "t.jsonl"
+    path.write_text(content or (Path(__file__).parent / "data" / "trajectories_v1.jsonl").read_text())
+    result = runner.invoke(app, ["view", str(path), *args])
+    assert result.exit_code == 2 and "Traceback" not in result.output  # a traceback before
+    assert message.format(path=path) in " ".join(result.output.split())
+
+
+def test_training_with_groups_of_one_says_at_start_up_that_nothing_will_train(tmp_path):
+    data = _data(tmp_path, [{"id": f"r{i}", "prompt": f"Say {i}."} for i in range(2)])
+    config = tmp_path / "config.yaml"
+    config.write_text(json.dumps({
+        "model": "tiny-qwen3", "train_data": str(data), "output_dir": str(tmp_path / "runs"), "steps": 1,
+        "prompts_per_step": 2, "rollout": {"env": "single_turn", "n": 1, "max_new_tokens": 4},
+        "reward": {"function": "env"}}))
+    result = runner.invoke(app, ["train", str(config)])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    warning = text.index("warning: rollout.n=1: each group has one sample, so every group-relative advantage "
+                         "(algo.advantage=grpo) is 0")  # nothing was said before
+    assert warning < text.index("run directory:")  # at start-up, before the model loads
+    assert "n=1" not in " ".join(runner.invoke(app, ["train", str(config), "rollout.n=2"]).output.split())

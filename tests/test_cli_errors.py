@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 
 import pytest
@@ -233,8 +234,10 @@ async def test_a_failed_trajectory_logs_one_line_and_its_traceback_only_at_info(
     with caplog.at_level(logging.INFO, logger="turnrl.rollout"):
         await run_groups(manager, [{"prompt": "hi"}], n=2)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert [r.getMessage() for r in warnings] == [
-        f"trajectory 0-{k} failed (env_error): RuntimeError: agent bug with a second line" for k in (0, 1)]
+    assert [re.sub(r"\.py:\d+", ".py:N", r.getMessage()) for r in warnings] == [  # where it was raised, first
+        f"trajectory 0-{k} failed (env_error): RuntimeError: agent bug with a second line [at test_cli_errors.py:N "
+        "in broken_agent: raise RuntimeError(\"agent bug\\nwith a second line\"); called from manager.py:N in "
+        "_run_one]" for k in (0, 1)]
     assert all(r.exc_info is None for r in warnings)
     infos = [r for r in caplog.records if r.levelno == logging.INFO]
     assert len(infos) == 2 and all(r.exc_info is not None for r in infos)  # shown with -v

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import textwrap
+from pathlib import Path
 
 import pytest
 from fakes import script_the_cli
@@ -388,3 +389,128 @@ def test_ms_swifts_scheduler_classes_subclass_as_in_ms_swift():
                                                                             MultiTurnScheduler)
     assert MathTipsScheduler.tips_prompt == "But wait... It seems I made a mistake,"  # ms-swift's
     assert MathTipsScheduler(None, 3).max_turns == 3
+
+
+# ---- ms-swift's own FrozenLake plugin (examples/megatron/grpo/multi_turn/frozen_lake_plugin.py, imports changed) ----
+PLUGIN = Path(__file__).parent / "data" / "swift_frozen_lake_plugin.py"
+GRID_ROW = re.compile(r"^(?:[SGHFP*] ){3}[SGHFP*]$")
+
+
+def lake_solver(request_id, turn, prompt):
+    """A scripted policy: the shortest safe path from P to G on the last grid the prompt shows, one move a turn."""
+    lines = prompt.splitlines()
+    end = max(i for i, line in enumerate(lines) if GRID_ROW.match(line))
+    grid = [line.split() for line in lines[end - 3:end + 1]]
+    start = next((r, c) for r in range(4) for c in range(4) if grid[r][c] == "P")
+    moves = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
+    frontier, seen = [(start, None)], {start}
+    while frontier:
+        (r, c), first = frontier.pop(0)
+        for name, (dr, dc) in moves.items():
+            cell = (r + dr, c + dc)
+            if 0 <= cell[0] < 4 and 0 <= cell[1] < 4 and cell not in seen and grid[cell[0]][cell[1]] != "H":
+                if grid[cell[0]][cell[1]] == "G":
+                    return f"<action>{first or name}</action>"
+                seen.add(cell)
+                frontier.append((cell, first or name))
+    raise AssertionError(f"no path on {grid}")
+
+
+# The same env on the env path: build_env steps ms-swift's FrozenLakeEnv with the reply; the rows carry the
+# system prompt and first observation that the gym scheduler's reset would have put there.
+ENV_PATH = '''
+import sys
+sys.path.insert(0, {folder!r})
+from swift_frozen_lake_plugin import FrozenLakeEnv
+
+
+class Lake:
+    def __init__(self, sample):
+        self.lake = FrozenLakeEnv(sample["env_config"])
+
+    async def reset(self):
+        await self.lake.reset(None)
+
+    async def step(self, text):
+        return await self.lake.step([{{"role": "assistant", "content": text}}])
+
+
+def build_env(sample, config):
+    return Lake(sample)
+'''
+
+REWRITING = '''
+from turnrl.compat.swift import GYMScheduler, multi_turns
+
+
+class LastObservationOnly(GYMScheduler):
+    """Shows the model only the system prompt and the latest observation: history really is rewritten."""
+
+    def step(self, infer_request, response_choice, current_turn):
+        observation = self.episodes[infer_request.uuid].observation
+        infer_request.messages[:] = [infer_request.messages[0], {"role": "user", "content": observation}]
+        return {"infer_request": infer_request}
+
+
+multi_turns["last_observation_only"] = LastObservationOnly
+'''
+
+
+def _lake_rollout(tmp_path, monkeypatch, tokenizer, rows, *args) -> list[dict]:
+    data, out = tmp_path / "lake.jsonl", tmp_path / "out.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    script_the_cli(monkeypatch, tokenizer, lake_solver)
+    result = runner.invoke(app, ["rollout", "--model", "tiny-qwen3", "--data", str(data), "--out", str(out),
+                                 "--max-turns", "10", "--max-new-tokens", "16", "--reward", "env", *args])
+    assert result.exit_code == 0, result.output
+    return sorted(map(json.loads, out.read_text().splitlines()), key=lambda t: t["id"])
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_ms_swift_frozen_lake_gives_one_trajectory_per_episode_as_the_env_path_does(
+        tmp_path, monkeypatch, qwen3_tokenizer, thinking):
+    import asyncio
+    import sys
+
+    sys.path.insert(0, str(PLUGIN.parent))
+    from swift_frozen_lake_plugin import FrozenLakeEnv
+
+    kwargs = ["--chat-template-kwargs", json.dumps({"enable_thinking": thinking})]
+    seeds = (0, 3, 5)  # 3, 4 and 6 moves to the goal
+    gym = _lake_rollout(tmp_path, monkeypatch, qwen3_tokenizer,
+                        [{"id": f"lake{s}", "messages": [{"role": "user", "content": "<placeholder>"}],
+                          "env_config": {"seed": s}} for s in seeds],
+                        "--plugin", str(PLUGIN), "--scheduler", "gym_scheduler", "--gym-env", "frozen_lake", *kwargs)
+    firsts = [asyncio.run(FrozenLakeEnv({"seed": s}).reset(None)) for s in seeds]
+    (tmp_path / "lake_env.py").write_text(ENV_PATH.format(folder=str(PLUGIN.parent)))
+    env = _lake_rollout(tmp_path, monkeypatch, qwen3_tokenizer,
+                        [{"id": f"lake{s}", "env_config": {"seed": s},
+                          "messages": [{"role": "system", "content": system}, {"role": "user", "content": obs}]}
+                         for s, (obs, _, system) in zip(seeds, firsts, strict=True)],
+                        "--env", str(tmp_path / "lake_env.py"), *kwargs)
+    # before: one sample per move with Qwen3's thinking off (termination_reason split), the empty <think></think>
+    # the template pre-fills being missing from the request's history
+    assert len(gym) == len(env) == len(seeds)
+    assert [t["num_turns"] for t in gym] == [3, 4, 6]
+    for g, e in zip(gym, env, strict=True):
+        assert (g["status"], g["termination_reason"], g["reward"]) == ("completed", "env_done", 1.0)
+        assert g["num_turns"] == e["num_turns"] == g["rollout_infos"]["num_turns"]
+        for key in ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "turn_rewards", "reward"):
+            assert g[key] == e[key], key
+        assert g["rollout_infos"]["step_rewards"] == e["turn_rewards"] == [0.0] * (g["num_turns"] - 1) + [1.0]
+
+
+def test_a_scheduler_that_rewrites_history_still_splits(tmp_path, monkeypatch, qwen3_tokenizer):
+    (tmp_path / "rewriting.py").write_text(REWRITING)
+    trajs = _lake_rollout(tmp_path, monkeypatch, qwen3_tokenizer,
+                          [{"id": "lake5", "messages": [{"role": "user", "content": "<placeholder>"}],
+                            "env_config": {"seed": 5}}],  # six moves to the goal
+                          "--plugin", str(PLUGIN), "--plugin", str(tmp_path / "rewriting.py"),
+                          "--scheduler", "last_observation_only", "--gym-env", "frozen_lake",
+                          "--chat-template-kwargs", '{"enable_thinking": false}')
+    moves = trajs[0]["rollout_infos"]["num_turns"]
+    assert moves == 6 and len(trajs) == moves and all(t["num_turns"] == 1 for t in trajs)
+    assert [t["termination_reason"] for t in trajs] == ["split"] * (moves - 1) + ["env_done"]
+    # the samples share the episode's reward (`--reward env`: every sample's env rewards; before, 0.0 for the first
+    # samples and 1.0 for the last, which training refuses)
+    assert {t["episode_id"] for t in trajs} == {trajs[0]["id"]} and {t["reward"] for t in trajs} == {1.0}

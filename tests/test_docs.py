@@ -51,6 +51,13 @@ def test_a_key_added_to_the_schema_fails_the_check(monkeypatch):
     assert rendered != (ROOT / "docs" / "config.md").read_text()  # what --check compares: it would fail
 
 
+def test_the_openai_agent_readme_says_stop_strings_work():
+    """They do, of any length (tests/test_serve_apis.py sends multi-token ones through the proxy); the README
+    said they were refused."""
+    text = " ".join((ROOT / "examples" / "openai_agent" / "README.md").read_text().split())
+    assert "`stop` strings are refused" not in text and "`stop` strings of any length" in text
+
+
 def test_the_readme_tree_names_every_module_and_folder():
     """README's architecture tree is how a newcomer finds a file: every folder and public module is in it."""
     text = (ROOT / "README.md").read_text()

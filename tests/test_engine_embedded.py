@@ -180,9 +180,10 @@ def test_sampler_frequencies_follow_the_distribution():
     # probabilities 0.5, 0.3, 0.15, 0.05 and two excluded tokens: one by -inf, one by top_k=4
     logits_V = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0, 0.01]).log()
     n = 40_000
-    tokens_N, logp_N = sample_tokens(
+    tokens_N, logp_N, kept_N = sample_tokens(
         logits_V.expand(n, -1), [SamplingParams(top_k=4)] * n, [None] * n, torch.Generator().manual_seed(0)
     )
+    assert kept_N.tolist() == [4] * n  # the kept set: the 4 most likely tokens
     freq = torch.bincount(tokens_N, minlength=6).float() / n
     # binomial standard deviation is at most sqrt(0.25 / 40000) = 0.0025; allow four of them
     torch.testing.assert_close(freq, torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0, 0.0]), atol=0.01, rtol=0)

@@ -238,3 +238,16 @@ def test_a_template_that_renders_no_tool_messages_refuses_them_by_name(qwen3_tok
     assert r.profile.tool == "unsupported" and r.profile.user == "dummy"
     with pytest.raises(RenderError, match="chat template of .* renders no 'tool' messages"):
         r.observation([{"role": "tool", "content": "4"}])
+
+
+def test_a_reply_cut_off_after_leading_newlines_is_a_harmless_difference(qwen):
+    """tiny-qwen3 at T=1 cut off by max_new_tokens after '\\n\\n\\n': the full render adds the empty <think> block,
+    strips the newlines and closes the turn; past the stream's end the render is a prefix match, so this is
+    `reasoning`, not `content` (it was a content warning on a one-step training run)."""
+    user = [{"role": "user", "content": "Say 0."}]
+    reply = [198, 198, 198, 55541]  # '\n', '\n', '\n', 'omens': as sampled, not as the text encodes
+    assert qwen.decode(reply) == "\n\n\nomens"
+    check = qwen.check(qwen.initial(user).ids + reply, [*user, {"role": "assistant", "content": "\n\n\nomens"}])
+    assert check.reasons == ["reasoning"] and check.strippable and not check.ok
+    wrong = qwen.check(qwen.initial(user).ids + reply, [*user, {"role": "assistant", "content": "\n\n\nomen"}])
+    assert "content" in wrong.reasons  # the render does not go on from what the stream holds: a real difference

@@ -98,3 +98,63 @@ def test_a_trajectory_without_recorded_calls_is_refused(row):
 
     with pytest.raises(ValueError, match="cannot be replayed"):
         asyncio.run(replay(Trajectory.from_json(row), engine=None))
+
+
+# ---- `turnrl replay` on a training run's own files (issue 27) ------------------------------------------
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A 3-step tiny-qwen3 run that checkpoints every policy version (save_every=1), trained through the CLI."""
+    tmp = tmp_path_factory.mktemp("replay-run")
+    data = tmp / "rows.jsonl"
+    data.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"Say {i}."}) + "\n" for i in range(4)))
+    (tmp / "reward.py").write_text("def reward(response):\n    return float(len(response) % 3)\n")
+    config = tmp / "config.yaml"
+    config.write_text(json.dumps({
+        "model": "tiny-qwen3", "train_data": str(data), "output_dir": str(tmp / "runs"), "steps": 3,
+        "prompts_per_step": 2, "seed": 5, "save_every": 1, "rollout": {"env": "single_turn", "n": 2,
+                                                                      "max_new_tokens": 6},
+        "engine": {"max_batch_size": 2}, "optim": {"lr": 1e-2}, "reward": {"function": f"{tmp / 'reward.py'}:reward"}}))
+    result = CliRunner().invoke(app, ["train", str(config), "--run-dir", str(tmp / "run")])
+    assert result.exit_code == 0, result.output
+    return tmp / "run"
+
+
+def _last_step(run) -> tuple[str, dict]:
+    rows = [json.loads(line) for line in (run / "trajectories" / "last_step.jsonl").read_text().splitlines()]
+    assert {r["turns"][0]["generate"]["policy_version"] for r in rows} == {2}  # step 3 sampled by version 2
+    return rows[0]["id"], rows[0]
+
+
+def test_replay_needs_no_model_inside_its_run_and_uses_the_version_that_sampled(run_dir):
+    trajectory_id, _ = _last_step(run_dir)
+    result = CliRunner().invoke(app, ["replay", str(run_dir / "trajectories" / "last_step.jsonl"), "--id", trajectory_id])
+    assert result.exit_code == 0, result.output  # before: exit 2, "Missing option '--model'"
+    assert "replaying with tiny-qwen3" in result.output and "version(s) 2" in result.output
+    assert "1 of 1 calls give the same tokens" in result.output
+
+
+def test_a_replay_with_other_weights_or_unseeded_says_why_it_differs(run_dir, tmp_path):
+    trajectory_id, row = _last_step(run_dir)
+    outside = tmp_path / "copied.jsonl"  # the file out of its run, replayed on the base model (version 0)
+    outside.write_text(json.dumps(row) + "\n")
+    result = CliRunner().invoke(app, ["replay", str(outside), "--id", trajectory_id])
+    assert result.exit_code == 2 and "--model" in result.output and "does not lie in a training run" in result.output
+    result = CliRunner().invoke(app, ["replay", str(outside), "--id", trajectory_id, "--model", "tiny-qwen3"])
+    assert result.exit_code == 1, result.output
+    assert "sampled by policy version 2 but replayed with the base model's weights" in result.output
+    unseeded = {**row, "turns": [{**t, "generate": {**t["generate"], "seed": None}} for t in row["turns"]]}
+    outside.write_text(json.dumps(unseeded) + "\n")  # the same call without its seed: another draw
+    result = CliRunner().invoke(app, ["replay", str(outside), "--id", trajectory_id, "--run-dir", str(run_dir)])
+    assert result.exit_code == 1 and "unseeded sampling" in " ".join(result.output.split()), result.output
+
+
+def test_a_run_without_the_sampling_version_is_refused_naming_what_it_saved(run_dir, tmp_path):
+    import shutil
+
+    trajectory_id, _ = _last_step(run_dir)
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("step_000002"))
+    result = CliRunner().invoke(app, ["replay", str(copy / "trajectories" / "last_step.jsonl"), "--id", trajectory_id])
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "no checkpoint of policy version 2" in text and "step_000001, step_000003" in text

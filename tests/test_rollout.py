@@ -17,6 +17,7 @@ from turnrl.types import (
     FinishReason,
     RolloutStatus,
     SamplingParams,
+    Segment,
     SegmentSource,
     StepResult,
     TerminationReason,
@@ -107,7 +108,8 @@ async def test_two_turn_feedback_spans_are_exact(tok_name, request):
     assert engine.calls[1].prompt_ids == traj.prompt_ids + traj.response_ids[: -len(traj.segments[-1])]
     assert traj.turn_rewards == [0.0, 1.0]
     if think:  # Qwen3 drops the reasoning of turns before the last user message in a full render
-        assert traj.metrics["render_mismatch"] == 1.0 and traj.info["render_check"]["strippable"] is True
+        assert traj.metrics["render_harmless"] == 1.0 and traj.info["render_check"]["strippable"] is True
+        assert traj.metrics["render_mismatch"] == 0.0
     else:  # the strict full re-render agrees token for token
         assert traj.metrics["render_mismatch"] == 0.0
     assert traj.messages[-1] == {"role": "assistant", "content": think + "It is 4."}
@@ -442,21 +444,25 @@ async def test_a_scheduler_edit_of_a_turn_that_spans_versions_merges_its_segment
     traj.validate()
 
 
-async def test_a_render_mismatch_is_explained_once_and_then_only_counted(qwen3_tokenizer, caplog, monkeypatch):
+async def test_a_harmless_render_difference_is_explained_once_at_info_and_then_only_counted(qwen3_tokenizer, caplog,
+                                                                                            monkeypatch):
     import turnrl.rollout.episode as rollout_module
 
-    monkeypatch.setattr(rollout_module, "_WARNED_MISMATCH", set())
+    monkeypatch.setattr(rollout_module, "_EXPLAINED", set())
     think = "<think>\nAdd them.\n</think>\n\n"  # Qwen3 drops earlier reasoning in a full render: strippable
     engine = ScriptedEngine(qwen3_tokenizer, replies(think + "It is 5.", think + "It is 4."))
     manager = RolloutManager(engine, ChatRenderer(qwen3_tokenizer), agents=AGENTS,
                              env_factory=lambda sample, config: FeedbackEnv(), sanity_mode="strict",
                              limits=RolloutLimits(max_turns=4, max_new_tokens=64))
-    with caplog.at_level("WARNING", logger="turnrl.rollout"):
+    with caplog.at_level("INFO", logger="turnrl.rollout"):
         trajs = [t async for t in manager.stream([{"prompt": "What is 2+2?"}], n=6)]
-    assert sum(t.metrics["render_mismatch"] for t in trajs) == 6  # every one is counted ...
-    warnings = [r for r in caplog.records if "re-render" in r.getMessage()]
-    assert len(warnings) == 1  # ... one is explained, with whether it matters and the flag that accepts it
-    assert "Harmless" in warnings[0].getMessage() and "ignore_strippable" in warnings[0].getMessage()
+    assert sum(t.metrics["render_harmless"] for t in trajs) == 6  # every one is counted, as harmless ...
+    assert sum(t.metrics["render_mismatch"] for t in trajs) == 0  # ... not as a mismatch (6 before)
+    explained = [r for r in caplog.records if "re-render" in r.getMessage()]
+    assert len(explained) == 1 and explained[0].levelname == "INFO"  # ... one is explained (a WARNING before) ...
+    message = explained[0].getMessage()  # ... with what differs, whether it matters and the flag that accepts it
+    assert "known to be harmless for this template (reasoning: a reasoning block the template drops" in message
+    assert "ignore_strippable" in message and "first differing tokens, at stream position" in message
 
 
 @pytest.mark.parametrize(("returned", "reward", "error"), [
@@ -473,3 +479,30 @@ async def test_a_reward_that_is_not_a_finite_number_is_an_error_never_a_poisoned
     assert (traj.reward_error is None) if error is None else (error in traj.reward_error)
     if isinstance(returned, dict) and "score" in returned:
         assert traj.info["reward_extra"] == {"acc": 1.0}  # verl's extra keys are kept beside the score
+
+
+def test_a_content_difference_is_a_warning_and_a_stream_without_model_tokens_is_not_checked(qwen3_tokenizer, caplog,
+                                                                                              monkeypatch):
+    from types import SimpleNamespace
+
+    import turnrl.rollout.episode as rollout_module
+
+    monkeypatch.setattr(rollout_module, "_EXPLAINED", set())
+    renderer = ChatRenderer(qwen3_tokenizer)
+    ctx = SimpleNamespace(sanity_mode=rollout_module.SanityMode.STRICT, renderer=renderer)
+    said = [{"role": "user", "content": "What is 2+2?"}]
+    prompt = renderer.initial(said, None).ids
+    reply = qwen3_tokenizer("It is 5.<|im_end|>", add_special_tokens=False)["input_ids"]
+    traj = Trajectory(id="t", group_id="g", sample_index=0, prompt_ids=prompt,
+                      segments=[Segment(SegmentSource.MODEL, reply, [1] * len(reply), [-0.5] * len(reply), turn=1)])
+    with caplog.at_level("INFO", logger="turnrl.rollout"):
+        rollout_module._sanity_check(ctx, traj, [*said, {"role": "assistant", "content": "It is 6."}], None)
+    assert traj.metrics == {"render_mismatch": 1.0, "render_harmless": 0.0}
+    [record] = [r for r in caplog.records if "re-render" in r.getMessage()]
+    assert record.levelname == "WARNING" and "in content" in record.getMessage()
+    assert "first differing tokens, at stream position" in record.getMessage()
+    # a trajectory that failed before its first model call: its stream ends in the generation prompt, which a
+    # re-render of the messages lacks (it was counted as a content mismatch before)
+    failed = Trajectory(id="f", group_id="g", sample_index=0, prompt_ids=prompt)
+    rollout_module._sanity_check(ctx, failed, said, None)
+    assert failed.metrics == {} and "render_check" not in failed.info

@@ -248,3 +248,24 @@ def test_eval_of_a_checkpoint_without_hf_weights_and_the_flags(trained, tmp_path
                        (["--no-greedy"], "--no-greedy leaves nothing to evaluate")]:
         result = CliRunner().invoke(app, ["eval", str(config), f"eval_data={rows}", *args])
         assert result.exit_code == 2 and said in result.output, result.output
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_eval_of_a_checkpoint_under_a_config_naming_another_model_uses_the_checkpoints_own(trained, tmp_path,
+                                                                                           qwen3_tokenizer):
+    """A config whose model is SmolLM2 and a checkpoint of tiny-qwen3: before, SmolLM2's tokenizer fed tiny-qwen3's
+    weights (score 0, no word); now the checkpoint is evaluated with its own tokenizer and template, and that is said."""
+    config, run = trained
+    rows = str(run.parent.parent / "rows.jsonl")
+    out = tmp_path / "eval.jsonl"
+    result = CliRunner().invoke(app, ["eval", str(config), f"eval_data={rows}", "model=smollm2-135m-instruct",
+                                      "--checkpoint", str(run), "--out", str(out), "--sampled-n", "0"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "was trained from tiny-qwen3, not smollm2-135m-instruct (the config's model): evaluating it with its " \
+           "own tokenizer" in text
+    trajs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(trajs) == 4
+    for traj in trajs:  # Qwen3's tokens (SmolLM2's <|im_start|> is id 1, Qwen3's 151644)
+        assert qwen3_tokenizer.decode(traj["prompt_ids"]).startswith("<|im_start|>user\nSay ")
+        assert traj["prompt_ids"][0] == qwen3_tokenizer.convert_tokens_to_ids("<|im_start|>")

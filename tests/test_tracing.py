@@ -155,3 +155,23 @@ def spans_of_turn(trace, turn: int) -> dict:
     [turn_span] = [s for s in trace.data.spans if s.name == f"turn {turn}"]
     children = {s.name: s for s in trace.data.spans if s.parent_id == turn_span.span_id}
     return {"turn": turn_span, **children}
+
+
+def test_the_mlflow_logger_names_the_run_after_its_directory_and_keeps_its_files(mlflow_server, tmp_path):
+    from turnrl.observe.loggers import build_loggers
+
+    run_dir = tmp_path / "20261201-103200"
+    run_dir.mkdir()
+    (run_dir / "curves.png").write_bytes(b"\x89PNG fake")
+    tracer = TrajectoryTracer(mlflow_server, "test-loggers")
+    loggers = build_loggers(["jsonl", "mlflow"], run_dir, {"model": "tiny-qwen3"}, tracer)
+    for step in (0, 1, 2):
+        loggers.log({"step": float(step), "rollout/reward_mean": step / 4, "eval/tag": "x"}, step)
+    loggers.close([run_dir / "curves.png", run_dir / "metrics.jsonl"])
+    tracer.close()
+    client = mlflow.MlflowClient(mlflow_server)
+    run_ = client.get_run(tracer.run_id)
+    assert run_.info.run_name == "20261201-103200"
+    history = client.get_metric_history(tracer.run_id, "rollout/reward_mean")
+    assert [(m.step, m.value) for m in history] == [(0, 0.0), (1, 0.25), (2, 0.5)]
+    assert {a.path for a in client.list_artifacts(tracer.run_id)} == {"curves.png", "metrics.jsonl"}

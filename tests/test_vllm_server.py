@@ -22,7 +22,7 @@ import torch
 
 from turnrl.build import build_engine
 from turnrl.config import ConfigError, EngineConfig
-from turnrl.engines.base import EngineError
+from turnrl.engines.base import EngineError, Recording
 from turnrl.engines.router import Router
 from turnrl.engines.vllm import VLLMServerEngine
 from turnrl.types import FinishReason, SamplingParams
@@ -129,7 +129,7 @@ def test_engine_kind_vllm_without_urls_builds_an_in_process_engine(monkeypatch):
     with pytest.raises(ConfigError, match="one in-process vLLM engine"):
         build_engine(torch.nn.Linear(1, 1), EngineConfig(kind="vllm", replicas=2), model_path="/m")
     assert build_engine(torch.nn.Linear(1, 1), cfg, eos_token_ids=[2], model_path="org/model") == "engine"
-    assert built == {"model": "org/model", "eos_token_ids": [2], "max_num_seqs": 8}
+    assert built == {"model": "org/model", "eos_token_ids": [2], "max_num_seqs": 8, "record": Recording()}
 
 
 # ---- a real `vllm serve` ---------------------------------------------------------------------------

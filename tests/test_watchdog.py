@@ -189,3 +189,114 @@ async def test_a_training_step_whose_update_hangs_fails_naming_the_phase(tiny_qw
             await trainer.train_step()
     finally:
         producer.cancel()
+
+
+# ---- a dead engine and a slow one (issue 27): probe the server's health when a call has waited a while ------------
+
+
+class SlowButHealthyServer:
+    """Answers GET /health at once and POST /generate only after `delay_s` (a busy engine)."""
+
+    def __init__(self, delay_s: float):
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        outer = self
+        self.health_checks = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                outer.health_checks += 1
+                self._send({"status": "ok"})
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers["content-length"]))
+                time.sleep(delay_s)
+                self._send({"token_ids": [7, 8], "logprobs": [-0.5, -0.25], "finish_reason": "stop"})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+async def test_a_call_to_a_dead_engine_fails_once_its_health_probe_gets_no_answer():
+    with SilentServer() as server:
+        engine = HttpEngine(server.url, probe_after_s=0.5, probe_timeout_s=0.5)
+        start = time.perf_counter()
+        calls = [engine.generate([1, 2], SamplingParams(), request_id=f"r{k}") for k in range(3)]
+        errors = await asyncio.gather(*calls, return_exceptions=True)
+        assert time.perf_counter() - start < 3.0  # 600 s (the request limit) before
+        assert all(isinstance(e, EngineError) for e in errors)
+        assert f"POST {server.url}/generate: no answer after 1 s, and GET {server.url}/health gave no answer " \
+               "within probe_timeout_s=0.5 s: the server accepts connections but does not respond" in str(errors[0])
+        start = time.perf_counter()  # a probe failed a moment ago: the next call probes at once
+        with pytest.raises(EngineError, match="does not respond"):
+            await engine.generate([1, 2], SamplingParams(), request_id="r3")
+        assert time.perf_counter() - start < 1.5
+
+
+async def test_a_slow_engine_that_answers_its_health_probe_keeps_its_calls():
+    with SlowButHealthyServer(delay_s=2.0) as server:
+        engine = HttpEngine(server.url, probe_after_s=0.3, probe_timeout_s=0.5)
+        outs = await asyncio.gather(*(engine.generate([1, 2], SamplingParams(), request_id=f"r{k}") for k in range(4)))
+        assert [o.token_ids for o in outs] == [[7, 8]] * 4
+        assert 3 <= server.health_checks <= 12  # probed while waiting, one probe shared by the four calls
+
+
+@pytest.mark.slow
+async def test_with_default_settings_a_dead_engine_fails_a_call_within_a_minute():
+    with SilentServer() as server:
+        engine = HttpEngine(server.url)
+        start = time.perf_counter()
+        with pytest.raises(EngineError, match=f"{server.url}/health gave no answer"):
+            await engine.generate([1, 2], SamplingParams(), request_id="r")
+        assert 20 < time.perf_counter() - start < 40  # probe after 20 s of silence, which gets none in 10 s
+
+
+def test_training_on_an_engine_that_hangs_mid_run_ends_naming_it(tmp_path):
+    """`turnrl train` on an http engine that passes the start-up check, then accepts connections and never
+    answers: every trajectory fails naming the server, then the run ends (before: 0 trajectories in 150 s, and the
+    watchdog's 600 s)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from turnrl.cli import app
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"Say {i}."}) + "\n" for i in range(4)))
+    with SilentServer(answers=1) as server:  # the one answer: the start-up health check
+        config = tmp_path / "config.yaml"
+        config.write_text(json.dumps({
+            "model": "tiny-qwen3", "train_data": str(data), "output_dir": str(tmp_path / "runs"), "steps": 2,
+            "prompts_per_step": 2, "rollout": {"env": "single_turn", "n": 2, "max_new_tokens": 4},
+            "engine": {"kind": "http", "urls": [server.url], "probe_after_s": 1, "probe_timeout_s": 1},
+            "reward": {"function": "env"}}))
+        start = time.perf_counter()
+        result = CliRunner().invoke(app, ["train", str(config)])
+    assert result.exit_code != 0 and time.perf_counter() - start < 120  # model loading included
+
+    text = " ".join(result.output.split())
+    assert "trajectory g0-r" in text and f"failed (engine_error): EngineError: POST {server.url}/generate: no answer " \
+                                         "after 2 s" in text
+    assert text.count(f"GET {server.url}/health gave no answer within probe_timeout_s=1 s") >= 5
+    assert "training" in text and f"error: POST {server.url}/update_weights: no answer after 1 s" in text

@@ -30,7 +30,7 @@ from turnrl.config import (
     SFTConfig,
     TrainConfig,
 )
-from turnrl.engines.base import Engine
+from turnrl.engines.base import Engine, Recording
 from turnrl.observe.tracing import TrajectoryTracer
 from turnrl.render import ChatRenderer
 from turnrl.rollout.episode import RolloutLimits
@@ -74,24 +74,31 @@ def env_config(cfg: RolloutConfig) -> dict[str, Any]:
     return merged
 
 
+def engine_recording(cfg: RolloutConfig) -> Recording:
+    """What the engines record for the trainer: kept sets (rollout.sampling_mask), MoE routing (router_replay)."""
+    return Recording(sampling_mask=cfg.records_sampling_mask, routing=cfg.router_replay == "record")
+
+
 def load_engine(source: str, cfg: EngineConfig, *, eos_token_ids: Sequence[int] = (), image_processor: Any = None,
-                dtype: str = "float32") -> Engine:
+                dtype: str = "float32", record: Recording = Recording()) -> Engine:
     """`build_engine` with its weights: an embedded engine loads `source` (a model name or directory) in `dtype`
     here; vLLM in process loads it itself; server engines load nothing here."""
     from turnrl.models import DTYPES, load_model
 
     model = load_model(source, dtype=DTYPES[dtype]) if cfg.kind == "embedded" else None
-    return build_engine(model, cfg, eos_token_ids, image_processor, model_path=source)
+    return build_engine(model, cfg, eos_token_ids, image_processor, model_path=source, record=record)
 
 
 def build_engine(model: torch.nn.Module | None, cfg: EngineConfig, eos_token_ids: Sequence[int] = (),
-                 image_processor: Any = None, model_path: str | None = None) -> Engine:
+                 image_processor: Any = None, model_path: str | None = None, *,
+                 record: Recording = Recording()) -> Engine:
     """`model_path` (a model name or directory, as `turnrl.models.resolve_model` takes) is what an in-process
-    vLLM engine (`engine.kind: vllm` without `engine.urls`) loads; the embedded engine uses `model` itself."""
+    vLLM engine (`engine.kind: vllm` without `engine.urls`) loads; the embedded engine uses `model` itself.
+    `record` says what the engines report beside tokens and logprobs (kept sets, MoE routing)."""
     if cfg.kind == "vllm" and not cfg.urls:
-        return build_vllm_engine(cfg, model_path, eos_token_ids)
+        return build_vllm_engine(cfg, model_path, eos_token_ids, record)
     if cfg.kind != "embedded":
-        return _server_engine(cfg)
+        return _server_engine(cfg, record, model_path)
     from turnrl.engines.embedded import EmbeddedEngine
 
     if model is None:
@@ -99,7 +106,8 @@ def build_engine(model: torch.nn.Module | None, cfg: EngineConfig, eos_token_ids
 
     def one(weights: Any) -> EmbeddedEngine:  # a transformers PreTrainedModel
         return EmbeddedEngine(weights, eos_token_ids=eos_token_ids, max_batch_size=cfg.max_batch_size,
-                              prefix_cache_tokens=cfg.prefix_cache_tokens, image_processor=image_processor)
+                              prefix_cache_tokens=cfg.prefix_cache_tokens, image_processor=image_processor,
+                              record_sampling_mask=record.sampling_mask, record_routing=record.routing)
 
     if cfg.replicas == 1:
         return one(model)
@@ -111,7 +119,8 @@ def build_engine(model: torch.nn.Module | None, cfg: EngineConfig, eos_token_ids
     return Router({f"embedded{i}": one(model if i == 0 else copy.deepcopy(model)) for i in range(cfg.replicas)})
 
 
-def build_vllm_engine(cfg: EngineConfig, model_path: str | None, eos_token_ids: Sequence[int] = ()) -> Engine:
+def build_vllm_engine(cfg: EngineConfig, model_path: str | None, eos_token_ids: Sequence[int] = (),
+                      record: Recording = Recording()) -> Engine:
     from turnrl.engines.vllm import VLLMEngine
     from turnrl.models import resolve_model
 
@@ -120,10 +129,11 @@ def build_vllm_engine(cfg: EngineConfig, model_path: str | None, eos_token_ids: 
     if cfg.replicas != 1:
         raise ConfigError("engine.kind=vllm runs one in-process vLLM engine; for replicas, start `vllm serve` "
                           "servers and list them in engine.urls")
-    return VLLMEngine(resolve_model(model_path), eos_token_ids=eos_token_ids, max_num_seqs=cfg.max_batch_size)
+    return VLLMEngine(resolve_model(model_path), eos_token_ids=eos_token_ids, max_num_seqs=cfg.max_batch_size,
+                      record=record)
 
 
-def _server_engine(cfg: EngineConfig) -> Engine:
+def _server_engine(cfg: EngineConfig, record: Recording = Recording(), model_path: str | None = None) -> Engine:
     """An Engine for `engine.kind` http, sglang or vllm (with urls): one client per URL in `engine.urls`, behind a
     Router when there are several. `weights_dir` is where SGLang and vLLM
     server clients write pushed weights for their servers to load (a sub-folder per replica)."""
@@ -132,18 +142,33 @@ def _server_engine(cfg: EngineConfig) -> Engine:
     if not cfg.urls:
         raise ValueError(f"engine.urls is required for engine.kind={cfg.kind!r} (one server URL per replica)")
     replicas: list[Any]
+    after, probe = cfg.probe_after_s, cfg.probe_timeout_s  # a call that waits this long asks if the server is alive
     if cfg.kind == "http":
         from turnrl.engines.http import HttpEngine
 
-        replicas = [HttpEngine(url) for url in cfg.urls]
+        replicas = [HttpEngine(url, probe_after_s=after, probe_timeout_s=probe) for url in cfg.urls]
     elif cfg.kind == "sglang":
         from turnrl.engines.sglang import SGLangEngine
 
-        replicas = [SGLangEngine(url, weights_dir=_replica_dir(cfg, i)) for i, url in enumerate(cfg.urls)]
+        shape = None
+        if record.routing:
+            from transformers import AutoConfig
+
+            from turnrl.models import resolve_model
+            from turnrl.moe import routing_shape
+
+            if model_path is None:
+                raise ConfigError("rollout.router_replay: record with SGLang needs the policy (model) to size its routing")
+            shape = routing_shape(AutoConfig.from_pretrained(resolve_model(model_path)))
+        replicas = [SGLangEngine(url, weights_dir=_replica_dir(cfg, i), record=record, routing_shape=shape,
+                                    probe_after_s=after, probe_timeout_s=probe)
+                    for i, url in enumerate(cfg.urls)]
     elif cfg.kind == "vllm":
         from turnrl.engines.vllm import VLLMServerEngine
 
-        replicas = [VLLMServerEngine(url, weights_dir=_replica_dir(cfg, i)) for i, url in enumerate(cfg.urls)]
+        replicas = [VLLMServerEngine(url, weights_dir=_replica_dir(cfg, i), record=record, probe_after_s=after,
+                                     probe_timeout_s=probe)
+                    for i, url in enumerate(cfg.urls)]
     else:
         raise ValueError(f"engine.kind={cfg.kind!r} has no server client here; use http, sglang or vllm")
     return replicas[0] if len(replicas) == 1 else Router(replicas)
@@ -330,11 +355,13 @@ def build_stack(model: str, cfg: RolloutConfig | None, engine_cfg: EngineConfig,
                           tracer)
     # plugins, agents, scheduler, tools and env resolve here, before the weights load; the engine comes after
     manager = build_rollout_manager(cfg, None, renderer, reward_fn) if cfg is not None else None
+    record = engine_recording(rollout_cfg)
     if engine_model is not None:
-        engine = build_engine(engine_model(), engine_cfg, sorted(renderer.end_of_turn_ids), image_processor)
+        engine = build_engine(engine_model(), engine_cfg, sorted(renderer.end_of_turn_ids), image_processor,
+                              record=record)
     else:
         engine = load_engine(weights or model, engine_cfg, eos_token_ids=sorted(renderer.end_of_turn_ids),
-                             image_processor=image_processor, dtype=dtype)
+                             image_processor=image_processor, dtype=dtype, record=record)
     if manager is not None:
         manager.engine = engine
     return Stack(engine, renderer, manager, tracer, (engine.close, *_closers(reward_fn)))
@@ -372,7 +399,7 @@ def _ray_stack(model: str, cfg: RolloutConfig, engine_cfg: EngineConfig, rendere
         load_env_factory(cfg.env)
     one = engine_cfg.model_copy(update={"replicas": 1, "distributed": "none"})
     engine = functools.partial(load_engine, weights, one, eos_token_ids=sorted(renderer.end_of_turn_ids),
-                               image_processor=image_processor, dtype=dtype)
+                               image_processor=image_processor, dtype=dtype, record=engine_recording(cfg))
     rollout = RayRollout.start(engine, functools.partial(build_worker_manager, model, cfg, reward),
                                replicas=engine_cfg.replicas, workers=engine_cfg.ray_workers, renderer=renderer,
                                sampling=sampling_params(cfg), address=engine_cfg.ray_address)
@@ -386,12 +413,13 @@ def build_worker_manager(model: str, cfg: RolloutConfig, reward: RewardConfig | 
 
 
 def build_trainer(cfg: TrainConfig, *, checkpoint: Path | None = None, console: Console | None = None,
-                  parallel: Parallel | None = None) -> tuple[Trainer, Stack]:
+                  parallel: Parallel | None = None, loggers: bool = False) -> tuple[Trainer, Stack]:
     """The Trainer of `cfg` over its built components, and the stack to close when done. `checkpoint` (a
     model directory) replaces the base model's weights, in the policy and in the engines. `parallel` is this
     process's place among the trainer ranks (None: `Parallel.start` from torchrun's environment, or one
     process). Rank 0 reads the rows and builds the engines and the rollout; the other ranks only train, on the
-    samples rank 0 sends them each step (their stack holds nothing)."""
+    samples rank 0 sends them each step (their stack holds nothing). `loggers`: rank 0 starts the backends of
+    trainer.loggers (a training run; an evaluation writes none)."""
     from turnrl.data import load_rows
     from turnrl.models import DTYPES, load_model
     from turnrl.train.loop import Trainer
@@ -429,8 +457,15 @@ def build_trainer(cfg: TrainConfig, *, checkpoint: Path | None = None, console: 
     policy = loaded[0] if loaded else load_model(weights or cfg.model, dtype=DTYPES[cfg.dtype]).eval()
     if checkpoint and cfg.rollout_server and stack.engine is not None:  # the server loaded its own weights
         asyncio.run(stack.engine.update_weights(policy.state_dict()))
+    metric_loggers = None
+    if loggers and parallel.is_main:
+        from turnrl.observe.loggers import build_loggers
+
+        run_dir = Path(cfg.run_dir or cfg.output_dir)
+        metric_loggers = build_loggers(cfg.trainer.loggers, run_dir, cfg.model_dump(mode="json"), stack.tracer,
+                                       project=Path(cfg.output_dir).name if cfg.run_dir else None)
     trainer = Trainer(cfg, build_learner(cfg, policy, parallel), stack.engine, stack.rollout, train_rows, eval_rows,
-                      console, stack.tracer)
+                      console, stack.tracer, loggers=metric_loggers)
     return trainer, stack
 
 

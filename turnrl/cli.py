@@ -6,6 +6,7 @@ import asyncio
 import functools
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -285,7 +286,10 @@ def run_training(cfg: TrainConfig, console: Console | None = None, parallel: Par
     says (one process without it). With `trainer.launcher: ray` and no `parallel` it starts the ranks as Ray
     actors (each runs this function with its own `parallel`, in the run directory chosen here) and returns rank
     0's history."""
+    from rich.markup import escape
+
     from turnrl.build import build_trainer
+    from turnrl.config import training_warnings
     from turnrl.observe.plots import plot_curves
     from turnrl.observe.stats import peak_rss_gb
     from turnrl.train.runs import discard_if_empty, prepare_run
@@ -293,6 +297,9 @@ def run_training(cfg: TrainConfig, console: Console | None = None, parallel: Par
     console = console or Console()
     if parallel is None:  # a Ray trainer rank (parallel given) runs in the directory its driver chose
         prepare_run(cfg, overwrite=overwrite)
+        if os.environ.get("RANK", "0") == "0":  # said once, before anything loads
+            for warning in training_warnings(cfg):
+                console.print(f"[bold yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
     assert cfg.run_dir is not None  # prepare_run set it (here or in the driver)
     run_dir = Path(cfg.run_dir)
     said = f"run directory: {run_dir}" + (" (resuming)" if cfg.resume else "")
@@ -303,19 +310,25 @@ def run_training(cfg: TrainConfig, console: Console | None = None, parallel: Par
         return train_on_ray(functools.partial(_train_rank, cfg), cfg.trainer.world_size,
                             address=cfg.engine.ray_address, gpus_per_rank=1.0 if cfg.device.startswith("cuda") else 0.0)
     try:
-        trainer, stack = build_trainer(cfg, console=console, parallel=parallel)
+        trainer, stack = build_trainer(cfg, console=console, parallel=parallel, loggers=True)
     except BaseException:
         discard_if_empty(run_dir)  # a run that never started leaves no empty directory behind (nor says it had one)
         raise
     if trainer.parallel.is_main:
         console.print(said, soft_wrap=True)
+    failed = True
     try:
         history = asyncio.run(trainer.train())
-    finally:
+        if trainer.parallel.is_main:
+            plot_curves(history, trainer.out / "curves.png")
+        failed = False
+    finally:  # the backends get the curves and trajectory samples, then the stack ends the MLflow run
+        trajectories = trainer.out / "trajectories"
+        trainer.loggers.close([trainer.out / "curves.png", trajectories / "last_step.jsonl",
+                               *sorted(trajectories.glob("eval_*.jsonl"))], failed=failed)
         stack.close()
     trainer.parallel.close()  # after a failure a rank just exits: torchrun / the Ray driver stops the others
     if trainer.parallel.is_main:
-        plot_curves(history, trainer.out / "curves.png")
         trainer.console.print(f"wrote {trainer.out / 'curves.png'}, {trainer.out / 'metrics.jsonl'}, "
                               f"{trainer.out / 'trajectories'}, {trainer.out / 'checkpoints'}", soft_wrap=True)
         peak = peak_rss_gb()
@@ -450,6 +463,7 @@ def run_evaluation(cfg: TrainConfig, checkpoint: Path | None = None, out: Path |
         model_dir = None
         if ckpt is not None:  # a checkpoint without Hugging Face weights (all but a run's last): from its state
             model_dir = ckpt / "model" if has_hf_weights(ckpt / "model") else export_checkpoint(ckpt, tmp)
+            cfg = _checkpoint_model(cfg, ckpt, model_dir, console)
         trainer, stack = build_trainer(cfg, checkpoint=model_dir, console=console, parallel=one)
     try:
         metrics = asyncio.run(trainer.evaluate("cli", greedy=greedy, sampled_n=sampled_n, out=out))
@@ -462,6 +476,18 @@ def run_evaluation(cfg: TrainConfig, checkpoint: Path | None = None, out: Path |
     return metrics
 
 
+def _checkpoint_model(cfg: TrainConfig, ckpt: Path, model_dir: Path, console: Console) -> TrainConfig:
+    """The config to evaluate a checkpoint with: its own model directory (weights, config, tokenizer and chat
+    template, as it saved them) in place of the config's `model`, which may name another model; said when it does."""
+    import torch
+
+    trained = torch.load(ckpt / "trainer_state.pt", weights_only=False)["config"].get("model")
+    if trained is not None and trained != cfg.model:
+        console.print(f"note: {ckpt} was trained from {trained}, not {cfg.model} (the config's model): evaluating it "
+                      "with its own tokenizer, chat template and config", soft_wrap=True)
+    return cfg.model_copy(update={"model": str(model_dir)})
+
+
 @app.command()
 def view(
     path: Annotated[Path, typer.Argument(help="Trajectory JSONL written by rollout/train.")],
@@ -472,43 +498,83 @@ def view(
     """Show trajectories: model tokens (trained) vs injected tokens, statuses, rewards, images."""
     from turnrl.observe.viewer import print_trajectories, write_html
 
-    if not path.exists():
-        _fail(f"{path} does not exist")
-    if html is not None:
-        with _bad_input(IndexError):
+    if not path.is_file():
+        _fail(f"{path} does not exist" if not path.exists() else f"{path} is a directory, not a trajectory JSONL file")
+    with _bad_input(ValueError, OSError):  # not a trajectory file, an --index out of range, an unknown --model
+        if html is not None:
             write_html(path, html, model=model, index=index)
-        console.print(f"wrote {html}")
-        return
-    print_trajectories(path, console, index=index, model=model)
+            console.print(f"wrote {html}")
+        else:
+            print_trajectories(path, console, index=index, model=model)
 
 
 @app.command(name="replay")
 def replay_command(
     path: Annotated[Path, typer.Argument(help="Trajectory JSONL written by rollout/train (format version 2).")],
     trajectory_id: Annotated[str, Opt("--id", help="The id of the trajectory to replay.")],
-    model: Annotated[str, Opt(help="The policy that sampled it (version 0 with --run-dir): model dir, hub id, "
-                                   "built-in name.")],
-    run_dir: Annotated[Path | None, Opt(help="A training run's output_dir: each call is replayed with the "
-                                             "checkpoint of the policy version that answered it.")] = None,
+    model: Annotated[str | None, Opt(help="The policy that sampled it (version 0): model dir, hub id, built-in name. "
+                                          "Default: the model of the training run the file lies in.")] = None,
+    run_dir: Annotated[Path | None, Opt(help="The training run whose checkpoints hold the policy versions that "
+                                             "answered the calls. Default: the run the file lies in.")] = None,
 ) -> None:
     """Re-issue every model call of a recorded trajectory and check that the same tokens and logprobs come out
-    (exit 1 when a call's tokens differ). See turnrl/rollout/replay.py for what is reproducible."""
+    (exit 1 when a call's tokens differ, with the reason). A file inside a training run (RUN/trajectories/,
+    RUN/eval/) needs nothing else: the run's config names the model and its checkpoints hold each policy
+    version. See turnrl/rollout/replay.py for what is reproducible."""
     _setup_logging(False)
     from turnrl.rollout.replay import report_table, run_replay, verdict
-    from turnrl.types import Trajectory
 
-    if not path.exists():
-        _fail(f"{path} does not exist")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    row = next((r for r in rows if r.get("id") == trajectory_id), None)
-    if row is None:
-        _fail(f"{path}: no trajectory with id {trajectory_id!r} ({len(rows)} trajectories in the file)")
+    traj = _recorded_trajectory(path, trajectory_id)
     with _bad_input(ValueError, FileNotFoundError, ImportError):
-        report = asyncio.run(run_replay(Trajectory.from_json(row), model, run_dir))
+        model, weights_of = _replay_weights(path, traj, model, run_dir)
+        report = asyncio.run(run_replay(traj, model, weights_of))
     console.print(report_table(report))
     console.print(verdict(report), soft_wrap=True)
     if not report.tokens_equal:
         raise typer.Exit(1)
+
+
+def _recorded_trajectory(path: Path, trajectory_id: str) -> Any:
+    from turnrl.types import Trajectory
+
+    if not path.exists():
+        _fail(f"{path} does not exist")
+    rows = []
+    for k, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                _fail(f"{path} line {k}: not JSON ({e.msg}); expected trajectory JSONL (docs/trajectory-format.md)")
+    row = next((r for r in rows if isinstance(r, dict) and r.get("id") == trajectory_id), None)
+    if row is None:
+        _fail(f"{path}: no trajectory with id {trajectory_id!r} ({len(rows)} trajectories in the file)")
+    return Trajectory.from_json(row)
+
+
+def _replay_weights(path: Path, traj: Any, model: str | None, run_dir: Path | None) -> tuple[str, Any]:
+    """The model of `turnrl replay` and the policy of each later version: given, or the run's the file lies in."""
+    from turnrl.rollout.replay import policy_versions
+    from turnrl.train.checkpoint import load_checkpoint_model
+    from turnrl.train.runs import find_run, run_model, version_checkpoint
+
+    run = run_dir or find_run(path)
+    if model is None and run is None:
+        raise ValueError(f"--model: {path} does not lie in a training run (no run's config.yaml in its folders), so "
+                         "the policy that sampled it is unknown: pass --model M (and --run-dir RUN for trained "
+                         "policy versions)")
+    later = [v for v in policy_versions(traj) if v]
+    if run is None:
+        assert model is not None
+        if later:
+            console.print(f"note: calls sampled by policy version(s) {', '.join(map(str, later))}; without a run "
+                          f"(--run-dir) they replay with {model}'s weights", soft_wrap=True)
+        return model, None
+    model = model or run_model(run)
+    checkpoints = {v: version_checkpoint(run, v) for v in later}  # every one, before anything loads
+    console.print(f"replaying with {model} (policy version 0) and the checkpoints of {run} (version(s) "
+                  f"{', '.join(map(str, later)) or 'none'})", soft_wrap=True)
+    return model, lambda version: load_checkpoint_model(checkpoints[version])
 
 
 @app.command()

@@ -26,7 +26,8 @@ class SamplingConfig(Strict):
     temperature: float = Field(1.0, ge=0)
     """Sampling temperature of rollouts (0 = greedy). The trainer scales its logits by the same value."""
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus mass; keep 1.0 when training (the trainer's logprobs ignore top-p)."""
+    """Nucleus mass; 1.0 disables. Below 1 the engine records each token's kept set (rollout.sampling_mask), which
+    the trainer renormalises over (algo.sampling_mask; docs/off-policy.md)."""
     top_k: int = -1
     """Keep the k most likely tokens; -1 disables."""
     seed: int | None = None
@@ -44,6 +45,12 @@ class EngineConfig(Strict):
     """Engine replicas behind the router (each a separate engine)."""
     urls: list[str] = []
     """Server URLs for kind sglang/http/vllm-server (one replica each)."""
+    probe_after_s: float | None = Field(20.0, gt=0)
+    """Server engines: a call without an answer this long asks the server's health (a cheap endpoint on its own
+    connection); a server that answers keeps the call waiting (it is slow), one that does not fails the call at
+    once, naming its URL (it is dead). None: never probe (a call then waits up to its 600 s limit)."""
+    probe_timeout_s: float = Field(10.0, gt=0)
+    """How long that health probe may take before the server counts as not responding."""
     weights_dir: str | None = None
     """A folder the trainer and the servers share: server engines (sglang, vllm server) load pushed weights
     from there (`update_weights_from_disk`); one sub-folder per replica."""
@@ -164,6 +171,21 @@ class RolloutConfig(Strict):
     """Trajectories traced per training step, eval pass or `turnrl rollout`; all are still written to JSONL."""
     sampling: SamplingConfig = SamplingConfig()
     """How rollouts sample (the training distribution; evaluation's greedy pass uses temperature 0)."""
+    sampling_mask: Literal["none", "record"] | None = None
+    """record: the engine reports, for each sampled token, the kept set top-k / top-p left (as its size k: the k most
+    likely tokens) and the trajectory stores it (segments[].kept_counts), so the trainer can score the token under
+    the same truncated distribution (algo.sampling_mask). None = record whenever sampling.top_p < 1 or
+    sampling.top_k > 0. An engine that cannot report it says so once (docs/off-policy.md)."""
+    router_replay: Literal["none", "record"] = "none"
+    """record (MoE policies): the engine records the experts each MoE layer's router chose for every token, and the
+    trajectory stores them (routed_experts), for the trainer to force the same routing (algo.router_replay)."""
+
+    @property
+    def records_sampling_mask(self) -> bool:
+        """`sampling_mask` with its default resolved: record when top-p or top-k cut the distribution."""
+        if self.sampling_mask is not None:
+            return self.sampling_mask == "record"
+        return self.sampling.top_p < 1.0 or self.sampling.top_k > 0
 
 
 class AlgoConfig(Strict):
@@ -200,6 +222,14 @@ class AlgoConfig(Strict):
     """TIS truncates importance weights at this value; MIS masks those outside [1/threshold, threshold]."""
     train_on: list[Literal["completed", "truncated", "aborted", "failed"]] = ["completed", "truncated"]
     """Trajectory statuses that enter the loss (failed ones never should)."""
+    sampling_mask: Literal["renormalize", "ignore"] = "renormalize"
+    """renormalize: score each sampled token under the trainer's distribution renormalised over the kept set the
+    engine sampled it from (rollout.sampling_mask), in the ratio, the importance weights and the loss; trajectories
+    without kept sets fall back to the full softmax, with a warning. ignore: the full softmax everywhere. Both
+    report train/mismatch_kl_k3 (renormalised) and train/mismatch_kl_k3_unmasked (full softmax)."""
+    router_replay: bool = False
+    """MoE policies: the trainer's forward routes every token to the experts the engine chose (recorded with
+    rollout.router_replay: record); the router's gate values still train (turnrl.moe)."""
 
 
 class OptimConfig(Strict):
@@ -252,6 +282,12 @@ class TrainerConfig(Strict):
     are fp32 and `dtype` is the compute dtype (bfloat16: mixed precision)."""
     world_size: int = Field(1, ge=1)
     """Trainer ranks; under torchrun it must equal WORLD_SIZE."""
+    loggers: list[Literal["jsonl", "mlflow", "wandb", "tensorboard"]] = ["jsonl"]
+    """Where metrics go besides the console (turnrl.observe.loggers), each with metrics.jsonl's names and steps and
+    the run directory's name: jsonl (RUN/metrics.jsonl, always on), mlflow (the MLflow run at rollout.trace_uri,
+    on whenever that is set), wandb (a W&B run; WANDB_MODE=offline keeps it under RUN/wandb, WANDB_PROJECT names
+    the project), tensorboard (event files under RUN/tensorboard). A backend that cannot start or log warns once
+    and training goes on. `turnrl train` only."""
     launcher: Literal["torchrun", "ray"] = "torchrun"
     """Who starts the trainer ranks. torchrun: each process `turnrl train` runs in is one rank, as torchrun's
     environment says (WORLD_SIZE, RANK, LOCAL_RANK); without torchrun, one process. ray: `turnrl train`, run
@@ -421,7 +457,25 @@ class TrainConfig(Strict):
             raise ValueError("algo.norm_constant is required with algo.loss_agg=seq_mean_token_sum_norm")
         if self.trainer.parallel == "none" and self.trainer.world_size > 1:
             raise ValueError(f"trainer.world_size={self.trainer.world_size} needs trainer.parallel: fsdp")
+        if "mlflow" in self.trainer.loggers and not self.rollout.trace_uri:
+            raise ValueError("trainer.loggers: mlflow logs to the MLflow server at rollout.trace_uri (where the "
+                             "trajectory traces go): set rollout.trace_uri")
+        if self.algo.router_replay and self.rollout.router_replay != "record":
+            raise ValueError("algo.router_replay: true replays the routing the engine recorded: set "
+                             "rollout.router_replay: record")
         return self
+
+
+def training_warnings(cfg: TrainConfig) -> list[str]:
+    """Settings that are valid but make RL training do nothing useful, said at start-up (`turnrl train`)."""
+    warnings = []
+    if cfg.rollout.n == 1:
+        kl = (f"; only the KL term (algo.kl_coef={cfg.algo.kl_coef:g}) moves the policy" if cfg.algo.kl_coef
+              else "")
+        warnings.append(f"rollout.n=1: each group has one sample, so every group-relative advantage "
+                        f"(algo.advantage={cfg.algo.advantage}) is 0 and no trajectory gives a policy gradient{kl}. "
+                        "Set rollout.n to the group size, e.g. 4 to 16.")
+    return warnings
 
 
 class SFTSection(Strict):

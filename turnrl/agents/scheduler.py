@@ -28,6 +28,8 @@ The hooks do not get a loop of their own. `SchedulerEnv` is a turn-aware env for
           messages appended                     → observation delta (chat-template tokens, mask 0)
           anything else (history rewritten)     → this sample ends (TerminationReason.SPLIT) and the episode
                                                   continues in a new sample rendered afresh from the request
+        (an assistant message is the same with or without the template's pre-fill, which the hooks never see:
+        Qwen3's empty `<think></think>` with thinking off does not rewrite history)
     Token edits become one `TokenEdit` that the TrajectoryBuilder applies loudly (ids/mask mismatch →
     FAILED/invalid_output; a logprob count mismatch → importance correction off for that trajectory, with the
     reason in `Trajectory.warnings`).
@@ -38,7 +40,9 @@ step, observe), so limits, validation and traces are the same; a history that is
 request starts a new sample (trajectory splitting).
 
 All samples of one episode share `episode_id` and the episode's `rollout_infos` (with
-`num_turns`, the episode's model turns); the trainer rejects unequal rewards within an episode.
+`num_turns`, the episode's model turns, and, when it was split, `episode_turn_rewards`: the env rewards of all
+its samples, which a reward function's `turn_rewards` then are, so `reward: env` scores the episode); the
+trainer rejects unequal rewards within an episode.
 
 One scheduler instance serves every trajectory of a RolloutManager, as in ms-swift: keep per-trajectory state
 keyed by `request.uuid` and drop it in `on_trajectory_end`, which always runs (also after a failure).
@@ -63,7 +67,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from turnrl.data import prompt_messages
-from turnrl.envs.base import EpisodeEnv, maybe_await
+from turnrl.envs.base import EpisodeEnv, error_with_frames, maybe_await
 from turnrl.multimodal import IMAGE_PLACEHOLDER, image_ref, split_placeholders
 from turnrl.rollout.episode import Episode, EpisodeEnd, RolloutContext, drive
 from turnrl.rollout.manager import Agent
@@ -227,18 +231,27 @@ class MultiTurnScheduler:
 def plan_next(turn: Turn, nxt: list[Message], response: TurnResponse, edit: TokenEdit | None, renderer: Any
               ) -> tuple[StepResult, bool]:
     """The StepResult that takes the token stream from `turn.messages` (the conversation as the stream holds it,
-    this reply included) to the next request's messages, and whether the sample must be split instead."""
+    this reply included) to the next request's messages, and whether the sample must be split instead.
+
+    The hooks were shown each reply without what the chat template pre-filled before it (Qwen3 with thinking
+    off: `<think>\n\n</think>\n\n`), and a template drops that block from history anyway, so an assistant
+    message with or without its pre-fill is the same message: a request that only appends continues the sample
+    (the stream keeps the tokens the model saw, as `drive` does). Anything else rewrites history and splits."""
+    prefills = _template_prefills(renderer)
     conversation = turn.messages
     last = conversation[-1]["content"]
-    prior = last[: len(last) - len(turn.text)]  # the assistant message before this call, on a continuation
+    prior = last[: len(last) - len(turn.text)]  # the assistant message before this call (its pre-fill, or more)
     edited_ids = edit.token_ids if edit is not None else None
     token_backed = edited_ids is not None
     reply = prior + (renderer.assistant_text(edited_ids) if edited_ids is not None else response.text)
     head = conversation[:-1]
-    if len(nxt) == len(conversation) and _same(nxt[:-1], head) and nxt[-1].get("role") == "assistant":
+    if len(nxt) == len(conversation) and _same(nxt[:-1], head, prefills) and nxt[-1].get("role") == "assistant":
         content = nxt[-1].get("content")
-        if isinstance(content, str) and content.startswith(reply):
-            tip = content[len(reply):]
+        content = content if isinstance(content, str) else None
+        shown = next((r for r in (reply, _without_prefill(reply, prefills))
+                      if content is not None and content.startswith(r)), None)
+        if content is not None and shown is not None:
+            tip = content[len(shown):]
         elif token_backed:  # token-backed reply: the tokens are the message (as ms-swift >= PR #10012)
             tip = ""
         else:
@@ -246,9 +259,9 @@ def plan_next(turn: Turn, nxt: list[Message], response: TurnResponse, edit: Toke
         if edit is None and response.content_token_ids != response.token_ids:
             edit = TokenEdit(token_ids=response.content_token_ids)  # go on after the text, not its stop token
         return StepResult(observation=tip, continuation=True, edit=edit), False
-    if (len(nxt) > len(conversation) and _same(nxt[:len(head)], head)
+    if (len(nxt) > len(conversation) and _same(nxt[:len(head)], head, prefills)
             and nxt[len(head)].get("role") == "assistant"
-            and (nxt[len(head)].get("content") == reply or token_backed)):
+            and (_same([nxt[len(head)]], [{"role": "assistant", "content": reply}], prefills) or token_backed)):
         new = copy.deepcopy(nxt[len(conversation):])
         if new[-1].get("role") == "assistant":
             raise ValueError("the next request ends with an assistant message after new messages (a prefill); "
@@ -257,9 +270,23 @@ def plan_next(turn: Turn, nxt: list[Message], response: TurnResponse, edit: Toke
     return StepResult(done=True, termination_reason=TerminationReason.SPLIT, edit=edit), True
 
 
-def _same(a: list[Message], b: list[Message]) -> bool:
+def _template_prefills(renderer: Any) -> tuple[str, ...]:
+    """What the chat template pre-fills at the start of an assistant turn (per tool/no-tool profile), longest first."""
+    profiles = getattr(renderer, "profiles", {}).values()
+    return tuple(sorted({p.prefill for p in profiles if p.error is None and p.prefill}, key=len, reverse=True))
+
+
+def _without_prefill(text: str, prefills: tuple[str, ...]) -> str:
+    return next((text[len(p):] for p in prefills if text.startswith(p)), text)
+
+
+def _same(a: list[Message], b: list[Message], prefills: tuple[str, ...] = ()) -> bool:
+    """The same messages, an assistant message's template pre-fill aside (plan_next)."""
     def norm(m: Message) -> dict:
-        return {k: v for k, v in m.items() if v is not None}
+        m = {k: v for k, v in m.items() if v is not None}
+        if m.get("role") == "assistant" and isinstance(m.get("content"), str):
+            m["content"] = _without_prefill(m["content"], prefills)
+        return m
 
     return len(a) == len(b) and all(norm(x) == norm(y) for x, y in zip(a, b, strict=True))
 
@@ -530,7 +557,7 @@ class SchedulerRunner:
             raise
         except Exception as e:
             log.info("trajectory %s: %s raised", self.ctx.trajectory_id, type(e).__name__, exc_info=True)  # -v
-            await self._end_sample(None, TerminationReason.ENV_ERROR, f"{type(e).__name__}: {e}")
+            await self._end_sample(None, TerminationReason.ENV_ERROR, error_with_frames(e))
         traj = self.trajectories[-1]
         raise EpisodeOver(f"the sample ended: {traj.termination_reason}{': ' + traj.error if traj.error else ''}")
 
@@ -555,6 +582,9 @@ class SchedulerRunner:
         """Give every sample the episode id and infos; a failed sample fails its whole episode (the samples share
         one reward, which an unfinished episode cannot give)."""
         infos = {**self.rollout_infos, "num_turns": self.turns}
+        episode_rewards = [r for t in trajectories for r in t.turn_rewards]
+        if len(trajectories) > 1 and episode_rewards:  # a split episode: scored on every sample's env rewards
+            infos["episode_turn_rewards"] = episode_rewards
         failed = next((t for t in trajectories if t.status == RolloutStatus.FAILED), None)
         for traj in trajectories:
             traj.episode_id = self.ctx.trajectory_id

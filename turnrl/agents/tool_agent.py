@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from turnrl.data import row_tool_selection, row_tools_kwargs
+from turnrl.envs.base import error_with_frames
 from turnrl.observe.tracing import collect_spans
 from turnrl.rollout.episode import RolloutContext, drive
 from turnrl.tools import ToolCallParser, ToolError, ToolSet, get_parser, split_tool_rewards
@@ -208,7 +209,8 @@ async def tool_agent(ctx: RolloutContext, sample: dict[str, Any]) -> Trajectory:
     except Exception as e:  # calc_reward raised: the reward would be wrong, so this trajectory fails
         if traj is None:
             raise
-        traj.finish(TerminationReason.ENV_ERROR, f"{type(e).__name__}: {e}")
+        log.info("trajectory %s: calc_reward raised", ctx.trajectory_id, exc_info=True)  # -v
+        traj.finish(TerminationReason.ENV_ERROR, error_with_frames(e))
     finally:
         try:
             await session.close()

@@ -7,6 +7,7 @@ policy sampled. Every backend (embedded, vLLM, SGLang, remote HTTP) and the rout
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -17,6 +18,16 @@ NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 PAUSE_MODES = ("keep", "wait", "abort")
 """What requests in flight do at a weight update (`update_weights(..., pause=...)`, config weight_sync.pause)."""
+
+
+@dataclass(frozen=True)
+class Recording:
+    """What an engine reports beside tokens and logprobs, where it can (docs/off-policy.md)."""
+
+    sampling_mask: bool = False
+    """Each token's kept set under top-k / top-p (`GenerateOutput.kept_counts`; rollout.sampling_mask)."""
+    routing: bool = False
+    """The MoE experts chosen for every token fed (`GenerateOutput.routed_experts`; rollout.router_replay)."""
 
 
 class EngineError(RuntimeError):

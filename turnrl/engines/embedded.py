@@ -19,6 +19,9 @@ How it works:
   tokens (the observation). Parked KV is bounded by `prefix_cache_tokens` (LRU) and dropped on
   `release(request_id)` or a weight update.
 - Logprobs are those of the distribution actually sampled from (temperature, top-k, top-p applied).
+- With `record_sampling_mask`, each token also reports the size of the kept set it was drawn from (the k most
+  likely tokens that top-k and top-p left), so the trainer can renormalise over the same set; with
+  `record_routing` (an MoE policy), the experts its routers chose for every token fed (turnrl.moe).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from turnrl.engines.base import EngineError, InvalidRequest, NamedTensors, check_pause
+from turnrl.moe import RoutingRecorder, router_top_k
 from turnrl.types import (
     SAMPLING_RULES,
     FinishReason,
@@ -174,16 +178,21 @@ class _Request:
     stop_asked: bool = False  # on_token returned True: the call ends at the next step, as a stop
     error: BaseException | None = None  # set when this request alone failed in a step: retired with it
     versions: list[int] = field(default_factory=list)  # the policy version that sampled each out token
+    kept: list[int] = field(default_factory=list)  # the kept-set size of each out token (record_sampling_mask)
+    routing: list[torch.Tensor] = field(default_factory=list)  # [tokens, layers, k] per forward (record_routing)
 
 
 def sample_tokens(
     logits_N_V: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
     default_generator: torch.Generator,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row with per-row temperature/top-k/top-p; return (tokens_N, logprobs_N).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sample one token per row with per-row temperature/top-k/top-p; return (tokens_N, logprobs_N, kept_N).
 
     The logprob is taken from the distribution the token was drawn from (after the filters, renormalised),
     which is what importance-sampling correction needs. Greedy rows return the unscaled logprob.
+    kept_N is the size of each row's kept set: top-k keeps every token at least as likely as the k-th, top-p a
+    prefix of the tokens sorted by probability, so the kept set is always the kept_N most likely tokens (the
+    vocabulary size for greedy rows and rows without filters).
     """
     logits_N_V = logits_N_V.float()
     n = logits_N_V.shape[0]
@@ -203,6 +212,10 @@ def sample_tokens(
         sorted_N_V = sorted_N_V.masked_fill(drop_N_V, float("-inf"))
         scaled_N_V = torch.empty_like(scaled_N_V).scatter_(1, order_N_V, sorted_N_V)
     logp_N_V = scaled_N_V.log_softmax(-1)
+    kept_N = torch.full((n,), logits_N_V.shape[1], dtype=torch.long)
+    filtered = [i for i, p in enumerate(params) if not p.greedy and (p.top_p < 1.0 or 0 < p.top_k < logits_N_V.shape[1])]
+    if filtered:
+        kept_N[filtered] = torch.isfinite(scaled_N_V[filtered]).sum(-1)
     tokens_N = torch.empty(n, dtype=torch.long)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
@@ -217,7 +230,7 @@ def sample_tokens(
     logprobs_N = logp_N_V.gather(1, tokens_N[:, None])[:, 0]
     if greedy:  # a greedy choice has no sampling distribution: report the model's own (unfiltered) logprob
         logprobs_N[greedy] = logits_N_V[greedy].log_softmax(-1).gather(1, tokens_N[greedy, None])[:, 0]
-    return tokens_N, logprobs_N
+    return tokens_N, logprobs_N, kept_N
 
 
 def draw(logp_N_V: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -280,8 +293,14 @@ class EmbeddedEngine:
         max_context: int | None = None,
         seed: int = 0,
         image_processor: Any = None,
+        record_sampling_mask: bool = False,
+        record_routing: bool = False,
     ):
         self.model = model.eval()
+        self.record_sampling_mask = record_sampling_mask
+        """Report each token's kept-set size (`GenerateOutput.kept_counts`)."""
+        self._routing = RoutingRecorder(model) if record_routing else None
+        """Records the MoE routing of every forward (`GenerateOutput.routed_experts`); None: off."""
         self.is_vlm = hasattr(model.config, "vision_config")
         from turnrl.multimodal import uses_mrope
 
@@ -398,6 +417,8 @@ class EmbeddedEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
+        if self._routing is not None:
+            self._routing.close()
 
     # ---- thread plumbing -------------------------------------------------------------------------
     def _submit(self, item: tuple) -> None:
@@ -532,9 +553,12 @@ class EmbeddedEngine:
 
     def _output(self, req: _Request, reason: FinishReason, *, preempted: bool = False) -> GenerateOutput:
         versions = req.versions if len(set(req.versions)) > 1 else None  # a request that went on across an update
+        routed = torch.cat(req.routing) if req.routing else None
         return GenerateOutput(token_ids=req.out_ids, logprobs=req.out_logprobs, finish_reason=reason,
                               policy_version=self.policy_version, cached_prompt_tokens=req.cached_prompt_tokens,
-                              token_versions=versions, preempted=preempted)
+                              token_versions=versions, preempted=preempted,
+                              kept_counts=req.kept if self.record_sampling_mask else None,
+                              routed_experts=routed, routed_start=req.cached_prompt_tokens)
 
     # ---- prefix reuse ----------------------------------------------------------------------------
     def _park(self, req: _Request, slot: int) -> None:
@@ -620,9 +644,14 @@ class EmbeddedEngine:
             logits = self._forward(input_ids, positions, mask)
         self.stats["prefill_forwards"] += 1
         reqs = [req for req, _ in group]
-        tokens, logps = sample_tokens(logits[:, -1], [r.params for r in reqs], [r.generator for r in reqs],
-                                      self._generator)
-        for (req, start), ids, token, logp in zip(group, new_ids, tokens.tolist(), logps.tolist(), strict=True):
+        if self._routing is not None:  # rows [m * Q]: each request's new tokens are the last of its (left-padded) row
+            routed = self._routing.take().view(len(reqs), q_max, *self._routing_shape())
+            for i, (req, ids) in enumerate(zip(reqs, new_ids, strict=True)):
+                req.routing.append(routed[i, q_max - len(ids):])
+        tokens, logps, kept = sample_tokens(logits[:, -1], [r.params for r in reqs], [r.generator for r in reqs],
+                                            self._generator)
+        for (req, start), ids, token, logp, k in zip(group, new_ids, tokens.tolist(), logps.tolist(), kept.tolist(),
+                                                     strict=True):
             req.length = len(req.prompt_ids)
             if not self.mrope:
                 req.next_pos = len(req.prompt_ids)
@@ -630,7 +659,7 @@ class EmbeddedEngine:
             self.stats["prefill_tokens"] += len(ids)
             self.stats["cached_prompt_tokens"] += start
             self.stats["requests"] += 1
-            self._append(req, token, logp)
+            self._append(req, token, logp, k)
 
     def _new_image_inputs(self, req: _Request, start: int) -> dict[str, torch.Tensor]:
         """Pixels of the images in the part of the prompt not served from the cache (stream order)."""
@@ -663,26 +692,36 @@ class EmbeddedEngine:
         logits = self._forward(ids, positions, mask)
         for r in rows:
             r.next_pos += 1
-        tokens, logps = sample_tokens(
+        tokens, logps, kept = sample_tokens(
             logits[:, -1], [r.params for r in rows], [r.generator for r in rows], self._generator
         )
         self.stats["decode_steps"] += 1
-        for r, t, lp in zip(rows, tokens.tolist(), logps.tolist(), strict=True):
+        routed = self._routing.take() if self._routing is not None else None  # one row per request
+        for i, (r, t, lp, k) in enumerate(zip(rows, tokens.tolist(), logps.tolist(), kept.tolist(), strict=True)):
             r.length += 1
-            self._append(r, t, lp)
+            if routed is not None:
+                r.routing.append(routed[i : i + 1])
+            self._append(r, t, lp, k)
         self._retire([r for r in rows if self._finished(r) or r.aborted])
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
                  **pixels: torch.Tensor) -> torch.Tensor:
-        out = self.model(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
-            logits_to_keep=1, **{self._cache_kwarg: self.cache}, **pixels,
-        )
+        with self._routing.capture() if self._routing is not None else contextlib.nullcontext():
+            out = self.model(
+                input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
+                logits_to_keep=1, **{self._cache_kwarg: self.cache}, **pixels,
+            )
         return out.logits
 
-    def _append(self, req: _Request, token: int, logprob: float) -> None:
+    def _routing_shape(self) -> tuple[int, int]:
+        """(MoE layers, experts per token) of the recorded routing."""
+        assert self._routing is not None
+        return len(self._routing.routers), router_top_k(self._routing.routers[0])
+
+    def _append(self, req: _Request, token: int, logprob: float, kept: int) -> None:
         req.out_ids.append(token)
         req.out_logprobs.append(logprob)
+        req.kept.append(kept)
         req.versions.append(self.policy_version)
         self.stats["generated_tokens"] += 1
         if req.on_token is not None:

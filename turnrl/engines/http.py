@@ -29,8 +29,9 @@ import asyncio
 import base64
 import dataclasses
 import io
+import math
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import EllipsisType
 from typing import Any
@@ -41,6 +42,7 @@ from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save as save_safetensors_bytes
 
 from turnrl.engines.base import EngineError, InvalidRequest, NamedTensors, check_pause
+from turnrl.moe import decode_routing, encode_routing
 from turnrl.observe.watchdog import abandon_after
 from turnrl.types import (
     JSON_SAMPLING_RULES,
@@ -97,6 +99,10 @@ def output_to_json(out: GenerateOutput) -> dict[str, Any]:
         body["token_versions"] = list(out.token_versions)
     if out.preempted:  # stopped by a weight update (pause=abort): the caller resubmits
         body["preempted"] = True
+    if out.kept_counts is not None:  # recorded kept sets (docs/off-policy.md)
+        body["kept_counts"] = list(out.kept_counts)
+    if out.routed_experts is not None:  # recorded MoE routing, in the trajectory format's encoding
+        body["routed_experts"], body["routed_start"] = encode_routing(out.routed_experts), out.routed_start
     return body
 
 
@@ -110,6 +116,9 @@ def output_from_json(body: Any, where: str) -> GenerateOutput:
             cached_prompt_tokens=int(body.get("cached_prompt_tokens", 0)),
             token_versions=None if body.get("token_versions") is None else [int(v) for v in body["token_versions"]],
             preempted=bool(body.get("preempted", False)),
+            kept_counts=None if body.get("kept_counts") is None else [int(k) for k in body["kept_counts"]],
+            routed_experts=None if body.get("routed_experts") is None else decode_routing(body["routed_experts"]),
+            routed_start=int(body.get("routed_start", 0)),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise EngineError(f"{where}: malformed generate response ({type(e).__name__}: {e}): {_excerpt(body)}") from None
@@ -196,19 +205,33 @@ class JsonHttp:
 
     `timeout_s` bounds a whole request (httpx's own timeouts are per read, so a server trickling bytes would
     hold a request forever); a request past it is abandoned, never waited for.
+
+    A slow server and a dead one look the same until asked: a request that has had no answer for
+    `probe_after_s` asks the server's `probe_path` (a cheap endpoint the server answers at once, on a connection
+    of its own) and goes on waiting when the server answers it, with any HTTP status; when it gets no answer
+    within `probe_timeout_s` the request fails at once, naming the server. Concurrent requests share one probe,
+    and after a failed probe the next requests probe at once. Requests given a short `timeout_s` (control calls)
+    are not probed.
     """
 
     def __init__(self, base_url: str, *, owner: str, token: str | None = None, timeout_s: float | None = 600.0,
-                 connect_timeout_s: float = 10.0, hint: Callable[[int, str], str] | None = None):
+                 connect_timeout_s: float = 10.0, hint: Callable[[int, str], str] | None = None,
+                 probe_path: str = "/health", probe_after_s: float | None = 20.0, probe_timeout_s: float = 10.0):
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"{owner}.base_url must start with http:// or https://, got {base_url!r}")
+        if probe_after_s is not None and probe_after_s <= 0 or probe_timeout_s <= 0:
+            raise ValueError(f"{owner}: probe_after_s must be > 0 or None (got {probe_after_s}) and probe_timeout_s "
+                             f"> 0 (got {probe_timeout_s})")
         self.base_url = base_url.rstrip("/")
         self.token = token
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self.hint = hint  # (status, path) -> extra text for an error message
+        self.probe_path, self.probe_after_s, self.probe_timeout_s = probe_path, probe_after_s, probe_timeout_s
         self._client: httpx.AsyncClient | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
+        self._probe: asyncio.Task | None = None  # the probe in flight, shared by the requests waiting on it
+        self._answered_at = self._failed_at = -math.inf  # when the server last answered / last failed a probe
 
     def client(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
@@ -226,8 +249,9 @@ class JsonHttp:
         limit = self.timeout_s if isinstance(timeout_s, EllipsisType) else timeout_s
         call = self.client().request(method, path, timeout=httpx.Timeout(limit, connect=self.connect_timeout_s),
                                      **kwargs)
+        probed = self.probe_after_s is not None and (limit is None or limit > self.probe_after_s)
         try:
-            response = await abandon_after(call, limit, where)
+            response = await abandon_after(self._probed(call, where) if probed else call, limit, where)
         except TimeoutError as e:
             raise EngineError(f"{e}: the server accepted the connection but did not answer") from None
         except httpx.HTTPError as e:
@@ -245,6 +269,52 @@ class JsonHttp:
         except ValueError:
             raise EngineError(f"{where} returned a body that is not JSON: {_excerpt(response.text)}") from None
 
+    async def _probed(self, call: Awaitable[httpx.Response], where: str) -> httpx.Response:
+        """`call`'s response; while it has none, the server's health every `probe_after_s` (class docstring)."""
+        task = asyncio.ensure_future(call)
+        loop, t0 = asyncio.get_running_loop(), asyncio.get_running_loop().time()
+        recently_failed = t0 - self._failed_at < (self.probe_after_s or 0)
+        quiet = 0.0 if recently_failed else self.probe_after_s
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=quiet)
+                if done:
+                    return task.result()
+                problem = await asyncio.shield(self._probe_once())
+                if problem is not None and not task.done():
+                    raise EngineError(f"{where}: no answer after {loop.time() - t0:.0f} s, and {problem}: the server "
+                                      "accepts connections but does not respond (a slow server still answers it)")
+                quiet = self.probe_after_s
+        finally:
+            if not task.done():
+                task.cancel()
+                task.add_done_callback(_consume)
+
+    def _probe_once(self) -> asyncio.Task:
+        """The shared probe: the one in flight, or a new one unless the server answered one a moment ago."""
+        loop = asyncio.get_running_loop()
+        if self._probe is None or self._probe.done() or self._probe.get_loop() is not loop:
+            self._probe = asyncio.ensure_future(self._check())
+        return self._probe
+
+    async def _check(self) -> str | None:
+        """None when the server answers `probe_path` (any status) within `probe_timeout_s`, else what happened."""
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._answered_at < (self.probe_after_s or 0) / 2:
+            return None  # another request's probe just heard from it
+        what = f"GET {self.base_url}{self.probe_path}"
+        headers = {"authorization": f"Bearer {self.token}"} if self.token else {}
+        try:  # a client of its own: the requests in flight may hold every connection of the shared one
+            async with httpx.AsyncClient(timeout=httpx.Timeout(self.probe_timeout_s), headers=headers) as client:
+                await abandon_after(client.get(f"{self.base_url}{self.probe_path}"), self.probe_timeout_s, what)
+        except (TimeoutError, httpx.HTTPError) as e:
+            self._failed_at = loop.time()
+            if isinstance(e, TimeoutError | httpx.TimeoutException):
+                return f"{what} gave no answer within probe_timeout_s={self.probe_timeout_s:g} s"
+            return f"{what} failed ({type(e).__name__}: {e or 'no details'})"
+        self._answered_at = loop.time()
+        return None
+
     async def aclose(self) -> None:
         if self._client is not None and self._client_loop is asyncio.get_running_loop():
             await self._client.aclose()
@@ -254,6 +324,12 @@ class JsonHttp:
         """Forget the client. Its event loop has usually finished by now (asyncio.run closes it), so its
         connections cannot be closed politely; they go with the loop."""
         self._client = self._client_loop = None
+
+
+def _consume(task: asyncio.Future) -> None:
+    """Retrieve an abandoned call's outcome, so asyncio never logs it as unretrieved."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _error_param(response: httpx.Response) -> str | None:
@@ -281,13 +357,17 @@ class HttpEngine:
         connect_timeout_s: limit of opening the connection, so a dead host fails fast.
         control_timeout_s: limit of release and health, which answer at once from a working server: a finished
             trajectory never waits long on a server that hung.
+        probe_after_s / probe_timeout_s: a call without an answer this long asks GET /health, and fails naming
+            the server when that gets no answer in time (JsonHttp); None: never probe.
     """
 
     def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float | None = 600.0,
-                 connect_timeout_s: float = 10.0, control_timeout_s: float = 10.0):
+                 connect_timeout_s: float = 10.0, control_timeout_s: float = 10.0,
+                 probe_after_s: float | None = 20.0, probe_timeout_s: float = 10.0):
         self.token = token if token is not None else os.environ.get(TOKEN_ENV)
         self.http = JsonHttp(base_url, owner="HttpEngine", token=self.token, timeout_s=timeout_s,
-                             connect_timeout_s=connect_timeout_s, hint=_token_hint)
+                             connect_timeout_s=connect_timeout_s, hint=_token_hint, probe_after_s=probe_after_s,
+                             probe_timeout_s=probe_timeout_s)
         self.base_url = self.http.base_url
         self.control_timeout_s = control_timeout_s
 

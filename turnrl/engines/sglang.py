@@ -41,6 +41,15 @@ Logprobs: SGLang reports `log_softmax(logits / temperature)` *before* top-k/top-
 sets `SGLANG_RETURN_ORIGINAL_LOGPROB`, which gives the raw distribution: leave it unset). With top_k/top_p off,
 as turnrl's trainer assumes, that is exactly the sampling distribution; a request with top_k or top_p set logs
 a warning once. Greedy requests return the unscaled logprob, as the Engine contract says.
+
+Kept sets and routing (`record`, docs/off-policy.md; SGLang 0.5.23, managers/io_struct.py, tokenizer_manager.py,
+state_capturer/routed_experts.py): with `record.sampling_mask` each request sends `return_sampling_mask: true`, and
+`meta_info.output_token_sampling_mask` (each token's kept ids; turnrl keeps their count) and
+`output_token_sampling_logprobs` (the logprob of each token under the distribution it was drawn from, after
+top-k/top-p: these replace the pre-filter logprobs above, so the warning does not apply) come back. With
+`record.routing` (server started with `--enable-return-routed-experts`) it sends `return_routed_experts: true` and
+reads `meta_info.routed_experts`, base64 of int32 expert ids for stream positions [0, prompt + output - 1),
+reshaped with `routing_shape` (MoE layers, top_k), which SGLang does not send.
 """
 
 from __future__ import annotations
@@ -52,7 +61,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from turnrl.engines.base import EngineError, NamedTensors
+from turnrl.engines.base import EngineError, NamedTensors, Recording
 from turnrl.engines.http import JsonHttp, WeightsFolder, _excerpt, encode_image
 from turnrl.types import FinishReason, GenerateOutput, SamplingParams
 
@@ -73,13 +82,23 @@ class SGLangEngine:
         sleep_tags: memory regions released by `sleep` ("weights", "kv_cache"); None releases all.
         timeout_s / connect_timeout_s: per request / to open a connection.
         control_timeout_s: limit of abort and health requests (a working server answers them at once).
+        probe_after_s / probe_timeout_s: a call without an answer this long asks GET /get_model_info (answered by
+            the HTTP server at once; SGLang's /health may generate a token, up to 20 s) and fails naming the
+            server when that gets no answer in time (JsonHttp); None: never probe.
     """
 
     def __init__(self, base_url: str, *, api_key: str | None = None, weights_dir: str | os.PathLike | None = None,
                  sleep_tags: list[str] | None = None, timeout_s: float | None = 600.0, connect_timeout_s: float = 10.0,
-                 control_timeout_s: float = 10.0):
+                 control_timeout_s: float = 10.0, record: Recording = Recording(),
+                 routing_shape: tuple[int, int] | None = None, probe_after_s: float | None = 20.0,
+                 probe_timeout_s: float = 10.0):
+        if record.routing and routing_shape is None:
+            raise ValueError("SGLangEngine(record=Recording(routing=True)) needs routing_shape=(MoE layers, top_k): "
+                             "SGLang returns the expert ids as a flat array")
+        self.record, self.routing_shape = record, routing_shape
         self.http = JsonHttp(base_url, owner="SGLangEngine", token=api_key, timeout_s=timeout_s,
-                             connect_timeout_s=connect_timeout_s)
+                             connect_timeout_s=connect_timeout_s, probe_path="/get_model_info",
+                             probe_after_s=probe_after_s, probe_timeout_s=probe_timeout_s)
         self.base_url, self.api_key = self.http.base_url, api_key
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
         self._weights = WeightsFolder(self.weights_dir) if self.weights_dir is not None else None
@@ -103,6 +122,10 @@ class SGLangEngine:
             "input_ids": list(prompt_ids), "sampling_params": self._sampling_params(params),
             "return_logprob": True, "logprob_start_len": -1, "rid": rid,
         }
+        if self.record.sampling_mask and not params.greedy:
+            body["return_sampling_mask"] = True
+        if self.record.routing:
+            body["return_routed_experts"] = True
         if images:
             body["image_data"] = [encode_image(im) for im in images]
         start_version, updates, aborting = self.policy_version, self._updates, self._aborting_updates
@@ -178,7 +201,8 @@ class SGLangEngine:
 
     # ---- request and response --------------------------------------------------------------------
     def _sampling_params(self, params: SamplingParams) -> dict[str, Any]:
-        if not params.greedy and (params.top_k > 0 or params.top_p < 1.0) and not self._warned_filters:
+        if (not params.greedy and (params.top_k > 0 or params.top_p < 1.0) and not self._warned_filters
+                and not self.record.sampling_mask):
             self._warned_filters = True
             log.warning("SGLang reports logprobs before top-k/top-p filtering; with top_k=%s top_p=%s they are not "
                         "the logprobs of the distribution sampled from", params.top_k, params.top_p)
@@ -212,10 +236,42 @@ class SGLangEngine:
         kind = finish.get("type") if isinstance(finish, dict) else finish
         if kind not in _FINISH:
             raise EngineError(f"{where}: unknown finish_reason {finish!r}")
+        logprobs, kept = self._sampling_mask(meta, [lp for lp, _ in pairs], where)
         return GenerateOutput(
-            token_ids=token_ids, logprobs=[lp for lp, _ in pairs], finish_reason=_FINISH[kind],
+            token_ids=token_ids, logprobs=logprobs, finish_reason=_FINISH[kind],
             policy_version=self._weight_version(meta), cached_prompt_tokens=int(meta.get("cached_tokens") or 0),
+            kept_counts=kept, routed_experts=self._routing(meta, where),
         )
+
+    def _sampling_mask(self, meta: dict[str, Any], logprobs: list[float], where: str
+                       ) -> tuple[list[float], list[int] | None]:
+        """(logprobs, kept counts): with `return_sampling_mask`, the post-filter logprobs and each kept set's size."""
+        masks = meta.get("output_token_sampling_mask")
+        if masks is None:
+            return logprobs, None
+        behaviour = meta.get("output_token_sampling_logprobs")
+        if not isinstance(behaviour, list) or len(masks) != len(logprobs) or len(behaviour) != len(logprobs):
+            raise EngineError(f"{where}: {len(logprobs)} tokens but output_token_sampling_mask / _logprobs of "
+                              f"{_excerpt(masks, 80)} / {_excerpt(behaviour, 80)}")
+        return [float(lp) for lp in behaviour], [len(ids) for ids in masks]
+
+    def _routing(self, meta: dict[str, Any], where: str) -> Any:
+        """meta_info.routed_experts (base64 int32, flat) as an int16 tensor [tokens, layers, top_k]."""
+        encoded = meta.get("routed_experts")
+        if encoded is None or not self.record.routing:
+            return None
+        import base64
+
+        import numpy as np
+        import torch
+
+        assert self.routing_shape is not None  # checked in __init__
+        flat = np.frombuffer(base64.b64decode(encoded), dtype="<i4")
+        layers, top_k = self.routing_shape
+        if flat.size % (layers * top_k):
+            raise EngineError(f"{where}: routed_experts holds {flat.size} ids, not a multiple of {layers} layers x "
+                              f"{top_k} experts (routing_shape)")
+        return torch.from_numpy(flat.astype(np.int16)).reshape(-1, layers, top_k)
 
     def _weight_version(self, meta: dict[str, Any]) -> int:
         try:

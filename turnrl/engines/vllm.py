@@ -38,6 +38,16 @@ Sleep: vLLM's `sleep(level)` / `wake_up()` need `enable_sleep_mode=True`, which 
 so once in the log. Images are refused: vLLM expands image placeholders itself from text-level prompts, and
 turnrl's prompts arrive already expanded (use the embedded engine for VLMs).
 
+Kept sets and MoE routing (`record`, docs/off-policy.md), as vLLM 0.32 has them: `return_sampling_mask=True` makes
+`CompletionOutput.sampling_mask.token_ids` hold each token's kept ids (turnrl keeps their count: the kept set is
+the k most likely tokens), and `enable_return_routed_experts=True` fills `CompletionOutput.routed_experts`
+([prompt + output - 1, MoE layers, top_k] expert ids). vLLM's own rules: both need Model Runner V2 (its GPU path;
+a CPU build without Triton refuses them at start-up: the engine then says so once and starts without), the
+sampling mask serves only requests with temperature > 0 and top_k > 0 (a greedy request is sent as top_k = 1:
+the same tokens; top_k <= 0 is refused here, naming the field), and routing needs prefix caching on (the default). `VLLMServerEngine` can ask for routing (the server
+needs `--enable-return-routed-experts`; `choices[0].routed_experts` is a base64 `.npy`), not for kept sets: vLLM's
+`/v1/completions` does not return them.
+
 `VLLMServerEngine(base_url)` talks to a running `vllm serve MODEL --logprobs-mode processed_logprobs` through
 `POST /v1/completions` (token ids as `prompt`, `return_token_ids`, `logprobs: 0`). Weight pushes need the
 server's dev endpoints (`VLLM_SERVER_DEV_MODE=1`) and a folder both sides see (see `update_weights`).
@@ -57,7 +67,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from turnrl.engines.base import EngineError, InvalidRequest, NamedTensors, check_pause
+from turnrl.engines.base import EngineError, InvalidRequest, NamedTensors, Recording, check_pause
 from turnrl.engines.http import JsonHttp, WeightsFolder, _excerpt
 from turnrl.types import FinishReason, GenerateOutput, SamplingParams
 
@@ -67,14 +77,20 @@ _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": Fi
 _MULTIPROC_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
-def vllm_sampling_params(params: SamplingParams, extra_stop_ids: Iterable[int] = ()) -> Any:
-    """turnrl SamplingParams -> vllm.SamplingParams (token ids only, final output only)."""
+def vllm_sampling_params(params: SamplingParams, extra_stop_ids: Iterable[int] = (), sampling_mask: bool = False
+                         ) -> Any:
+    """turnrl SamplingParams -> vllm.SamplingParams (token ids only, final output only). With `sampling_mask` (an
+    engine that returns kept sets, where vLLM refuses temperature 0) a greedy request is sent as top_k = 1 at
+    temperature 1: the same tokens, each kept set of size 1, so its logprob is 0, as the trainer renormalises."""
     from vllm import SamplingParams as VSamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     stop_ids = sorted(set(params.stop_token_ids) | set(extra_stop_ids))
+    temperature, top_k = params.temperature, max(params.top_k, 0)
+    if sampling_mask and params.greedy:
+        temperature, top_k = 1.0, 1
     return VSamplingParams(
-        temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
+        temperature=temperature, top_p=params.top_p, top_k=top_k,
         max_tokens=params.max_new_tokens, stop_token_ids=stop_ids or None, seed=params.seed,
         logprobs=0, detokenize=False, skip_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY,
     )
@@ -92,7 +108,29 @@ def output_from_vllm(completion: Any, rid: str, policy_version: int, cached_prom
                           "(was logprobs=0 honoured?)")
     logprobs = [float(entry[t].logprob) for entry, t in zip(per_token, token_ids, strict=True)]
     return GenerateOutput(token_ids=token_ids, logprobs=logprobs, finish_reason=_FINISH[kind],
-                          policy_version=policy_version, cached_prompt_tokens=cached_prompt_tokens)
+                          policy_version=policy_version, cached_prompt_tokens=cached_prompt_tokens,
+                          kept_counts=_kept_counts(completion, rid), routed_experts=_routing(completion))
+
+
+def _kept_counts(completion: Any, rid: str) -> list[int] | None:
+    """The size of each token's kept set from vLLM's `SamplingMask` (the kept ids per token), when it has one."""
+    mask = getattr(completion, "sampling_mask", None)
+    if mask is None:
+        return None
+    kept = [len(ids) for ids in mask.token_ids]
+    if len(kept) != len(completion.token_ids):
+        raise EngineError(f"vLLM request {rid!r}: {len(completion.token_ids)} tokens but {len(kept)} sampling masks")
+    return kept
+
+
+def _routing(completion: Any) -> Any:
+    """vLLM's routed experts ([tokens, layers, top_k] numpy, from prompt position 0) as an int16 tensor."""
+    routed = getattr(completion, "routed_experts", None)
+    if routed is None:
+        return None
+    import torch
+
+    return torch.as_tensor(routed).to(torch.int16)
 
 
 @dataclass(eq=False)
@@ -118,11 +156,14 @@ class VLLMEngine:
     """
 
     def __init__(self, model: str, *, eos_token_ids: Iterable[int] = (), dtype: str = "auto",
-                 max_model_len: int | None = None, seed: int = 0, **engine_kwargs: Any):
+                 max_model_len: int | None = None, seed: int = 0, record: Recording = Recording(),
+                 **engine_kwargs: Any):
         self.model = str(model)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.policy_version = 0
-        self.engine = self._start(self.model, dtype, max_model_len, seed, engine_kwargs)
+        self.record = record
+        """What this engine reports beside tokens and logprobs (less than asked where vLLM refused it)."""
+        self.engine = self._start_recording(dtype, max_model_len, seed, engine_kwargs)
         self._rid_counter = itertools.count()
         self._pending: dict[str, _Pending] = {}
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -130,6 +171,21 @@ class VLLMEngine:
         self._warned_sleep = False
         self._thread = threading.Thread(target=self._run, name="turnrl-vllm", daemon=True)
         self._thread.start()
+
+    def _start_recording(self, dtype: str, max_model_len: int | None, seed: int, engine_kwargs: dict) -> Any:
+        """Start vLLM with the recording asked for; where this vLLM refuses it (no Model Runner V2 here), say so
+        once and start without it (the trainer then falls back to the full softmax / its own routing)."""
+        asked = {"return_sampling_mask": self.record.sampling_mask, "enable_return_routed_experts": self.record.routing}
+        extra = {k: True for k, on in asked.items() if on}
+        if not extra:
+            return self._start(self.model, dtype, max_model_len, seed, engine_kwargs)
+        try:
+            return self._start(self.model, dtype, max_model_len, seed, {**engine_kwargs, **extra})
+        except (ValueError, TypeError) as e:  # TypeError: a vLLM without these EngineArgs
+            log.warning("VLLMEngine: this vLLM cannot report %s (%s: %s); starting without: the trainer scores "
+                        "those tokens under the full softmax / routes them itself", " or ".join(extra), type(e).__name__, e)
+            self.record = Recording()
+            return self._start(self.model, dtype, max_model_len, seed, engine_kwargs)
 
     @staticmethod
     def _start(model: str, dtype: str, max_model_len: int | None, seed: int, engine_kwargs: dict) -> Any:
@@ -158,13 +214,17 @@ class VLLMEngine:
             raise EngineError("VLLMEngine serves text prompts only; use engine.kind=embedded for VLM policies")
         if not prompt_ids:
             raise EngineError(f"request {request_id!r}: empty prompt")
+        if self.record.sampling_mask and not params.greedy and params.top_k <= 0:
+            raise InvalidRequest(f"request {request_id!r}: vLLM returns sampling masks only for top_k > 0 (got "
+                                 f"top_k={params.top_k}); set rollout.sampling.top_k, or rollout.sampling_mask: none",
+                                 "sampling.top_k")
         from vllm.inputs import TokensPrompt
 
         rid = f"{request_id}#{next(self._rid_counter)}"
         loop = asyncio.get_running_loop()
         pending = _Pending(rid, loop, loop.create_future())
         prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
-        sampling = vllm_sampling_params(params, self.eos_token_ids)
+        sampling = vllm_sampling_params(params, self.eos_token_ids, self.record.sampling_mask)
 
         def add() -> None:
             self._pending[rid] = pending
@@ -311,6 +371,23 @@ def _settle(future: asyncio.Future, result: Any, error: BaseException | None) ->
         future.set_result(result)
 
 
+def _npy_routing(encoded: str, where: str) -> Any:
+    """`choices[0].routed_experts`: base64 of an `.npy` array [tokens, layers, top_k] -> an int16 tensor."""
+    import base64
+    import io
+
+    import numpy as np
+    import torch
+
+    try:
+        array = np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
+    except (ValueError, TypeError, OSError) as e:
+        raise EngineError(f"{where}: routed_experts is not a base64 .npy array: {e}") from None
+    if array.ndim != 3:
+        raise EngineError(f"{where}: routed_experts has shape {array.shape}, expected [tokens, layers, top_k]")
+    return torch.from_numpy(array.astype(np.int16))
+
+
 def _dev_mode_hint(status: int, path: str) -> str:
     if status == 404 and path in ("/pause", "/resume", "/collective_rpc", "/reset_prefix_cache"):
         return " (start the server with VLLM_SERVER_DEV_MODE=1 for weight pushes)"
@@ -332,13 +409,23 @@ class VLLMServerEngine:
             dev endpoints `/collective_rpc`, `/pause` and `/resume`, which the server exposes only under
             `VLLM_SERVER_DEV_MODE=1`. None: `update_weights` raises.
         eos_token_ids: extra stop tokens for every request (the model's EOS always stops).
+        probe_after_s / probe_timeout_s: a call without an answer this long asks GET /health and fails naming
+            the server when that gets no answer in time (JsonHttp); None: never probe.
+        record: routing asks for `routed_experts` (the server needs `--enable-return-routed-experts`); kept sets
+            are not available through `/v1/completions` (said once, then the trainer uses the full softmax).
     """
 
     def __init__(self, base_url: str, *, model: str | None = None, api_key: str | None = None,
                  weights_dir: str | os.PathLike | None = None, eos_token_ids: Iterable[int] = (),
-                 timeout_s: float | None = 600.0, connect_timeout_s: float = 10.0):
+                 timeout_s: float | None = 600.0, connect_timeout_s: float = 10.0, record: Recording = Recording(),
+                 probe_after_s: float | None = 20.0, probe_timeout_s: float = 10.0):
+        if record.sampling_mask:
+            log.warning("VLLMServerEngine: vLLM's /v1/completions does not return sampling masks; kept sets are not "
+                        "recorded (the trainer scores these tokens under the full softmax)")
+        self.record = Recording(routing=record.routing)
         self.http = JsonHttp(base_url, owner="VLLMServerEngine", token=api_key, timeout_s=timeout_s,
-                             connect_timeout_s=connect_timeout_s, hint=_dev_mode_hint)
+                             connect_timeout_s=connect_timeout_s, hint=_dev_mode_hint, probe_after_s=probe_after_s,
+                             probe_timeout_s=probe_timeout_s)
         self.base_url = self.http.base_url
         self.model, self.api_key = model, api_key
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
@@ -382,6 +469,8 @@ class VLLMServerEngine:
             body["seed"] = params.seed
         if self.model is not None:
             body["model"] = self.model
+        if self.record.routing:  # the whole stream's routing: the trajectory keeps the latest rows (merge_routing)
+            body["routed_experts_prompt_start"] = 0
         return body
 
     def parse_completion(self, data: Any, rid: str) -> GenerateOutput:
@@ -398,8 +487,10 @@ class VLLMServerEngine:
         kind = choice.get("finish_reason")
         if kind not in _FINISH:
             raise EngineError(f"{where}: unknown finish_reason {kind!r}")
+        routed = choice.get("routed_experts") if self.record.routing else None
         return GenerateOutput(token_ids=token_ids, logprobs=logprobs, finish_reason=_FINISH[kind],
-                              policy_version=self.policy_version)
+                              policy_version=self.policy_version,
+                              routed_experts=None if routed is None else _npy_routing(routed, where))
 
     async def update_weights(self, named_tensors: NamedTensors, version: int | None = None, *,
                              final: bool = True, pause: str | None = None) -> int:

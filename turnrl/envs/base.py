@@ -24,7 +24,9 @@ import difflib
 import inspect
 import logging
 import math
+import sysconfig
 import threading
+import traceback
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -65,6 +67,24 @@ class TurnEnv(Protocol):
 
 class EnvError(RuntimeError):
     """An environment misbehaved (bad return value); the trajectory ends FAILED/env_error."""
+
+
+def error_with_frames(error: BaseException, frames: int = 3) -> str:
+    """`Type: message` and where it was raised: the innermost of its traceback's last `frames` frames (outside
+    Python's own library) with its source line, then the frames that called it, so a one-line report keeps the
+    most useful part first. What a trajectory's `error` keeps of user code that raised (the whole traceback goes
+    to the log at -v)."""
+    head = f"{type(error).__name__}: {error}"
+    stack = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(_STDLIB)][-frames:]
+    if not stack:  # never raised (a timeout or a malformed result, described by turnrl itself)
+        return head
+    inner, *outer = reversed(stack)
+    where = f"{Path(inner.filename).name}:{inner.lineno} in {inner.name}" + (f": {inner.line}" if inner.line else "")
+    called = "".join(f"; called from {Path(f.filename).name}:{f.lineno} in {f.name}" for f in outer)
+    return f"{head} [at {where}{called}]"
+
+
+_STDLIB = sysconfig.get_paths()["stdlib"]
 
 
 class EnvStepError(EnvError):

@@ -5,7 +5,9 @@ Metric names are flat strings, `group/name`, so they can go to MLflow or a log l
 - `rollout/turns_mean`, `rollout/turns_hist/<k>`: turn-count distribution
 - `rollout/model_tokens_mean`, `rollout/injected_tokens_mean`: tokens per trajectory (mask 1 / mask 0)
 - `rollout/gen_time_s`, `rollout/env_time_s`: summed over trajectories (waiting included)
-- `rollout/env_retries`, `rollout/render_mismatch`, `rollout/reward_errors`, `rollout/logprob_issues`: counts
+- `rollout/env_retries`, `rollout/render_mismatch` (streams that differ from a full chat-template re-render in
+  content), `rollout/render_harmless` (only in ways known to be harmless for the template; strict sanity check),
+  `rollout/reward_errors`, `rollout/logprob_issues`: counts
 - `rollout/reward_mean`, `rollout/reward_std`: over trajectories with a reward
 - `rollout/tokens_per_s`: model tokens per wall-clock second
 - tool agents: `rollout/tool_call_rate` (trajectories with at least one tool call, well-formed or not),
@@ -63,8 +65,8 @@ class RolloutStats:
             self.rewards.append(float(traj.reward))
         self.totals["model_tokens"] += traj.num_model_tokens
         self.totals["injected_tokens"] += traj.num_response_tokens - traj.num_model_tokens
-        for key in ("gen_time_s", "env_time_s", "env_retries", "render_mismatch", "cached_prompt_tokens",
-                    "logprob_issues"):
+        for key in ("gen_time_s", "env_time_s", "env_retries", "render_mismatch", "render_harmless",
+                    "cached_prompt_tokens", "logprob_issues"):
             self.totals[key] += float(traj.metrics.get(key, 0.0))
         self.totals["reward_errors"] += traj.reward_error is not None
         tool_stats = traj.info.get("tool_stats")
@@ -88,7 +90,7 @@ class RolloutStats:
         out["rollout/model_tokens_mean"] = self.totals["model_tokens"] / n
         out["rollout/injected_tokens_mean"] = self.totals["injected_tokens"] / n
         out["rollout/tokens_per_s"] = self.totals["model_tokens"] / wall if wall > 0 else 0.0
-        for key in ("gen_time_s", "env_time_s", "env_retries", "render_mismatch", "reward_errors",
+        for key in ("gen_time_s", "env_time_s", "env_retries", "render_mismatch", "render_harmless", "reward_errors",
                     "cached_prompt_tokens", "logprob_issues"):
             out[f"rollout/{key}"] = float(self.totals[key])
         if self.totals["tool_trajectories"]:
@@ -120,13 +122,17 @@ class RolloutStats:
         t.add_row("model tokens per second", f"{s['rollout/tokens_per_s']:.1f}")
         if "rollout/reward_mean" in s:
             t.add_row("reward mean ± std", f"{s['rollout/reward_mean']:.3f} ± {s['rollout/reward_std']:.3f}")
-        for key in ("env_retries", "render_mismatch", "reward_errors", "logprob_issues"):
+        for key in ("env_retries", "render_mismatch", "render_harmless", "reward_errors", "logprob_issues"):
             if s[f"rollout/{key}"]:
-                t.add_row(key.replace("_", " "), f"{s[f'rollout/{key}']:.0f}")
+                t.add_row(_ROW_NAMES.get(key, key.replace("_", " ")), f"{s[f'rollout/{key}']:.0f}")
         if self.tool_calls:
             t.add_row("tool calls", ", ".join(f"{k}: {v}" for k, v in self.tool_calls.most_common()))
         t.add_row("wall time (s)", f"{s['rollout/wall_s']:.1f}")
         return t
+
+
+_ROW_NAMES = {"render_mismatch": "render mismatch (content)",
+              "render_harmless": "render difference, known harmless"}
 
 
 class TrajectoryWriter:

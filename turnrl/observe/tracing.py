@@ -139,6 +139,8 @@ class TrajectoryTracer:
         self._client: Any = None
         self.experiment_id: str | None = None
         self.run_id: str | None = None
+        self.run_name: str | None = None
+        """The name of the MLflow run params and metrics go to (a training run's directory name); None: MLflow's."""
         if tracking_uri is not None:
             self._connect(tracking_uri, experiment)
 
@@ -283,7 +285,7 @@ class TrajectoryTracer:
 
         try:
             if self.run_id is None:
-                self.run_id = self._client.create_run(self.experiment_id).info.run_id
+                self.run_id = self._client.create_run(self.experiment_id, run_name=self.run_name).info.run_id
             now_ms = int(time.time() * 1000)
             self._client.log_batch(  # in MLflow's background thread: a slow server never stalls training
                 self.run_id, params=[Param(k, v) for k, v in params or []],
@@ -291,6 +293,14 @@ class TrajectoryTracer:
             )
         except Exception as e:
             self._fail(f"could not log to MLflow run {self.run_id}: {type(e).__name__}: {e}")
+
+    def log_artifacts(self, files: list[Any]) -> None:
+        """Upload files (a run's curves and trajectory samples) as artifacts of the run; starts it on first use."""
+        if not self.enabled:
+            return
+        self._log_batch()  # the run exists from here on
+        for f in files:
+            self._client.log_artifact(self.run_id, str(f))
 
     def close(self) -> None:
         """Send what is still queued and end the run (if one was started). Safe to call on any tracer."""

@@ -18,9 +18,32 @@ CSS_COLOURS = {"prompt": "#777", "model": "#0a7d00", "injected": "#a0a", "env": 
                "template": "#999"}
 
 
-def _rows(path: Path) -> list[dict[str, Any]]:
+TRAJECTORY_KEYS = ("id", "status", "prompt_ids", "response_ids", "loss_mask")
+"""What every trajectory line has (docs/trajectory-format.md) and the viewer reads."""
+
+
+def _rows(path: Path, index: int | None = None) -> list[dict[str, Any]]:
+    """The trajectories of a JSONL file (only the one at line `index`, 0-based, when given). Raises ValueError
+    naming the file and line for a line that is not a trajectory, or an index out of range."""
+    rows = []
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for k, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} line {k} is not JSON ({e.msg}); expected trajectory JSONL written by "
+                                 "turnrl rollout / train (docs/trajectory-format.md)") from None
+            missing = [key for key in TRAJECTORY_KEYS if not isinstance(row, dict) or key not in row]
+            if missing:
+                raise ValueError(f"{path} line {k} is not a trajectory (no {', '.join(missing)}); expected trajectory "
+                                 "JSONL written by turnrl rollout / train (docs/trajectory-format.md)")
+            rows.append(row)
+    if index is not None and not 0 <= index < len(rows):
+        raise ValueError(f"--index {index}: {path} has {len(rows)} trajectories, so --index must be in "
+                         f"0..{len(rows) - 1}" if rows else f"--index {index}: {path} has no trajectories")
+    return rows
 
 
 def _pieces(row: dict[str, Any], tokenizer: Any) -> list[tuple[str, str]]:
@@ -45,7 +68,7 @@ def _header(row: dict[str, Any]) -> str:
 
 
 def print_trajectories(path: Path, console: Console, index: int | None = None, model: str | None = None) -> None:
-    rows = _rows(path)
+    rows = _rows(path, index)
     selected = rows if index is None else [rows[index]]
     tokenizer = None
     if model is not None:
@@ -90,10 +113,8 @@ def _image_src(ref: str, base: Path) -> str:
 def write_html(path: Path, out: Path, model: str | None = None, index: int | None = None) -> None:
     """One self-contained HTML page: each trajectory (or only the one at line `index`) with coloured token runs
     and its images inline."""
-    rows = _rows(path)
+    rows = _rows(path, index)
     if index is not None:
-        if not 0 <= index < len(rows):
-            raise IndexError(f"{path} has {len(rows)} trajectories; --index must be in 0..{len(rows) - 1}")
         rows = [rows[index]]
     tokenizer = None
     if model is not None:

@@ -12,7 +12,8 @@ Names it may ask for:
 - `response`: the final assistant reply; `responses`: every assistant reply, in order (model text only,
   never env or tool text: slime's geo3k reward read a `\\boxed{}` out of env feedback)
 - `sample`: the dataset row; any column of it by its own name (e.g. `answer`, `solution`)
-- `info`: the trajectory's info dict; `turn_rewards`: rewards the env/tools reported per step
+- `info`: the trajectory's info dict; `turn_rewards`: rewards the env/tools reported per step (of the whole
+  episode, when a scheduler split it into several samples: they share its reward)
 - `tool_rewards`: {tool name: calc_reward()} of stateful tools; `num_turns`, `status`, `termination_reason`
 - any key of the trajectory's `rollout_infos` (scheduler/env infos), by name or through `**kwargs`
 - verl's names, so a verl `compute_score(data_source, solution_str, ground_truth, extra_info=None)` is called as
@@ -109,7 +110,8 @@ def reward_kwargs(traj: Trajectory, tokenizer: Any = None) -> dict[str, Any]:
     named = {
         "trajectory": traj, "messages": traj.messages, "responses": responses,
         "response": responses[-1] if responses else "", "sample": traj.sample, "info": traj.info,
-        "turn_rewards": traj.turn_rewards, "tool_rewards": traj.tool_rewards,
+        "turn_rewards": rollout_infos.get("episode_turn_rewards", traj.turn_rewards),  # a split episode's: all
+        "tool_rewards": traj.tool_rewards,
         "num_turns": traj.num_turns, "status": str(traj.status),
         "termination_reason": None if traj.termination_reason is None else str(traj.termination_reason),
         "rollout_infos": rollout_infos,

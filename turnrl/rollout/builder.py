@@ -8,6 +8,7 @@ import itertools
 import logging
 from collections.abc import Sequence
 
+from turnrl.moe import merge_routing
 from turnrl.multimodal import ImageBuffer
 from turnrl.types import (
     GenerateOutput,
@@ -57,17 +58,22 @@ class TrajectoryBuilder:
         return segment
 
     def add_model(self, out: GenerateOutput, turn: int, *, extend: bool = False) -> None:
-        """Append the engine's tokens (mask 1, its logprobs), one segment per policy version that sampled them (a
-        call can go on across a weight update); `extend` continues the last model segment if its version is the
-        same."""
+        """Append the engine's tokens (mask 1, its logprobs and kept counts), one segment per policy version that
+        sampled them (a call can go on across a weight update); `extend` continues the last model segment if its
+        version is the same. The call's MoE routing joins the trajectory's, at the stream positions it covers."""
+        if out.routed_experts is not None:  # positions are in the stream the engine was given: this one
+            traj = self.trajectory
+            traj.routed_experts = merge_routing(traj.routed_experts, out.routed_start, out.routed_experts)
         start, versions = 0, out.versions()
         for version, run in itertools.groupby(versions):
             end = start + len(list(run))
             ids, logprobs, last = out.token_ids[start:end], out.logprobs[start:end], self._last_model()
+            kept: list[int | None] | None = None if out.kept_counts is None else list(out.kept_counts[start:end])
             if extend and last is not None and last.policy_version == version:
-                self._extend(last, ids, 1, logprobs)
+                self._extend(last, ids, 1, logprobs, kept)
             else:
-                self.add(Segment(SegmentSource.MODEL, list(ids), [1] * len(ids), list(logprobs), turn, version))
+                self.add(Segment(SegmentSource.MODEL, list(ids), [1] * len(ids), list(logprobs), turn, version,
+                                 kept_counts=kept))
             start = end
 
     def add_injected(self, token_ids: Sequence[int], source: SegmentSource, turn: int) -> Segment | None:
@@ -82,7 +88,7 @@ class TrajectoryBuilder:
         if last is None:
             self.add_injected(token_ids, SegmentSource.TEMPLATE, turn)
         else:
-            self._extend(last, token_ids, 0, [None] * len(token_ids))
+            self._extend(last, token_ids, 0, [None] * len(token_ids), None)
 
     def apply_edit(self, edit: TokenEdit, turn_ids: Sequence[int], turn_logprobs: Sequence[float]) -> list[int]:
         """Replace the last turn's tokens (`turn_ids`, the tail of the last model segment) by `edit`; returns the
@@ -107,8 +113,15 @@ class TrajectoryBuilder:
         if last is None or n_old > len(last.token_ids):
             raise TokenEditError(f"trajectory {traj.id!r}: no model turn of {n_old} tokens to replace")
         keep = len(last.token_ids) - n_old
+        old_kept = None if last.kept_counts is None else last.kept_counts[keep:]
         last.token_ids[keep:], last.loss_mask[keep:] = ids, mask
         last.logprobs = None if logprobs is None or last.logprobs is None else last.logprobs[:keep] + logprobs
+        if last.kept_counts is not None:  # a cut of the engine's own tokens keeps their kept counts, as logprobs
+            own = edit.logprobs is None and issue is None
+            n_trained = sum(mask)  # the engine's first n_trained tokens (mask 1), then injected ones
+            last.kept_counts = (last.kept_counts[:keep] + list(old_kept[:n_trained]) + [None] * (len(ids) - n_trained)
+                                if own and old_kept is not None else None)
+        self._cut_routing(len(self._ids) - n_old + _common_prefix(turn_ids, ids))
         validate_segment(last, f"trajectory {traj.id!r} edited model segment")
         self._ids[len(self._ids) - n_old:] = ids
         self._response_len += len(ids) - n_old
@@ -118,6 +131,13 @@ class TrajectoryBuilder:
         self.trajectory.finish(reason, error)
         self.trajectory.validate()
         return self.trajectory
+
+    def _cut_routing(self, end: int) -> None:
+        """Routing rows from stream position `end` on belong to tokens an edit replaced: dropped (the next call
+        routes the new ones; past the last call the trainer routes them itself)."""
+        traj = self.trajectory
+        if traj.routed_experts is not None and traj.routed_experts.shape[0] > end:
+            traj.routed_experts = traj.routed_experts[:end]
 
     def _last_model(self) -> Segment | None:
         segments = self.trajectory.segments
@@ -134,15 +154,25 @@ class TrajectoryBuilder:
             head.token_ids += tail.token_ids
             head.loss_mask += tail.loss_mask
             head.logprobs = None if head.logprobs is None or tail.logprobs is None else head.logprobs + tail.logprobs
+            head.kept_counts = (None if head.kept_counts is None or tail.kept_counts is None
+                                else head.kept_counts + tail.kept_counts)
         return self._last_model()
 
-    def _extend(self, seg: Segment, token_ids: Sequence[int], mask: int, logprobs: Sequence[float | None]) -> None:
+    def _extend(self, seg: Segment, token_ids: Sequence[int], mask: int, logprobs: Sequence[float | None],
+                kept: Sequence[int | None] | None) -> None:
         seg.token_ids.extend(token_ids)
         seg.loss_mask.extend([mask] * len(token_ids))
         if seg.logprobs is not None:
             seg.logprobs.extend(logprobs)
+        if seg.kept_counts is not None:  # mask-1 tokens without kept counts leave the segment without any
+            added: Sequence[int | None] = [None] * len(token_ids) if kept is None else kept
+            seg.kept_counts = None if mask and kept is None else [*seg.kept_counts, *added]
         self._ids.extend(token_ids)
         self._response_len += len(token_ids)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def _edit_logprobs(edit: TokenEdit, turn_ids: Sequence[int], turn_logprobs: Sequence[float], ids: list[int],

@@ -36,7 +36,8 @@ from typing import Any
 
 from turnrl.data import prompt_messages
 from turnrl.engines.base import Engine
-from turnrl.envs.base import Env, EnvFactory, EnvStepError, EnvThreads, EpisodeEnv, TurnEnv
+from turnrl.envs.base import Env, EnvFactory, EnvStepError, EnvThreads, EpisodeEnv, TurnEnv, error_with_frames
+from turnrl.moe import merge_routing
 from turnrl.multimodal import check_parity, image_ref
 from turnrl.observe.watchdog import Detail, Watchdog, abandon_after, engine_label
 from turnrl.render import ChatRenderer, SanityMode
@@ -127,7 +128,7 @@ class RolloutContext:
 
     def failed(self, reason: TerminationReason, error: BaseException | str) -> Trajectory:
         """A trajectory that failed before it had a prompt (the agent or env factory raised)."""
-        message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        message = error if isinstance(error, str) else error_with_frames(error)
         traj = Trajectory(id=self.trajectory_id, group_id=self.group_id, sample_index=self.sample_index,
                           prompt_ids=[], sample=self.sample, agent=self.agent_name)
         traj.finish(reason, message)
@@ -152,7 +153,7 @@ async def drive(ctx: RolloutContext, env: Env | TurnEnv | EpisodeEnv, messages: 
         raise
     except Exception as e:  # env.reset, env factory output, rendering: this trajectory fails, never the batch
         log.info("trajectory %s: %s raised", ctx.trajectory_id, type(e).__name__, exc_info=True)  # -v
-        episode.end(TerminationReason.ENV_ERROR, f"{type(e).__name__}: {e}")
+        episode.end(TerminationReason.ENV_ERROR, error_with_frames(e))
     finally:
         await episode.close()
     return episode.result()
@@ -313,7 +314,9 @@ class Episode:
             with self.ctx.watch("env.step", self.env.name):
                 step, span.attempts = await self.env.step(turn)
         except EnvStepError as e:
-            span.attempts, span.error = e.attempts, str(e)
+            span.attempts, span.error = e.attempts, error_with_frames(e.cause) if e.cause is not None else str(e)
+            if e.cause is not None and e.cause.__traceback__ is not None:  # the env's own traceback, at -v
+                log.info("trajectory %s: %s.step raised", self.ctx.trajectory_id, self.env.name, exc_info=e.cause)
             reason = TerminationReason.TIMEOUT if e.timed_out else TerminationReason.ENV_ERROR
             raise EpisodeEnd(reason, span.error) from None
         finally:
@@ -448,10 +451,17 @@ def _joined(parts: list[GenerateOutput]) -> GenerateOutput:
     if len(parts) == 1:
         return parts[0]
     last = parts[-1]
+    kept = None if any(p.kept_counts is None for p in parts) else [k for p in parts for k in p.kept_counts or []]
+    routed = [p for p in parts if p.routed_experts is not None]
+    start = min((p.routed_start for p in routed), default=0)
+    experts = None
+    for p in routed:  # each resubmitted call routes from its own start (positions in the same stream)
+        experts = merge_routing(experts, p.routed_start - start, p.routed_experts)
     return GenerateOutput(
         [t for p in parts for t in p.token_ids], [lp for p in parts for lp in p.logprobs], last.finish_reason,
         last.policy_version, sum(p.cached_prompt_tokens for p in parts),
-        token_versions=[v for p in parts for v in p.versions()])
+        token_versions=[v for p in parts for v in p.versions()], kept_counts=kept, routed_experts=experts,
+        routed_start=start)
 
 
 def derive_seed(base: int | None, trajectory_id: str, turn: int) -> int | None:
@@ -460,27 +470,42 @@ def derive_seed(base: int | None, trajectory_id: str, turn: int) -> int | None:
 
 
 def _sanity_check(ctx: RolloutContext, traj: Trajectory, messages: list[Message], tools: Any) -> None:
-    if ctx.sanity_mode == SanityMode.DISABLE or not traj.prompt_ids:
-        return
+    """Compare the stream with a full re-render (ChatRenderer.check). A difference of a kind known to be harmless
+    for this template counts in `render_harmless` (strict mode) and is explained at info level; any other counts
+    in `render_mismatch` and is explained as a warning; each kind once per process (the metrics count the rest)."""
+    if ctx.sanity_mode == SanityMode.DISABLE or not traj.prompt_ids or not traj.response_ids:
+        return  # no model turn: the stream ends in the generation prompt, which a re-render of the messages lacks
     check = ctx.renderer.check(traj.prompt_ids + traj.response_ids, messages, tools, ctx.sanity_mode)
-    traj.metrics["render_mismatch"] = 0.0 if check.ok else 1.0
-    if not check.ok:
-        traj.info["render_check"] = {"mode": str(ctx.sanity_mode), "strippable": check.strippable, "diff": check.diff}
-        if check.strippable not in _WARNED_MISMATCH:  # once per kind and process: the metric counts the rest
-            _WARNED_MISMATCH.add(check.strippable)
-            log.warning("trajectory %s: %s\n%s", traj.id, _MISMATCH_ADVICE[check.strippable], check.diff)
+    traj.metrics["render_mismatch"] = 0.0 if check.ok or check.strippable else 1.0
+    traj.metrics["render_harmless"] = 1.0 if not check.ok and check.strippable else 0.0
+    if check.ok:
+        return
+    traj.info["render_check"] = {"mode": str(ctx.sanity_mode), "strippable": check.strippable, "diff": check.diff}
+    kinds = [k for k in dict.fromkeys(check.reasons if check.strippable else ["content"]) if k not in _EXPLAINED]
+    if not kinds:
+        return
+    _EXPLAINED.update(kinds)
+    if not check.strippable:
+        log.warning("trajectory %s: its token stream differs from a full chat-template re-render in content. Check "
+                    "it: the model saw (and is trained on) something a fresh render of the conversation would not "
+                    "give (docs/templates.md). Further mismatches are only counted (metric rollout/render_mismatch, "
+                    "info.render_check).\n%s", traj.id, check.diff)
+        return
+    known = "; ".join(f"{kind}: {_HARMLESS[kind]}" for kind in kinds)
+    log.info("trajectory %s: its token stream differs from a full re-render by %s only in ways known to be harmless "
+             "for this template (%s). Training uses exactly the tokens the model saw. Counted in "
+             "rollout/render_harmless (info.render_check has the diff); --sanity-check ignore_strippable "
+             "(rollout.sanity_check) stops recording them.\n%s", traj.id, ctx.renderer.template_name, known, check.diff)
 
 
-_WARNED_MISMATCH: set[bool] = set()
+_EXPLAINED: set[str] = set()
+"""The kinds of difference explained so far in this process."""
 
-
-_MISMATCH_ADVICE = {
-    True: "its token stream differs from a full chat-template re-render only in reasoning or whitespace. Harmless: "
-          "the template rewrites history (e.g. drops earlier reasoning), and training uses exactly the tokens the "
-          "model saw. rollout.sanity_check=ignore_strippable (--sanity-check ignore_strippable) accepts this; "
-          "further mismatches are only counted (metric rollout/render_mismatch, info.render_check).",
-    False: "its token stream differs from a full chat-template re-render in content. Check it: the model saw (and "
-           "is trained on) something a fresh render of the conversation would not give (docs/templates.md). "
-           "Further mismatches are only counted (metric rollout/render_mismatch, info.render_check).",
+_HARMLESS = {
+    "reasoning": "a reasoning block the template drops from earlier turns, or adds empty to the last one",
+    "retokenised": "the same text in other tokens (a boundary the model did not merge across, Unicode NFC "
+                   "normalisation)",
+    "observation_rewrite": "the end of an observation, which the template renders differently once a reply follows",
 }
+"""The kinds of difference `ChatRenderer.check` names and knows to be harmless (`RenderCheck.reasons`)."""
 

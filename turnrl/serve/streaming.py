@@ -112,10 +112,7 @@ class StopWatch:
                 break
         if self.match is None:
             return out, None
-        n = self.match.tokens
-        versions = out.token_versions[:n] if out.token_versions is not None else None
-        return dataclasses.replace(out, token_ids=out.token_ids[:n], logprobs=out.logprobs[:n],
-                                   finish_reason=FinishReason.STOP, token_versions=versions), self.match
+        return dataclasses.replace(out.head(self.match.tokens), finish_reason=FinishReason.STOP), self.match
 
 
 class TextStream:

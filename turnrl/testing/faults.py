@@ -193,13 +193,17 @@ class SilentServer:
 
         with SilentServer() as server:
             engine = HttpEngine(server.url)     # every request hangs until the client's own limit
+
+    `answers`: the first requests that many get `200 {}` (a start-up health check passes), then the server goes
+    silent: an engine that hangs in the middle of a run.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, answers: int = 0) -> None:
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.connections = 0
+        self.answers = answers
         self._open: list[socket.socket] = []
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="turnrl-silent-server", daemon=True)
@@ -216,9 +220,11 @@ class SilentServer:
                 conn.setblocking(False)
                 self._open.append(conn)
                 self.connections += 1
-            for c in self._open:  # drain so the client's writes never block; answer nothing
+            for c in self._open:  # drain so the client's writes never block; answer nothing (or the first few)
                 with contextlib.suppress(OSError):
-                    c.recv(65536)
+                    if b"\r\n\r\n" in c.recv(65536) and self.answers > 0:
+                        self.answers -= 1
+                        c.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
 
     def close(self) -> None:
         self._stopped.set()

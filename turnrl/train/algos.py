@@ -420,3 +420,92 @@ def _is_metrics(weights_B_T: Tensor, token_log_ratio_B_T: Tensor, used_B_T: Tens
         "is_ess": torch.where(weight_sq_mean > 0, weight_mean.square() / weight_sq_mean, 0.0),
         "is_valid_frac": valid_B.double().mean(),
     }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The kept set of truncated sampling (top-k / top-p)
+
+_CHUNK_ELEMENTS = 1 << 24
+"""Rows are processed in chunks of at most this many selected values (64 MiB of float32), bounding memory."""
+
+
+def kept_token_logprobs(logits_N_V: Tensor, targets_N: Tensor, kept_N: Tensor) -> Tensor:
+    """Logprob of each target token under its row's distribution renormalised over the kept set: what an engine
+    that sampled with top-k / top-p reports, log p(y) - log Σ_{v ∈ K} p(v).
+
+    The kept set K of row n is its kept_N[n] largest logits (`GenerateOutput.kept_counts`: top-k and top-p always
+    keep a prefix of the tokens sorted by probability). Only the kept *values* enter, so which of several tied
+    logits at the boundary is in K does not matter. The target was kept by the engine, so it is in K; when this
+    model's logits put it below the kept_N-th (the engine's and the trainer's numbers differ), K is taken as the
+    kept_N - 1 largest plus the target. kept_N = V (or more) is the full softmax. Differentiable in the logits;
+    the cost is one top-k over min(k, V - k + 1) values per row, never a sort of the vocabulary.
+    """
+    _check_shapes(logits_N_V.shape[:1], targets_N=targets_N, kept_N=kept_N)
+    target_N = logits_N_V.gather(1, targets_N[:, None].long())[:, 0]
+    return target_N - kept_logsumexp(logits_N_V, kept_N, target_N)
+
+
+def kept_logsumexp(logits_N_V: Tensor, kept_N: Tensor, target_N: Tensor) -> Tensor:
+    """log Σ exp(logits) over each row's kept set (see `kept_token_logprobs`); `target_N` is the logit of the token
+    that must be in it."""
+    n, vocab = logits_N_V.shape
+    kept_N = kept_N.to(logits_N_V.device).long().clamp(1, vocab)
+    lse_N = logits_N_V.logsumexp(-1)  # rows that keep everything
+    out_N = lse_N.clone() if n else lse_N
+    from_top = (kept_N < vocab) & (kept_N <= vocab // 2)
+    from_bottom = (kept_N < vocab) & ~from_top
+    for rows in _chunks(from_top.nonzero()[:, 0], kept_N):
+        out_N = out_N.index_put((rows,), _lse_from_top(logits_N_V[rows], kept_N[rows], target_N[rows]))
+    for rows in _chunks(from_bottom.nonzero()[:, 0], vocab - kept_N + 1):
+        out_N = out_N.index_put((rows,), _lse_from_bottom(logits_N_V[rows], kept_N[rows], target_N[rows],
+                                                          lse_N[rows]))
+    return out_N
+
+
+def _chunks(rows: Tensor, width_N: Tensor) -> list[Tensor]:
+    """`rows` in chunks whose rows × widest selection stays under _CHUNK_ELEMENTS."""
+    if rows.numel() == 0:
+        return []
+    width = int(width_N[rows].max())
+    per_chunk = max(1, _CHUNK_ELEMENTS // width)
+    return list(rows.split(per_chunk))
+
+
+def _lse_from_top(logits_R_V: Tensor, kept_R: Tensor, target_R: Tensor) -> Tensor:
+    """The kept sets from the k largest values: lse over the top k (or the top k-1 and the target)."""
+    top_R_W = logits_R_V.topk(int(kept_R.max()), dim=-1).values  # sorted, largest first
+    cum_R_W = top_R_W.logcumsumexp(-1)
+    lse_k_R = cum_R_W.gather(1, (kept_R - 1)[:, None])[:, 0]
+    threshold_R = top_R_W.gather(1, (kept_R - 1)[:, None])[:, 0]
+    lse_k1_R = torch.where(kept_R > 1, cum_R_W.gather(1, (kept_R - 2).clamp(min=0)[:, None])[:, 0], -torch.inf)
+    return torch.where(target_R >= threshold_R, lse_k_R, torch.logaddexp(lse_k1_R, target_R))
+
+
+def _lse_from_bottom(logits_R_V: Tensor, kept_R: Tensor, target_R: Tensor, lse_R: Tensor) -> Tensor:
+    """Kept sets larger than half the vocabulary: the whole mass minus the d = V - k smallest values.
+
+    log(e^lse - e^lse_dropped) = lse + log(1 - e^(lse_dropped - lse)); the dropped tokens are the least likely,
+    at most half of them, so their share stays below 1/2 and the subtraction is well conditioned."""
+    dropped_R = logits_R_V.shape[1] - kept_R  # >= 1
+    bottom_R_W = -((-logits_R_V).topk(int(dropped_R.max()) + 1, dim=-1).values)  # smallest first
+    cum_R_W = bottom_R_W.logcumsumexp(-1)
+
+    def without(count_R: Tensor) -> Tensor:  # lse over everything but the count_R smallest
+        share_R = cum_R_W.gather(1, (count_R - 1)[:, None])[:, 0] - lse_R
+        return lse_R + torch.log(-torch.expm1(share_R))
+
+    threshold_R = bottom_R_W.gather(1, dropped_R[:, None])[:, 0]  # the k-th largest
+    return torch.where(target_R >= threshold_R, without(dropped_R), torch.logaddexp(without(dropped_R + 1), target_R))
+
+
+def mismatch_kl_k3(logp_B_T: Tensor, rollout_logp_B_T: Tensor, mask_B_T: Tensor,
+                   valid_B: Tensor | None = None) -> Tensor:
+    """The k3 estimate of KL(π_rollout ‖ π) over masked tokens of valid samples, from the tokens the engine
+    sampled: mean of ρ - 1 - log ρ with ρ = π / π_rollout (as `rollout_is_weights`'s mismatch_kl_k3). With π the
+    trainer's logprob renormalised over the kept sets it is `train/mismatch_kl_k3`; with the full softmax,
+    `train/mismatch_kl_k3_unmasked`, which also counts the mass top-k / top-p cut (the bias the kept set removes)."""
+    _check_shapes(logp_B_T.shape, rollout_logp_B_T=rollout_logp_B_T, mask_B_T=mask_B_T)
+    used_B_T = mask_B_T.bool() if valid_B is None else mask_B_T.bool() & valid_B.bool()[:, None]
+    log_ratio_B_T = torch.where(used_B_T, logp_B_T.detach() - rollout_logp_B_T.detach(), 0.0)
+    log_ratio_B_T = log_ratio_B_T.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return masked_mean(log_ratio_B_T.exp() - 1 - log_ratio_B_T, used_B_T)

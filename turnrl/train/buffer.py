@@ -163,6 +163,12 @@ class TrajectoryBuffer:
     def in_flight(self) -> int:
         return sum(g.trajectories is None for g in self.pending.values())
 
+    @property
+    def lost(self) -> int:
+        """Admitted groups that are neither in flight, buffered nor trained (`async/lost`): 0, always; anything
+        else is a bug that lost prompts (the module docstring's guarantee)."""
+        return self.admitted - self.trained - len(self.pending)
+
     def version_changed(self) -> None:
         """Call after a weight update: admission may open."""
         self._notify()

@@ -52,6 +52,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from turnrl.config import AlgoConfig, TrainConfig
+from turnrl.observe.loggers import Loggers, build_loggers
 from turnrl.observe.stats import RolloutStats, TrajectoryWriter, peak_rss_gb
 from turnrl.observe.tracing import TrajectoryTracer
 from turnrl.observe.watchdog import Watchdog
@@ -59,7 +60,7 @@ from turnrl.rollout.manager import Rollout
 from turnrl.train import algos
 from turnrl.train.buffer import Group, TrajectoryBuffer, produce
 from turnrl.train.checkpoint import resume_checkpoint, save_checkpoint
-from turnrl.train.evaluation import Evaluator, format_step_line, write_metrics
+from turnrl.train.evaluation import Evaluator, format_step_line
 from turnrl.train.learner import Learner, MicroBatch
 from turnrl.train.samples import PromptSampler, TrainSample, group_advantages, to_sample
 
@@ -73,7 +74,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, learner: Learner, engine: Any, rollout: Rollout | None,
                  train_rows: list[dict], eval_rows: list[dict], console: Console | None = None,
-                 tracer: TrajectoryTracer | None = None):
+                 tracer: TrajectoryTracer | None = None, loggers: Loggers | None = None):
         self.cfg, self.learner, self.engine, self.rollout = cfg, learner, engine, rollout
         self.parallel = learner.parallel
         self.train_rows, self.eval_rows = train_rows, eval_rows
@@ -95,6 +96,8 @@ class Trainer:
         self.step = 0
         self.history: list[dict[str, float]] = []
         self.tracer = tracer if tracer is not None else TrajectoryTracer(None)
+        self.loggers = loggers or build_loggers((), self.out, {}, self.tracer)
+        """Where metrics go: metrics.jsonl and the backends of trainer.loggers (turnrl.observe.loggers)."""
         self.evaluator = Evaluator(rollout, eval_rows, out=self.out, tracer=self.tracer, console=self.console,
                                    greedy_n=cfg.eval_n, sampled_n=cfg.eval_sampled_n,
                                    max_new_tokens=cfg.rollout.max_new_tokens)
@@ -223,6 +226,7 @@ class Trainer:
                "async/staleness_mean": sum(k * v for k, v in b.stats.staleness.items()) / trained,
                "async/staleness_max": float(max(b.stats.staleness, default=0)),
                "async/reissued": float(b.stats.reissued), "async/dropped": float(b.stats.dropped),
+               "async/lost": float(b.lost),
                "async/trainer_idle": b.stats.wait_s / max(time.perf_counter() - self._started, 1e-9),
                "time/trainer_wait_s": t_wait}
         out.update({f"async/staleness_hist/{k}": v / trained for k, v in sorted(b.stats.staleness.items())})
@@ -257,7 +261,7 @@ class Trainer:
     def _log(self, metrics: dict[str, Any]) -> None:
         self.history.append(metrics)
         if self.parallel.is_main:
-            write_metrics(self.out, metrics, self.step, self.tracer)
+            self.loggers.log(metrics, self.step)
             self.console.print(format_step_line(metrics, self.cfg.steps))
 
     def save_checkpoint(self, final: bool = True) -> Path:

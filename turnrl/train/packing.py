@@ -17,6 +17,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from turnrl.moe import UNROUTED
+from turnrl.train.algos import kept_token_logprobs
+
 VARLEN_ATTENTION = "turnrl_varlen"
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)  # SDPA's enable_gqa
 
@@ -132,12 +135,27 @@ def packed_token_logprobs(model: torch.nn.Module, row: PackedRow, temperature: f
 
     Through the model's own forward with `logits_to_keep` = the predicting positions, so the LM head runs
     only there and wrappers that hook the top-level call (FSDP2's all-gathers, peft) see an ordinary one."""
+    return _packed_logits(model, row, temperature).log_softmax(-1).gather(1, row.targets[:, None])[:, 0]
+
+
+def _packed_logits(model: torch.nn.Module, row: PackedRow, temperature: float) -> torch.Tensor:
+    """[N, V] fp32 logits / temperature at the predicting positions."""
     inputs = _vl_inputs(model, row) if hasattr(model.config, "vision_config") else {"position_ids": row.position_ids}
     logits_N_V = model(input_ids=row.input_ids, turnrl_cu_seqlens=row.cu_seqlens, logits_to_keep=row.predict_at,
                        use_cache=False, **inputs).logits[0].float()
     if temperature > 0 and temperature != 1.0:
         logits_N_V = logits_N_V / temperature
-    return logits_N_V.log_softmax(-1).gather(1, row.targets[:, None])[:, 0]
+    return logits_N_V
+
+
+def packed_kept_logprobs(model: torch.nn.Module, row: PackedRow, kept_N: torch.Tensor,
+                         temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(renormalised, full) logprob of each target: under the distribution renormalised over the kept set the engine
+    sampled from (`kept_N`, see `row_kept_counts`; algos.kept_token_logprobs), and under the full softmax, from one
+    forward. [N] each."""
+    logits_N_V = _packed_logits(model, row, temperature)
+    full_N = logits_N_V.log_softmax(-1).gather(1, row.targets[:, None])[:, 0]
+    return kept_token_logprobs(logits_N_V, row.targets, kept_N), full_N
 
 
 def _vl_inputs(model: torch.nn.Module, row: PackedRow) -> dict[str, torch.Tensor]:
@@ -162,3 +180,31 @@ def unpack_to_padded(values_N: torch.Tensor, row: PackedRow, lengths: list[int])
     """Scatter per-target values into [n_seqs, max_response_len] (zeros elsewhere) for the loss functions."""
     out = values_N.new_zeros(len(row.sequence_index), max(lengths, default=0))
     return out.index_put((row.target_seq, row.target_pos), values_N)
+
+
+def row_kept_counts(row: PackedRow, kept: Sequence[Sequence[int | None] | None], vocab_size: int) -> torch.Tensor:
+    """[N] kept-set size of each target of `row`, from each input sample's kept counts aligned with its response
+    (`kept[i]`, indexed like `row.sequence_index`); a sample without them (None) counts as the full vocabulary, so
+    its tokens are scored under the full softmax."""
+    out = []
+    for s, k in zip(row.target_seq.tolist(), row.target_pos.tolist(), strict=True):
+        counts = kept[row.sequence_index[s]]
+        value = None if counts is None else counts[k]
+        out.append(vocab_size if value is None else value)
+    return torch.tensor(out, dtype=torch.long, device=row.targets.device)
+
+
+def row_routing(row: PackedRow, routing: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """[T, layers, top_k] routing of the row's input tokens for `turnrl.moe.replay_routing`, from each input
+    sample's routing over its prompt + response (`routing[i]`, indexed like `row.sequence_index`; rows it does not
+    cover, and samples without any, are UNROUTED: the model routes them itself). None when no sample has any."""
+    known = [r for r in (routing[i] for i in row.sequence_index) if r is not None]
+    if not known:
+        return None
+    out = known[0].new_full((row.input_ids.shape[1], *known[0].shape[1:]), UNROUTED)
+    for s, i in enumerate(row.sequence_index):
+        experts, start = routing[i], row.cu_seqlens[s]
+        if experts is not None:
+            n = min(experts.shape[0], row.cu_seqlens[s + 1] - start)
+            out[start : start + n] = experts[:n]
+    return out

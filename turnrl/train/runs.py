@@ -4,7 +4,7 @@
         latest-run -> 20261201-103200   the newest run started here (a symbolic link)
         20261201-103200/                a run directory (`--run-dir` names one yourself)
             config.yaml                 the config the run started with (resolved: every key)
-            metrics.jsonl  groups.jsonl  curves.png  trajectories/
+            metrics.jsonl  groups.jsonl  curves.png  trajectories/  (tensorboard/  wandb/: trainer.loggers)
             checkpoints/step_000030/ ... checkpoints/latest    (turnrl.train.checkpoint)
 
 `prepare_run` decides the directory before anything loads:
@@ -15,7 +15,8 @@
 - `resume=PATH`: the run directory, checkpoint folder or directory of runs at PATH.
 
 `find_checkpoint(PATH)` is the same rule for `turnrl eval`: a checkpoint folder, a run (its newest valid
-checkpoint) or a directory of runs (the newest run's).
+checkpoint) or a directory of runs (the newest run's). `find_run(FILE)` is the run a file it wrote lies in
+(`turnrl replay`: the model in its config.yaml, the policy versions in its checkpoints).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from pathlib import Path
 from turnrl.config import ConfigError, TrainConfig
 from turnrl.train.checkpoint import checkpoint_problem, checkpoint_step, select_checkpoint
 
-RUN_FILES = ("config.yaml", "metrics.jsonl", "groups.jsonl", "curves.png", "checkpoints", "trajectories")
+RUN_FILES = ("config.yaml", "metrics.jsonl", "groups.jsonl", "curves.png", "checkpoints", "trajectories", "tensorboard",
+             "wandb")
 """What a run writes into its directory (what `overwrite` deletes; anything else there is left alone)."""
 
 
@@ -177,6 +179,41 @@ def find_checkpoint(path: Path) -> tuple[Path, list[str]]:
     if ckpt is None:
         raise ValueError(f"run {run} has no valid checkpoint" + (f" ({'; '.join(notes)})" if notes else ""))
     return ckpt, notes
+
+
+def find_run(path: Path) -> Path | None:
+    """The run directory a file the run wrote lies in (RUN/trajectories/last_step.jsonl, RUN/eval/step_N.jsonl,
+    RUN/config.yaml itself): the nearest of the file's two enclosing folders with a config.yaml; None if neither."""
+    for folder in list(Path(path).resolve().parents)[:2]:
+        if (folder / "config.yaml").is_file() and is_run_dir(folder):
+            return folder
+    return None
+
+
+def run_model(run_dir: Path) -> str:
+    """The model a run trained (the `model` of its config.yaml)."""
+    import yaml
+
+    config = Path(run_dir) / "config.yaml"
+    try:
+        model = (yaml.safe_load(config.read_text()) or {}).get("model")
+    except (OSError, yaml.YAMLError, AttributeError) as e:
+        raise ConfigError(f"{config}: cannot read the run's config ({type(e).__name__}: {e})") from None
+    if not isinstance(model, str) or not model:
+        raise ConfigError(f"{config} names no model (a `model:` key); pass --model")
+    return model
+
+
+def version_checkpoint(run_dir: Path, version: int) -> Path:
+    """The checkpoint of policy `version` in a run (the weights after `version` steps: checkpoints/step_N, N =
+    version). Raises FileNotFoundError naming the checkpoints the run did save."""
+    path = Path(run_dir) / "checkpoints" / f"step_{version:06d}"
+    problem = checkpoint_problem(path, verify=False)
+    if problem is not None:
+        saved = sorted(p.name for p in (Path(run_dir) / "checkpoints").glob("step_*"))
+        raise FileNotFoundError(f"{run_dir}: no checkpoint of policy version {version} ({path.name} {problem}); "
+                                f"saved: {', '.join(saved) or 'none'} (save_every=1 keeps every version)")
+    return path
 
 
 def _describe(run_dir: Path) -> str:
