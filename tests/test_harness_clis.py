@@ -79,7 +79,8 @@ async def run_cli(name: str, qwen3_tokenizer, tmp_path: Path, rows: list[dict], 
     renderer = ChatRenderer(qwen3_tokenizer)
     bodies = record_bodies(engine, renderer)
     (tmp_path / "runs").mkdir()
-    settings = harness_settings(HarnessConfig(name=name, base_dir=str(tmp_path / "runs"), timeout_s=240))
+    # a generous limit: on a loaded 2-core machine (load 15-19 seen) six CLIs starting at once take minutes
+    settings = harness_settings(HarnessConfig(name=name, base_dir=str(tmp_path / "runs"), timeout_s=600))
     manager = RolloutManager(engine, renderer, agents={"harness": make_harness_agent(settings)},
                              default_agent="harness", limits=RolloutLimits(max_turns=8, max_new_tokens=512))
     groups = await run_groups(manager, rows)
@@ -206,7 +207,7 @@ def test_turnrl_train_with_opencode_on_two_harbor_tasks(tmp_path, monkeypatch, q
         "model": "tiny-qwen3", "train_data": str(data), "run_dir": str(tmp_path / "run"), "steps": 2,
         "prompts_per_step": 2, "optim": {"lr": 1e-3}, "algo": {"is_mode": "none"},  # the script's logprobs are not the
         # policy's: no importance correction (it would truncate every weight), the plain policy gradient
-        "rollout": {"harness": {"name": "opencode", "timeout_s": 240, "base_dir": str(tmp_path / "harness-runs")},
+        "rollout": {"harness": {"name": "opencode", "timeout_s": 600, "base_dir": str(tmp_path / "harness-runs")},
                     "n": 3, "max_turns": 6, "max_new_tokens": 256},
     }))
     result = CliRunner().invoke(app, ["train", str(config)])
