@@ -190,7 +190,7 @@ def find_cli(spec: HarnessSpec, search: Sequence[str], name: str) -> tuple[str, 
     """(the executable, the folders it needs to read: its npm installation); ValueError saying how to install
     it when it is nowhere."""
     program = spec.command[0]
-    found = program if "/" in program else next(
+    found = os.path.abspath(program) if "/" in program else next(
         (str(Path(d, program).absolute()) for d in search if Path(d, program).exists()), shutil.which(program))
     if not found or not os.access(found, os.X_OK):
         how = (f"run `make harnesses` (or `npm install -g {spec.package}` at the version harnesses/package.json pins)"
