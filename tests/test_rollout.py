@@ -268,6 +268,18 @@ async def test_rewards_are_streamed_and_errors_are_not_zero(qwen3_tokenizer):
     assert len(seen) == 4
 
 
+async def test_a_failed_trajectory_is_not_scored_zero(qwen3_tokenizer):
+    """A failure (here the env's step raises) has no outcome to score: its reward stays None, not the 0.0 an
+    `env`-style reward function would give it; it is counted by its status and never trained."""
+    engine = ScriptedEngine(qwen3_tokenizer, replies("4"))
+    scored = []
+    manager = _manager(engine, qwen3_tokenizer, lambda s, c: FeedbackEnv(raise_on_turn=1),
+                       reward_fn=lambda traj: scored.append(traj.id) or 0.0)
+    [[traj]] = await run_groups(manager, [{"id": "r0", "prompt": "a"}])
+    assert traj.status == RolloutStatus.FAILED and traj.reward is None and traj.reward_error is None
+    assert scored == []
+
+
 async def test_unknown_agent_lists_registered(qwen3_tokenizer):
     manager = _manager(ScriptedEngine(qwen3_tokenizer, replies("x")), qwen3_tokenizer, None)
     with pytest.raises(ValueError, match="unknown agent_name 'nope'.*env_agent"):

@@ -326,10 +326,10 @@ def test_client_side_reward_errors_are_recorded_not_scored(qwen3_tokenizer):
             raise KeyError("answer")
         return 1.0
 
-    rows = [{"id": "good", "prompt": "a", "answer": "4"}, {"id": "bad", "prompt": "b"}]
+    rows = [{"id": "good", "prompt": "a", "answer": "4"}, {"id": "bad", "prompt": "b", "answer": "4"}]
     good, bad = remote_rollout(qwen3_tokenizer, scenarios.replies("It is 4."), "test_retry", rows, reward=reward)[0]
     assert good.reward == 1.0 and "reward_error" not in good.info
-    assert bad.reward is None and bad.reward_error == "KeyError: 'answer'"
+    assert bad.status == "completed" and bad.reward is None and bad.reward_error == "KeyError: 'answer'"
     assert good.sample is rows[0]  # the caller's own row object
 
 

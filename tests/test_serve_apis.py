@@ -249,6 +249,119 @@ def test_responses_stream_sends_function_call_events(served):
     assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
 
 
+# ---- tools as coding-agent harnesses declare them (turnrl.serve.tools) -----------------------------------
+def _calls(name: str, arguments: dict):
+    """A script that calls `name` first and answers once its result came back."""
+    call = "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+    return lambda rid, turn, prompt: "The answer is 42." if "<tool_response>" in prompt else call
+
+
+NAMESPACED = {"type": "namespace", "name": "math_v1", "description": "Arithmetic tools.",
+              "tools": [RESPONSES_TOOL]}
+
+
+def test_a_namespace_tool_is_flattened_and_its_calls_go_back_under_the_namespace(qwen3_tokenizer, caplog):
+    """Codex's shape: the model sees `math_v1__calculator`, never the hosted web_search; its call goes back as
+    `calculator` in namespace `math_v1` (and so streamed); echoed back that way, it continues the recorded tokens.
+    The hosted tool is named in the log once per session and in each call's notes."""
+    served = Served(qwen3_tokenizer, _calls("math_v1__calculator", {"expression": "6*7"}))
+    try:
+        body = {"model": "m", "input": QUESTION["prompt"], "tools": [NAMESPACED, {"type": "web_search"}]}
+        with caplog.at_level("WARNING", logger="turnrl.serve.sessions"):
+            first = httpx.post(f"{served.url}/sessions/ns/v1/responses", json=body).json()
+            [item] = first["output"]
+            assert (item["type"], item["name"], item["namespace"]) == ("function_call", "calculator", "math_v1")
+            prompt = qwen3_tokenizer.decode(served.engine.calls[0].prompt_ids)
+            assert '"name": "math_v1__calculator"' in prompt and "web_search" not in prompt
+            follow_up = {**body, "stream": True, "input": [{"role": "user", "content": QUESTION["prompt"]}, item,
+                                                           {"type": "function_call_output", "call_id": item["call_id"],
+                                                            "output": "42"}]}
+            events = _sse(httpx.post(f"{served.url}/sessions/ns/v1/responses", json=follow_up).text)
+        assert events[-1][1]["response"]["output"][0]["content"][0]["text"] == "The answer is 42."
+        served.check_episode("ns")
+        calls = served.proxy.session("ns").calls
+        assert calls[1].base_len is not None and [c.notes["tools_not_offered"] for c in calls] == [["web_search"]] * 2
+        assert len([r for r in caplog.records if "not offered to the model" in r.getMessage()]) == 1
+        streamed = _sse(httpx.post(f"{served.url}/sessions/ns2/v1/responses", json={**body, "stream": True}).text)
+        [added] = [d["item"] for n, d in streamed if n == "response.output_item.added"]
+        assert (added["name"], added["namespace"]) == ("calculator", "math_v1")
+    finally:
+        served.stop()
+
+
+PATCH = "*** Begin Patch\n*** Add File: a.txt\n+hi\n*** End Patch"
+
+
+def test_a_custom_tool_takes_free_form_input_in_the_responses_api(qwen3_tokenizer):
+    served = Served(qwen3_tokenizer, _calls("apply_patch", {"input": PATCH}))
+    try:
+        tools = [{"type": "custom", "name": "apply_patch", "description": "Apply a patch.",
+                  "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}}]
+        body = {"model": "m", "input": QUESTION["prompt"], "tools": tools}
+        [item] = httpx.post(f"{served.url}/sessions/c1/v1/responses", json=body).json()["output"]
+        assert (item["type"], item["name"], item["input"]) == ("custom_tool_call", "apply_patch", PATCH)
+        assert '"input": {"type": "string"' in qwen3_tokenizer.decode(served.engine.calls[0].prompt_ids)
+        follow_up = {**body, "input": [{"role": "user", "content": QUESTION["prompt"]}, item,
+                                       {"type": "custom_tool_call_output", "call_id": item["call_id"], "output": "42"}]}
+        answer = httpx.post(f"{served.url}/sessions/c1/v1/responses", json=follow_up).json()
+        assert answer["output"][0]["content"][0]["text"] == "The answer is 42."
+        served.check_episode("c1")
+        events = _sse(httpx.post(f"{served.url}/sessions/c2/v1/responses", json={**body, "stream": True}).text)
+        assert [d["delta"] for n, d in events if n == "response.custom_tool_call_input.delta"] == [PATCH]
+        [done] = [d["item"] for n, d in events if n == "response.output_item.done"]
+        assert (done["type"], done["input"]) == ("custom_tool_call", PATCH)
+    finally:
+        served.stop()
+
+
+def test_a_custom_tool_in_chat_completions(served):
+    served.engine.script = _calls("apply_patch", {"input": PATCH})
+    tools = [{"type": "custom", "custom": {"name": "apply_patch", "description": "Apply a patch."}}]
+    messages = [{"role": "user", "content": QUESTION["prompt"]}]
+    reply = httpx.post(f"{served.url}/sessions/cc/v1/chat/completions",
+                       json={"model": "m", "messages": messages, "tools": tools}).json()["choices"][0]["message"]
+    [call] = reply["tool_calls"]
+    assert call["type"] == "custom" and call["custom"] == {"name": "apply_patch", "input": PATCH}
+    follow_up = [*messages, reply, {"role": "tool", "tool_call_id": call["id"], "content": "42"}]
+    answer = httpx.post(f"{served.url}/sessions/cc/v1/chat/completions",
+                        json={"model": "m", "messages": follow_up, "tools": tools}).json()
+    assert answer["choices"][0]["message"]["content"] == "The answer is 42."
+    served.check_episode("cc")
+    chunks = _sse(httpx.post(f"{served.url}/sessions/cc2/v1/chat/completions",
+                             json={"model": "m", "messages": messages, "tools": tools, "stream": True}).text)
+    [streamed] = [c["choices"][0]["delta"]["tool_calls"][0] for _, c in chunks
+                  if isinstance(c, dict) and c.get("choices") and c["choices"][0]["delta"].get("tool_calls")]
+    assert streamed["type"] == "custom" and streamed["custom"]["input"] == PATCH
+
+
+def test_anthropic_server_and_deferred_tools_are_not_offered_and_system_messages_keep_their_place(served):
+    """Claude Code's shapes: a `system` message inside `messages`, a tool with defer_loading, a server tool, and a
+    tool result holding a tool_reference (its tool search's answer)."""
+    tools = [{"name": "calculator", "description": "Evaluate arithmetic.", "input_schema": {"type": "object"}},
+             {"name": "Later", "description": "x", "input_schema": {"type": "object"}, "defer_loading": True},
+             {"type": "web_search_20250305", "name": "web_search", "max_uses": 5}]
+    messages = [{"role": "user", "content": QUESTION["prompt"]}, {"role": "system", "content": "# Environment\ncwd /app"}]
+    body = {"model": "m", "max_tokens": 64, "messages": messages, "tools": tools, "thinking": {"type": "adaptive"},
+            "context_management": {"edits": []}, "output_config": {"effort": "high"}}
+    first = httpx.post(f"{served.url}/sessions/a1/v1/messages", json=body).json()
+    [use] = [b for b in first["content"] if b["type"] == "tool_use"]
+    prompt = qwen3_tokenizer_text(served, 0)
+    assert '"name": "calculator"' in prompt and "Later" not in prompt and "web_search" not in prompt
+    assert prompt.index("What is 6*7?") < prompt.index("# Environment")
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": [
+        {"type": "text", "text": "42"}, {"type": "tool_reference", "tool_name": "Later"}]}]}
+    second = httpx.post(f"{served.url}/sessions/a1/v1/messages",
+                        json={**body, "messages": [*messages, {"role": "assistant", "content": first["content"]},
+                                                   result]}).json()
+    assert second["content"][0]["text"] == "The answer is 42."
+    assert "Tool loaded: Later" in qwen3_tokenizer_text(served, 1)
+    assert served.proxy.session("a1").calls[1].notes["tools_not_offered"] == ["Later", "web_search"]
+
+
+def qwen3_tokenizer_text(served: Served, call: int) -> str:
+    return served.proxy.renderer.decode(served.engine.calls[call].prompt_ids)
+
+
 # ---- LangGraph -----------------------------------------------------------------------------------------
 async def test_langgraph_react_agent_and_its_streaming_version(served):
     pytest.importorskip("langgraph")

@@ -145,7 +145,8 @@ def test_chat_refuses_bad_fields_with_a_400_naming_the_field(live, name, fields,
 
 @pytest.mark.parametrize(("path", "body", "param"), [
     ("/v1/responses", {"input": 5}, "input"),
-    ("/v1/responses", {"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "function"}]}, "tools[0]"),
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "namespace", "name": "ns"}]}, "tools[0]"),
     ("/v1/responses", {"input": "hi", "max_output_tokens": "x"}, "max_output_tokens"),
     ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].content[0]"),
@@ -160,11 +161,11 @@ def test_responses_api_refuses_bad_fields(live, path, body, param):
 
 @pytest.mark.parametrize(("fields", "words"), [
     ({"max_tokens": None}, "max_tokens"),
-    ({"messages": [{"role": "system", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "tool", "content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "'image' block"),
     ({"top_k": "x"}, "top_k"),
     ({"stop_sequences": 5}, "stop_sequences"),
-    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0]"),
+    ({"tools": [{"description": "no name"}]}, "tools[0]"),
 ])
 def test_anthropic_api_refuses_bad_fields_in_its_error_shape(live, fields, words):
     url, _, _ = live

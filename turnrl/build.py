@@ -23,6 +23,7 @@ import torch
 from turnrl.config import (
     ConfigError,
     EngineConfig,
+    HarnessConfig,
     JudgeConfig,
     RewardConfig,
     RolloutConfig,
@@ -39,6 +40,7 @@ from turnrl.types import SamplingParams
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from turnrl.agents.harness import HarnessSettings
     from turnrl.rewards.judge import Judge
     from turnrl.train.learner import Learner, LearnerOptions
     from turnrl.train.loop import Trainer
@@ -228,6 +230,13 @@ def build_rollout_manager(
         tools = ToolAgentSettings.build(toolset_of(cfg.tools), cfg.tool_parser, cfg.tool_agent)
         renderer.require("tool")  # at start-up: a template with no tool role, or one that drops tool schemas
         renderer.require_tools(cfg.tool_parser)  # (they are injected then, or refused), says so now
+    if cfg.harness is not None:
+        from turnrl.agents.harness import make_harness_agent
+
+        agents["harness"] = make_harness_agent(harness_settings(cfg.harness, cfg.tool_parser))
+    elif default_agent == "harness":
+        raise ConfigError("rollout.agent: harness needs rollout.harness (claude-code, codex, opencode, or your own "
+                          "CLI as {command: [...], api: anthropic | responses | chat})")
     if default_agent == "env_agent" and env_factory is None:
         raise ConfigError("rollout.env is required for the env_agent (or choose rollout.agent=single_turn|tool_agent)")
     # engine None: build_stack builds the manager first (plugins, env, tools fail before weights load), then sets it
@@ -261,6 +270,22 @@ def env_opens_episode(cfg: RolloutConfig) -> bool:
 
     env = effective_rollout_config(cfg).env
     return env is not None and bool(getattr(load_env_factory(env), "opens_episode", False))
+
+
+def harness_settings(cfg: HarnessConfig, tool_parser: str = "hermes") -> HarnessSettings:
+    """The harness agent's settings; the CLI is looked up now, so a missing one fails before weights load."""
+    from turnrl.agents.harness import HarnessSettings, find_cli, harness_search_path, harness_spec
+
+    name = cfg.name or "custom"
+    try:
+        spec = harness_spec(cfg.name, cfg.command, cfg.env, cfg.api)
+        executable, installation = find_cli(spec, harness_search_path(cfg.search_path), name)
+    except ValueError as e:
+        raise ConfigError(f"rollout.{e}") from None
+    return HarnessSettings(
+        name=name, spec=spec, executable=executable, read_paths=(*installation, *cfg.read_paths),
+        timeout_s=cfg.timeout_s, test_timeout_s=cfg.test_timeout_s, weak=cfg.sandbox == "weak",
+        tool_parser=tool_parser, model=cfg.model, base_dir=cfg.base_dir, memory_mb=cfg.memory_mb)
 
 
 def build_reward_fn(cfg: RewardConfig, tokenizer: Any = None, label_key: str | None = None) -> RewardFn:

@@ -98,14 +98,19 @@ def _is_bad_input(e: BaseException) -> bool:
 
 
 Opt = typer.Option
-_DATA_HELP = ("JSONL/parquet rows with a `prompt` (string or chat messages). An env that opens its episodes itself "
-              "(reasoning_gym:, openenv:, textarena:) takes rows without prompt, or none: --limit N runs seeds 0..N-1.")
+_DATA_HELP = ("JSONL/parquet rows with a `prompt` (string or chat messages), or a folder of Harbor tasks. An env that opens "
+              "its episodes itself (reasoning_gym:, openenv:, textarena:) takes rows without prompt, or none: --limit N "
+              "runs seeds 0..N-1.")
 _ENV_HELP = ("Environment: built-in name, dotted module, .py file with build_env, or reasoning_gym:NAME, "
              "openenv:MODULE:CLASS, openenv+http://HOST:PORT, textarena:GAME-v0 (docs/ecosystems.md).")
 _SERVER_HELP = ("Rollout server URL (turnrl serve --scheduler/--env/...): it runs the turns with its own rollout "
                 "settings; n, sampling and rewards stay here.")
 _TOOLS_HELP = ("Function-tool .py file, tool-config .yaml, or MCP server: 'mcp:COMMAND [ARGS...]' (stdio) or "
                "mcp+http://HOST:PORT/PATH (repeatable).")
+
+
+_WHERE_TURNS_RUN = ("--env, --scheduler, --plugin, --tools, --agent-path, --harness and --ray-workers configure where "
+                    "the turns run; with --server the rollout server runs them: pass these to `turnrl serve` instead")
 
 
 @app.command()
@@ -128,6 +133,7 @@ def rollout(
     tools: Annotated[list[str], Opt(help=_TOOLS_HELP)] = [],
     tool_timeout: Annotated[float | None, Opt(help="Seconds a tool call may take (tool agent; default 30).")] = None,
     tool_parser: Annotated[str, Opt(help="Tool-call format (hermes, qwen3_coder).")] = "hermes",
+    harness: Annotated[str | None, Opt(help="Coding-agent CLI per episode: claude-code|codex|opencode.")] = None,
     scheduler: Annotated[str | None, Opt(help="ms-swift-style scheduler by name.")] = None,
     gym_env: Annotated[str | None, Opt(help="Gym env of the gym scheduler (ms-swift's --gym_env; env_config.gym_env).")] = None,
     plugin: Annotated[list[str], Opt(help="Python file imported at start-up (repeatable).")] = [],
@@ -149,12 +155,11 @@ def rollout(
 ) -> None:
     """Roll out trajectories of a model in an environment and write them as JSONL."""
     _setup_logging(verbose)
-    if server and (env or scheduler or plugin or tools or agents or ray_workers):
-        _fail("--env, --scheduler, --plugin, --tools, --agent-path and --ray-workers configure where the turns run; "
-              "with --server the rollout server runs them: pass these to `turnrl serve` instead")
+    if server and (env or scheduler or plugin or tools or agents or ray_workers or harness):
+        _fail(_WHERE_TURNS_RUN)
     from turnrl.config import EngineConfig, RolloutConfig, SamplingConfig, effective_rollout_config
     with _bad_input(ValueError, FileNotFoundError, ImportError):  # ConfigError, DataError, pydantic's errors...
-        given = {k: v for k, v in {"max_turns": max_turns, "agent": agent}.items() if v is not None}
+        given = {k: v for k, v in {"max_turns": max_turns, "agent": agent, "harness": harness}.items() if v is not None}
         cfg = effective_rollout_config(RolloutConfig(
             env=env, custom_config=str(custom_config) if custom_config else None, agents=agents,
             tools=tools, tool_parser=tool_parser, scheduler=scheduler, plugins=plugin, n=n, **given,
@@ -231,7 +236,8 @@ def _flag_errors(error: Any) -> str:
     """A pydantic ValidationError of the flags' config, one clause per bad flag."""
     clauses = []
     for err in error.errors():
-        field = str(err["loc"][-1]) if err["loc"] else ""
+        loc = [str(part) for part in err["loc"]]
+        field = "harness" if loc[:1] == ["harness"] else loc[-1] if loc else ""  # --harness is a whole section
         flag = _FLAGS.get(field, "--" + field.replace("_", "-"))
         clauses.append(f"{flag}: {err['msg']} (got {err.get('input')!r:.60})")
     return "; ".join(clauses)

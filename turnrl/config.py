@@ -66,6 +66,54 @@ class EngineConfig(Strict):
     """Address of an existing Ray cluster ("auto", "ray://host:10001"); None starts a local one."""
 
 
+class HarnessConfig(Strict):
+    """A coding-agent CLI that runs each episode (`rollout.agent: harness`; docs/harnesses.md). A string is
+    short for `{name: ...}`."""
+
+    name: Literal["claude-code", "codex", "opencode"] | None = None
+    """A built-in harness (installed by `make harnesses`); leave empty for your own `command`."""
+    command: list[str] = []
+    """Your own CLI: its argv, where {instruction}, {base_url}, {api_key}, {model}, {workdir} and {home} are
+    filled in for each episode (e.g. [my-agent, --prompt, "{instruction}"])."""
+    env: dict[str, str] = {}
+    """Environment of the CLI, filled in as `command` (over a built-in's; your own CLI also gets its API's
+    OPENAI_BASE_URL/OPENAI_API_KEY or ANTHROPIC_BASE_URL/ANTHROPIC_API_KEY)."""
+    api: Literal["anthropic", "responses", "chat"] | None = None
+    """The API your own CLI speaks: Anthropic Messages, OpenAI Responses or chat completions ({base_url} ends
+    in /v1 for the OpenAI APIs, not for Anthropic's)."""
+    timeout_s: float | None = Field(None, gt=0)
+    """The CLI's wall-clock limit per episode; None: the task's `[agent] timeout_sec`, else 900 s."""
+    test_timeout_s: float | None = Field(None, gt=0)
+    """The limit of the task's tests; None: the task's `[verifier] timeout_sec` (Harbor's default 600 s)."""
+    sandbox: Literal["strict", "weak"] = "strict"
+    """strict: refuse to run where the command sandbox cannot be enforced (not root, no Landlock, no
+    namespaces); weak: run with the layers available (docs/sandbox.md)."""
+    search_path: list[str] = []
+    """Folders searched for the CLI before ./.harnesses, the source checkout's .harnesses and PATH."""
+    read_paths: list[str] = []
+    """More paths the CLI may read (its installation, when it is not an npm package found as above)."""
+    model: str = "turnrl-policy"
+    """The model name the CLI is configured with (the proxy serves the policy under any name)."""
+    base_dir: str | None = None
+    """Where each episode's run folder (its working directory and HOME) is made; None: the system's temp dir."""
+    memory_mb: int | None = Field(None, ge=64)
+    """Address-space limit of each CLI process (None: none; V8 reserves far more than it uses)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_alone(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _one_cli(self) -> HarnessConfig:
+        if bool(self.name) == bool(self.command):
+            raise ValueError("harness: give a built-in `name` (claude-code, codex, opencode) or your own `command` "
+                             "(with `api`), not both or neither")
+        if self.command and self.api is None:
+            raise ValueError("harness.api: your own CLI's API is required (anthropic, responses or chat)")
+        return self
+
+
 class RolloutConfig(Strict):
     env: str | None = None
     """Environment: a built-in name (arithmetic, geo3k, single_turn), a dotted module or a .py file with build_env."""
@@ -75,7 +123,11 @@ class RolloutConfig(Strict):
     """A YAML file whose mapping becomes the env config (slime's --custom-config-path). Its `max_turns` is also the
     turn limit and its `rollout_interaction_env_path` the env, unless those are set (effective_rollout_config)."""
     agent: str = "env_agent"
-    """Default agent for rows without `agent_name` (single_turn, env_agent, tool_agent, or one from `agents`)."""
+    """Default agent for rows without `agent_name` (single_turn, env_agent, tool_agent, harness, or one from
+    `agents`)."""
+    harness: HarnessConfig | None = None
+    """The coding-agent CLI of the `harness` agent (a built-in name or {command, env, api}); setting it makes
+    `harness` the default agent unless `agent` is set."""
     agents: list[str] = []
     """Extra agent loops by path: `[name=]file.py:function` or `[name=]pkg.module:function`."""
     tools: list[str] = []
@@ -343,7 +395,8 @@ class TrainConfig(Strict):
     model: str
     """Local HF directory, hub id, or built-in name (smollm2-135m-instruct, tiny-qwen3, tiny-qwen3-vl)."""
     train_data: str
-    """JSONL or parquet rows with a `prompt` (and any columns the env / reward use)."""
+    """JSONL or parquet rows with a `prompt` (and any columns the env / reward use), or a folder of Harbor tasks
+    (one row each: docs/harnesses.md)."""
     eval_data: str | None = None
     """Held-out rows evaluated with greedy decoding before training, every eval_every steps and at the end."""
     output_dir: str = "runs/train"
@@ -495,7 +548,8 @@ def effective_rollout_config(cfg: RolloutConfig, custom: dict[str, Any] | None =
     - the YAML's `max_turns` is the turn limit, unless `max_turns` was set (a flag or a config key);
     - the YAML's `rollout_interaction_env_path` is the environment, unless `env` was set;
     - with tools and neither an env nor a scheduler, rows without `agent_name` run the tool agent, unless `agent`
-      was set (so verl rows need no --agent).
+      was set (so verl rows need no --agent);
+    - with a harness, they run the harness agent, unless `agent` was set.
     The result carries the YAML merged under `env_config` (without `rollout_interaction_env_path`) and no
     `custom_config`, so applying it again changes nothing and other processes need not read the file."""
     custom = load_custom_config(cfg.custom_config) if custom is None else dict(custom)
@@ -508,6 +562,8 @@ def effective_rollout_config(cfg: RolloutConfig, custom: dict[str, Any] | None =
             out.env = str(custom[ENV_PATH_KEY])
         if cfg.tools and out.env is None and cfg.scheduler is None and "agent" not in given:
             out.agent = "tool_agent"
+        if cfg.harness is not None and "agent" not in given:
+            out.agent = "harness"
     except ValidationError as e:
         raise ConfigError(f"custom config {cfg.custom_config or ''}: {e.errors()[0]['msg']} "
                           f"(max_turns: {custom.get('max_turns')!r})") from None

@@ -3,7 +3,8 @@
 A row is a JSON object with a `prompt` (a string, or a list of chat messages) and any other columns; the
 other columns travel with the trajectory (`Trajectory.sample`) to environments, tools and reward functions.
 Optional columns with a meaning: `id`, `system` (a system prompt prepended to a string prompt),
-`agent_name`, `tools_kwargs`, `tool_selection`, `images`, `env_config`, `seed`.
+`agent_name`, `tools_kwargs`, `tool_selection`, `images`, `env_config`, `seed`, `harbor_task` (a Harbor task folder:
+its instruction is the prompt, its tests the grader; a folder of task folders loads as one row each).
 
 Rows for an environment that opens the episode itself (its `reset()` gives the first message: reasoning-gym,
 OpenEnv, TextArena; docs/ecosystems.md) need no prompt: such a row may hold only a `seed`, an `id` and
@@ -35,12 +36,15 @@ class DataError(ValueError):
 
 
 def load_rows(path: str | Path, prompt_required: bool = True) -> list[dict[str, Any]]:
-    """Read rows from `.jsonl` (one JSON object per line) or `.parquet`, validating each row's prompt (a row
-    without one is accepted when not `prompt_required`: the env opens the episode)."""
+    """Read rows from `.jsonl` (one JSON object per line) or `.parquet`, or from a folder of Harbor tasks (one
+    row each: turnrl.agents.harbor), validating each row's prompt (a row without one is accepted when not
+    `prompt_required`: the env opens the episode)."""
     path = Path(path)
-    rows = read_rows(path)
+    rows = _harbor_rows(path) if path.is_dir() else read_rows(path)
+    base = path if path.is_dir() else path.parent
     for i, row in enumerate(rows):
-        resolve_image_paths(row, path.parent)
+        resolve_image_paths(row, base)
+        resolve_harbor_task(row, base, where=f"{path} row {i + 1}")
         prompt_messages(row, where=f"{path} row {i + 1}", required=prompt_required)
     return rows
 
@@ -51,6 +55,34 @@ def seed_rows(n: int) -> list[dict[str, Any]]:
     if n < 1:
         raise DataError(f"expected a number of episodes >= 1, got {n}")
     return [{"id": f"seed-{i}", "seed": i} for i in range(n)]
+
+
+def _harbor_rows(path: Path) -> list[dict[str, Any]]:
+    from turnrl.agents.harbor import HarborTaskError, task_rows
+
+    try:
+        return task_rows(path)
+    except HarborTaskError as e:
+        raise DataError(f"data folder {e}") from None
+
+
+def resolve_harbor_task(row: dict[str, Any], base: Path, where: str = "row") -> None:
+    """A row naming a Harbor task folder (`harbor_task`, relative to the data file) gets its absolute path, and
+    the task's instruction as `prompt` and its folder name as `id` unless it has its own."""
+    named = row.get("harbor_task")
+    if named is None:
+        return
+    from turnrl.agents.harbor import HarborTaskError, load_task
+
+    if not isinstance(named, str) or not named:
+        raise DataError(f"{where}: field 'harbor_task' must be the path of a Harbor task folder, got {named!r:.80}")
+    try:
+        task = load_task(named if Path(named).is_absolute() else base / named)
+    except HarborTaskError as e:
+        raise DataError(f"{where}: field 'harbor_task': {e}") from None
+    row["harbor_task"] = str(task.path)
+    row.setdefault("prompt", task.instruction)
+    row.setdefault("id", task.name)
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:

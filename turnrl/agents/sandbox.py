@@ -31,7 +31,8 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,7 +93,9 @@ class CommandResult:
     """Whether the output was longer than `max_output_chars` (its beginning is cut)."""
     layers: dict[str, Any] = field(default_factory=dict)
     """The layers in force: uid, pidns, mountns, netns, landlock (ABI version or False), read_paths (None: reads
-    not restricted), rlimits, no_new_privs, subreaper."""
+    not restricted), rlimits, no_new_privs, subreaper, mounts (the paths mounted)."""
+    cancelled: bool = False
+    """Stopped from outside (`cancel` was set): killed with its whole tree, `exit_code` -9."""
 
 
 def run_sandboxed(
@@ -109,15 +112,22 @@ def run_sandboxed(
     weak: bool = False,
     limits: CommandLimits | None = None,
     base_dir: str | None = None,
+    mounts: Mapping[str, str | Path] | None = None,
+    workdir: str | None = None,
+    cancel: threading.Event | None = None,
 ) -> CommandResult:
     """Run `argv` in the task directory `cwd` under the sandbox described in the module docstring.
 
     `home`: its HOME (created empty, and removed afterwards, when None). `ports`: loopback ports of the host
-    it may connect to (at 127.0.0.1, as on the host). Blocking. Raises ValueError for bad arguments and
-    SandboxError when the sandbox cannot be set up or enforced (see `weak`)."""
+    it may connect to (at 127.0.0.1, as on the host). `mounts`: host directories the command sees at other
+    paths, `{"/app": task_dir, "/logs": logs_dir}` (a task's own paths; each writable when it is `cwd`, `home` or
+    in `write_paths`, else read-only; needs the mount namespace); `workdir`: where it starts, as it sees it
+    (default `cwd`). `cancel`: an Event another thread sets to kill the run now. Blocking. Raises ValueError for
+    bad arguments and SandboxError when the sandbox cannot be set up or enforced (see `weak`)."""
     limits = limits or CommandLimits()
     task = _checked_dir(cwd, "cwd")
     _check_arguments(argv, network, ports, timeout_s)
+    binds = _checked_mounts(mounts or {}, workdir)
     sandbox_id = _sandbox_user(weak)
     with ExitStack() as stack:
         control = stack.enter_context(_temp_dir("turnrl-cmd-ctl-", None))
@@ -128,20 +138,55 @@ def run_sandboxed(
             stack.enter_context(_owned_by(writable, sandbox_id))
         full_env = _command_env(home_dir, env)
         executable = shutil.which(argv[0], path=full_env["PATH"])
+        readable = [*map(str, read_paths), *(s for s in binds.values() if Path(s) not in writable)]
         config = {
-            "mode": "command", "argv": list(argv), "env": full_env, "cwd": str(task), "home": str(home_dir),
+            "mode": "command", "argv": list(argv), "env": full_env, "cwd": workdir or str(task), "home": str(home_dir),
             "uid": sandbox_id, "strict": not weak, "timeout_s": timeout_s, "tmp_mb": limits.tmp_mb,
-            "reads": [*COMMAND_READ_PATHS, *map(str, read_paths), *([os.path.realpath(executable)] if executable else [])],
+            "reads": [*COMMAND_READ_PATHS, *readable, *([os.path.realpath(executable)] if executable else [])],
             "writes": [*map(str, writable), "/dev/null"],
-            "network": network, "ports": list(ports),
+            "network": network, "ports": list(ports), "mounts": binds, "scratch": _scratch(control, binds),
             "identity": _identity_files(control, sandbox_id, home_dir) if sandbox_id is not None else {},
             "rlimits": _rlimits(limits, timeout_s),
         }
         how = Launch(sys.executable, str(control), str(control), {"PATH": full_env["PATH"]}, timeout_s, sandbox_id,
-                     merge_output=True)
+                     merge_output=True, cancel=cancel)
         run = launch(config, how)
         output, truncated = read_tail(Path(control, "output"), limits.max_output_chars)
+    if run.cancelled:
+        return CommandResult(-9, output, False, run.wall_s, truncated, run.report.get("layers", {}), cancelled=True)
     return _result(run.report, run.returncode, run.backstop_fired, run.wall_s, output, truncated, argv, weak)
+
+
+_SYSTEM_TOPS = frozenset({"bin", "boot", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "run", "sbin", "sys",
+                          "tmp", "usr", "var"})
+"""Top-level directories a mount may not replace: the command needs them as they are."""
+
+
+def _checked_mounts(mounts: Mapping[str, str | Path], workdir: str | None) -> dict[str, str]:
+    """{path inside: resolved host directory}, each path absolute, outside the system directories and not
+    beneath another; `workdir` must be one of them or beneath one."""
+    binds: dict[str, str] = {}
+    for inside, source in mounts.items():
+        path = os.path.normpath(inside) if isinstance(inside, str) else ""
+        if not path.startswith("/") or path == "/" or path.strip("/").split("/")[0] in _SYSTEM_TOPS:
+            raise ValueError(f"mounts: {inside!r} must be an absolute path outside {sorted(_SYSTEM_TOPS)} (a task's own "
+                             "directory such as /app, /logs, /tests)")
+        binds[path] = str(_checked_dir(source, f"mounts[{inside!r}]"))
+    nested = [(a, b) for a in binds for b in binds if a != b and b.startswith(a + "/")]
+    if nested:
+        raise ValueError(f"mounts: {nested[0][1]!r} is beneath {nested[0][0]!r}; mount directories side by side")
+    if workdir is not None and not any(workdir == p or workdir.startswith(p + "/") for p in binds):
+        raise ValueError(f"workdir: {workdir!r} is none of the mounted paths {sorted(binds)} nor beneath one")
+    return binds
+
+
+def _scratch(control: Path, binds: dict[str, str]) -> str | None:
+    """The directory that becomes the run's root when it has mounts (inside the control directory)."""
+    if not binds:
+        return None
+    path = Path(control, "root")
+    path.mkdir()
+    return str(path)
 
 
 def _sandbox_user(weak: bool) -> int | None:

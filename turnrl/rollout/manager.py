@@ -169,11 +169,13 @@ async def run_groups(
 
 
 async def score(traj: Trajectory, reward_fn: RewardFn | None) -> None:
-    """Set `traj.reward` with `reward_fn` (sync or async), unless the agent set one. A raising reward
-    function, or one returning anything but a finite number (a bool counts as 0/1; verl's `{"score": x, ...}`
-    gives x, its other keys go to `info["reward_extra"]`), leaves the reward None and records `reward_error`:
-    a crash is never scored 0.0, and a NaN or a string never reaches the group's advantages."""
-    if reward_fn is None or traj.reward is not None:
+    """Set `traj.reward` with `reward_fn` (sync or async), unless the agent set one or the trajectory FAILED (an
+    env, engine or agent error, a timeout: there is no outcome to score, and a failure is not a zero reward; it is
+    counted by its status and never trained). A raising reward function, or one returning anything but a finite
+    number (a bool counts as 0/1; verl's `{"score": x, ...}` gives x, its other keys go to `info["reward_extra"]`),
+    leaves the reward None and records `reward_error`: a crash is never scored 0.0, and a NaN or a string never
+    reaches the group's advantages."""
+    if reward_fn is None or traj.reward is not None or traj.status == RolloutStatus.FAILED:
         return
     try:
         value = await maybe_await(reward_fn(traj))

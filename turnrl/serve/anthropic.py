@@ -1,13 +1,22 @@
 """The Anthropic Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`) over the chat proxy.
 
 `system` -> a system message; `text` blocks -> content; assistant `tool_use` blocks -> `tool_calls`; user
-`tool_result` blocks -> `tool` messages (before the user's text); `thinking` blocks -> reasoning. A last assistant
-message of text is a prefill: the reply continues it (its turn is left open). Reply -> `thinking`, `text` and
-`tool_use` blocks; stop_reason end_turn / tool_use / max_tokens / stop_sequence (with `stop_sequence`, the string
-matched). Only client tools run here (a server tool is a 400 naming it). Streams: `message_start`,
-`content_block_start`, `content_block_delta` (text_delta, thinking_delta, input_json_delta), `content_block_stop`,
-`message_delta` (with usage), `message_stop`. Errors in Anthropic's shape `{"type": "error", "error": {type,
-message}}`.
+`tool_result` blocks -> `tool` messages (before the user's text; a `tool_reference` in one, as Claude Code's tool
+search returns, is the line `Tool loaded: <name>`); `thinking` blocks -> reasoning; a `system` message inside
+`messages` (Claude Code 2.1 sends its environment so) -> a system message at its place. A last assistant message of
+text is a prefill: the reply continues it (its turn is left open). Reply -> `thinking`, `text` and `tool_use`
+blocks; stop_reason end_turn / tool_use / max_tokens / stop_sequence (with `stop_sequence`, the string matched).
+Client tools are offered to the model; server tools (`web_search_20250305`, `code_execution_*`, ...: any tool with
+another `type`) and tools with `defer_loading` are accepted and not offered (turnrl.serve.tools). Streams:
+`message_start`, `content_block_start`, `content_block_delta` (text_delta, thinking_delta, input_json_delta),
+`content_block_stop`, `message_delta` (with usage), `message_stop`. Errors in Anthropic's shape `{"type": "error",
+"error": {type, message}}`.
+
+Request fields read: system, messages, tools, tool_choice, max_tokens (required, as Anthropic requires it),
+temperature, top_p, top_k, stop_sequences, metadata (its `reward`), stream, model. Every other field is accepted and
+ignored, as none changes what a text model on this server can do: the ones Claude Code 2.1 sends (`thinking`,
+`context_management`, `output_config`, `metadata.user_id`) and `service_tier`, `container`, `mcp_servers`; block
+and tool fields such as `cache_control`, `citations`, `strict`, `input_examples` (docs/harnesses.md).
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from turnrl.serve.sessions import (
     RecordedCall,
 )
 from turnrl.serve.streaming import sse
+from turnrl.serve.tools import function_tool
 from turnrl.types import Message
 
 PATH = "/messages"
@@ -78,17 +88,21 @@ def call_from_anthropic(body: dict[str, Any]) -> ChatCall:
         raise ChatRequestError("messages must be a non-empty list of {role, content} objects", param="messages")
     for i, m in enumerate(given):
         role = m.get("role") if isinstance(m, dict) else None
-        if role not in ("user", "assistant"):
-            raise ChatRequestError(f"messages[{i}].role must be user or assistant, got {role!r}",
+        if role not in ("user", "assistant", "system"):
+            raise ChatRequestError(f"messages[{i}].role must be user, assistant or system, got {role!r}",
                                    param=f"messages[{i}].role")
-        messages += _anthropic_message(role, m.get("content"), f"messages[{i}].content")
+        if role == "system":
+            messages.append({"role": "system", "content": parts_text(m.get("content"), f"messages[{i}].content",
+                                                                     ("text",))})
+        else:
+            messages += _anthropic_message(role, m.get("content"), f"messages[{i}].content")
     names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_tokens": "max_new_tokens"}
     last = messages[-1]
     prefill = last["role"] == "assistant" and bool(last.get("content")) and not last.get("tool_calls")
-    return ChatCall(messages=messages, tools=_anthropic_tools(body.get("tools")),
-                    tool_choice=_anthropic_tool_choice(body.get("tool_choice")),
+    tools, not_offered = _anthropic_tools(body.get("tools"))
+    return ChatCall(messages=messages, tools=tools, tool_choice=_anthropic_tool_choice(body.get("tool_choice")),
                     sampling=sampling_fields(body, names, "stop_sequences"), reward=metadata_reward(body),
-                    model=body.get("model"), continue_final=prefill)
+                    model=body.get("model"), continue_final=prefill, not_offered=not_offered)
 
 
 def _anthropic_message(role: str, content: Any, where: str) -> list[Message]:
@@ -111,7 +125,8 @@ def _anthropic_message(role: str, content: Any, where: str) -> list[Message]:
             continue
         elif kind == "tool_result" and role == "user":
             results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
-                            "content": parts_text(block.get("content"), f"{at}.content", ("text",))})
+                            "content": parts_text(_references_as_text(block.get("content")), f"{at}.content",
+                                                  ("text",))})
         else:
             raise ChatRequestError(f"{at}: a {kind!r} block in a {role} message is not supported here (a text "
                                    "model: text, tool_use, tool_result, thinking)", param=at)
@@ -125,21 +140,32 @@ def _anthropic_message(role: str, content: Any, where: str) -> list[Message]:
     return [message]
 
 
-def _anthropic_tools(tools: Any) -> list[dict] | None:
+def _references_as_text(content: Any) -> Any:
+    """A tool result's `tool_reference` blocks (a tool search's answer) as text blocks naming the tool."""
+    if not isinstance(content, list):
+        return content
+    return [{"type": "text", "text": f"Tool loaded: {b.get('tool_name')}"}
+            if isinstance(b, dict) and b.get("type") == "tool_reference" else b for b in content]
+
+
+def _anthropic_tools(tools: Any) -> tuple[list[dict] | None, list[str]]:
+    """(the client tools as functions, the tools not offered: server tools and deferred ones)."""
     if not tools:
-        return None
+        return None, []
     if not isinstance(tools, list):
         raise ChatRequestError("tools must be a list", param="tools")
-    out = []
+    out, not_offered = [], []
     for i, t in enumerate(tools):
-        if not isinstance(t, dict) or not isinstance(t.get("name"), str) or t.get("type") not in (None, "custom"):
-            raise ChatRequestError(f"tools[{i}]: only client tools ({{name, description, input_schema}}) run here",
+        if not isinstance(t, dict) or not isinstance(t.get("name") or t.get("type"), str):
+            raise ChatRequestError(f"tools[{i}] must be a tool object ({{name, description, input_schema}})",
                                    param=f"tools[{i}]")
-        fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}
-        if t.get("description"):
-            fn["description"] = t["description"]
-        out.append({"type": "function", "function": fn})
-    return out
+        if t.get("type") not in (None, "custom") or t.get("defer_loading"):  # a server tool, or one loaded later
+            not_offered.append(str(t.get("name") or t["type"]))
+        elif not isinstance(t.get("name"), str):
+            raise ChatRequestError(f"tools[{i}]: a client tool needs a `name`", param=f"tools[{i}]")
+        else:
+            out.append(function_tool(t["name"], t.get("description"), t.get("input_schema")))
+    return out or None, not_offered
 
 
 def _anthropic_tool_choice(choice: Any) -> Any:

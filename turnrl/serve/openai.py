@@ -1,11 +1,15 @@
 """The OpenAI chat-completions API (`POST /v1/chat/completions`) and legacy text completions (`POST /v1/completions`).
 
-Chat: the body's messages and tools are the proxy's own terms (`ChatCall`), checked field by field; the reply is a
-`chat.completion` (tool calls parsed into `tool_calls`, reasoning in `reasoning_content`, `logprobs` on request),
-streamed as `chat.completion.chunk`s with `delta.content` / `delta.reasoning_content` / `delta.tool_calls` then
-`data: [DONE]` (usage only with `stream_options.include_usage`, in a last chunk without choices, as OpenAI sends
-it). Refused with a 400 naming the field: a field of the wrong type or range, `n > 1`, `top_logprobs > 0`,
-non-text content parts (a text model).
+Chat: the body's messages and tools are the proxy's own terms (`ChatCall`), checked field by field; custom
+(free-form) tools `{type: custom, custom: {name, ...}}` are functions of one string for the model and their calls go
+back as `{type: custom, custom: {name, input}}`; a tool of another type is accepted and not offered
+(turnrl.serve.tools). The reply is a `chat.completion` (tool calls parsed into `tool_calls`, reasoning in
+`reasoning_content`, `logprobs` on request), streamed as `chat.completion.chunk`s with `delta.content` /
+`delta.reasoning_content` / `delta.tool_calls` then `data: [DONE]` (usage only with `stream_options.include_usage`,
+in a last chunk without choices, as OpenAI sends it). Refused with a 400 naming the field: a field of the wrong type
+or range, `n > 1`, `top_logprobs > 0`, non-text content parts (a text model). Fields this server has no use for
+(`parallel_tool_calls`, `reasoning_effort`, `store`, `prompt_cache_key`, `user`, `service_tier`, ...) are accepted
+and ignored.
 
 Legacy completions: the raw prompt's tokens, no chat template, not recorded (docs/serving.md).
 """
@@ -28,6 +32,7 @@ from turnrl.serve.sessions import (
     message_text,
 )
 from turnrl.serve.streaming import sse
+from turnrl.serve.tools import custom_arguments, custom_input, custom_tool
 from turnrl.types import FinishReason, GenerateOutput, is_int
 
 PATH = "/chat/completions"
@@ -48,13 +53,13 @@ def parse(body: dict[str, Any], proxy: ChatProxy) -> tuple[ChatCall, str | None]
 
 def answer(call: RecordedCall, finish: str, body: dict[str, Any], model: str, proxy: ChatProxy,
            session_id: str) -> dict[str, Any]:
-    return chat_response(call, finish, model, bool(body.get("logprobs")), proxy.renderer)
+    return chat_response(call, finish, model, bool(body.get("logprobs")), proxy.renderer, _custom_names(body))
 
 
 def events(body: dict[str, Any], model: str, proxy: ChatProxy, session_id: str) -> ChatEvents:
     options = body.get("stream_options") or {}
     return ChatEvents(model, bool(isinstance(options, dict) and options.get("include_usage")),
-                      proxy.renderer if body.get("logprobs") else None)
+                      proxy.renderer if body.get("logprobs") else None, _custom_names(body))
 
 
 def error_body(status: int, message: str, kind: str, param: str | None = None, code: Any = None) -> dict[str, Any]:
@@ -94,19 +99,58 @@ def call_from_openai(request: dict[str, Any]) -> ChatCall:
     _check_logprobs(request)
     names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
              "max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
-    return ChatCall(messages=messages, tools=_chat_tools(request.get("tools")), tool_choice=request.get("tool_choice"),
-                    sampling=sampling_fields(request, names, "stop"), reward=metadata_reward(request),
-                    model=request.get("model"))
+    tools, not_offered = _chat_tools(request.get("tools"))
+    return ChatCall(messages=[_as_function_calls(m) for m in messages], tools=tools,
+                    tool_choice=request.get("tool_choice"), sampling=sampling_fields(request, names, "stop"),
+                    reward=metadata_reward(request), model=request.get("model"), not_offered=not_offered)
 
 
-def _chat_tools(tools: Any) -> list[dict] | None:
-    """The request's tools, in the proxy's terms (which are this API's): function tools only."""
-    if tools and not (isinstance(tools, list) and all(
-            isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
-            for t in tools)):
+def _chat_tools(tools: Any) -> tuple[list[dict] | None, list[str]]:
+    """(the request's tools in the proxy's terms: functions, and custom tools as functions of one string; the
+    tools of other types, not offered)."""
+    if not tools:
+        return None, []
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise ChatRequestError('tools must be a list of {"type": "function", "function": {"name", ...}} objects',
                                param="tools")
-    return tools or None
+    out, not_offered = [], []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type", "function")
+        if kind not in ("function", "custom"):
+            not_offered.append(str(kind))
+            continue
+        spec: Any = tool.get(kind)
+        if not (isinstance(spec, dict) and isinstance(spec.get("name"), str)):
+            raise ChatRequestError(f'tools[{i}] must be {{"type": "{kind}", "{kind}": {{"name", ...}}}}',
+                                   param=f"tools[{i}]")
+        out.append(tool if kind == "function" else custom_tool(spec["name"], spec.get("description")))
+    return out or None, not_offered
+
+
+def _custom_names(body: dict[str, Any]) -> set[str]:
+    tools: Any = body.get("tools") if isinstance(body.get("tools"), list) else []
+    return {t["custom"]["name"] for t in tools if isinstance(t, dict) and t.get("type") == "custom"
+            and isinstance(t.get("custom"), dict) and isinstance(t["custom"].get("name"), str)}
+
+
+def _as_function_calls(message: dict[str, Any]) -> dict[str, Any]:
+    """A message whose custom tool calls (echoed back) are written as the functions the model saw."""
+    calls = message.get("tool_calls")
+    if not calls or all(c.get("type", "function") == "function" for c in calls):
+        return message
+    return {**message, "tool_calls": [c if c.get("type", "function") == "function" else {
+        "id": c.get("id"), "type": "function",
+        "function": {"name": c["custom"].get("name"), "arguments": custom_arguments(c["custom"].get("input"))}}
+        for c in calls]}
+
+
+def as_api_calls(calls: list[dict[str, Any]], custom: set[str]) -> list[dict[str, Any]]:
+    """The reply's tool calls as this API gives them back: a custom tool's as `{type: custom, custom: {name,
+    input}}`."""
+    return [c if c["function"]["name"] not in custom else {
+        "id": c["id"], "type": "custom", "custom": {"name": c["function"]["name"],
+                                                    "input": custom_input(c["function"]["arguments"])}}
+        for c in calls]
 
 
 def _check_logprobs(request: dict[str, Any]) -> None:
@@ -123,20 +167,24 @@ def _check_logprobs(request: dict[str, Any]) -> None:
 def _check_tool_calls(calls: Any, where: str) -> None:
     if calls is None:
         return
-    if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
-                                              for c in calls):
+    if not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get(c.get("type") if c.get("type") == "custom" else "function"), dict)
+            for c in calls):
         raise ChatRequestError(f'{where} must be a list of {{"id", "type": "function", "function": {{"name", '
-                               f'"arguments"}}}} objects', param=where)
+                               f'"arguments"}}}} objects (or custom: {{"name", "input"}})', param=where)
 
 
 # ---- the response ------------------------------------------------------------------------------------
-def chat_response(call: RecordedCall, finish: str, model: str, logprobs: bool, renderer: ChatRenderer
-                  ) -> dict[str, Any]:
-    """The OpenAI `chat.completion` body of a recorded call."""
+def chat_response(call: RecordedCall, finish: str, model: str, logprobs: bool, renderer: ChatRenderer,
+                  custom: set[str] | None = None) -> dict[str, Any]:
+    """The OpenAI `chat.completion` body of a recorded call (`custom`: the request's custom tools)."""
+    message = copy.deepcopy(call.reply)
+    if message.get("tool_calls") and custom:
+        message["tool_calls"] = as_api_calls(message["tool_calls"], custom)
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "message": copy.deepcopy(call.reply), "finish_reason": finish,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish,
                      "logprobs": chat_logprobs(call, renderer) if logprobs else None}],
         "usage": chat_usage(call),
     }
@@ -160,9 +208,10 @@ class ChatEvents:
     finish chunk carries every completion token's logprob: the text chunks are decoded text, not one per token,
     and clients add the chunks' logprobs up."""
 
-    def __init__(self, model: str, include_usage: bool, logprobs_of: Any = None):
+    def __init__(self, model: str, include_usage: bool, logprobs_of: Any = None, custom: set[str] | None = None):
         self.model, self.include_usage, self.logprobs_of = model, include_usage, logprobs_of
         self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        self.custom = custom or set()
 
     def _chunk(self, delta: dict[str, Any] | None, finish: str | None = None, logprobs: Any = None,
                **extra: Any) -> str:
@@ -179,7 +228,10 @@ class ChatEvents:
 
     def finish(self, call: RecordedCall, finish: str) -> str:
         out = []
-        for i, c in enumerate(call.reply.get("tool_calls") or ()):
+        for i, c in enumerate(as_api_calls(call.reply.get("tool_calls") or [], self.custom)):
+            if c["type"] == "custom":  # a custom tool's call in one chunk
+                out.append(self._chunk({"tool_calls": [{"index": i, **c}]}))
+                continue
             fn = c["function"]
             out.append(self._chunk({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
                                                     "function": {"name": fn["name"], "arguments": ""}}]}))

@@ -1,13 +1,23 @@
 """The OpenAI Responses API (`POST /v1/responses`: the OpenAI Agents SDK's default model) over the chat proxy.
 
-Input items -> chat messages: `message` items by role (input_text / output_text parts), `function_call` items join
-the assistant message before them as its `tool_calls`, `function_call_output` items become `tool` messages,
-`reasoning` items are dropped (reasoning is never matched); `instructions` is the system message;
-`previous_response_id` prepends that response's conversation (`ChatProxy.remember`, kept in memory) and names its
-session. Reply -> output items: `reasoning` (its text as `reasoning_text` content), `message` (output_text),
-`function_call` (call_id = the chat tool-call id). Only function tools run here (a hosted or custom tool is a
-400 naming it). Streams: `response.created` ... `response.output_item.added`, `response.output_text.delta`,
-`response.function_call_arguments.delta` ... `response.completed` (or `response.incomplete`), with usage.
+Input items -> chat messages: `message` items by role (input_text / output_text parts), `function_call` and
+`custom_tool_call` items join the assistant message before them as its `tool_calls`, `function_call_output` and
+`custom_tool_call_output` items become `tool` messages, `reasoning` items are dropped (reasoning is never matched);
+`instructions` is the system message; `previous_response_id` prepends that response's conversation
+(`ChatProxy.remember`, kept in memory) and names its session. Tools (turnrl.serve.tools): function tools, custom
+(free-form) tools as functions of one string, namespace tools flattened to `<namespace>__<name>` functions, hosted
+tools (web_search, file_search, code_interpreter, ...) accepted and not offered to the model. Reply -> output items:
+`reasoning` (its text as `reasoning_text` content), `message` (output_text), `function_call` (call_id = the chat
+tool-call id; a namespaced tool's with `namespace` and its own `name`) or `custom_tool_call` (`input`). Streams:
+`response.created` ... `response.output_item.added`, `response.output_text.delta`,
+`response.function_call_arguments.delta` (`response.custom_tool_call_input.delta`) ... `response.completed` (or
+`response.incomplete`), with usage.
+
+Request fields read: input, instructions, tools, tool_choice, temperature, top_p, top_k, seed, max_output_tokens,
+stop, metadata (its `reward`), previous_response_id, stream, model. Every other field is accepted and ignored, as
+none changes what a text model on this server can do: the ones Codex 0.171 sends (`include`, `reasoning`, `store`,
+`prompt_cache_key`, `client_metadata`, `parallel_tool_calls`) and `text`, `truncation`, `service_tier`, `user`,
+`safety_identifier`, `background`, `max_tool_calls`, `stream_options` (docs/harnesses.md).
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from turnrl.serve.sessions import (
     RecordedCall,
 )
 from turnrl.serve.streaming import sse
+from turnrl.serve.tools import Origin, custom_arguments, custom_input, flat_name, responses_tools
 from turnrl.types import Message
 
 PATH = "/responses"
@@ -59,6 +70,11 @@ def answer(call: RecordedCall, finish: str, body: dict[str, Any], model: str, pr
     return responses_body(call, finish, body, response_id, model)
 
 
+def _origins(body: dict[str, Any]) -> dict[str, Origin]:
+    """What the model's functions are in the request's terms (custom and namespaced tools)."""
+    return responses_tools(body.get("tools")).origins
+
+
 def events(body: dict[str, Any], model: str, proxy: ChatProxy, session_id: str) -> ResponsesEvents:
     return ResponsesEvents(body, model, f"resp_{uuid.uuid4().hex}", proxy, session_id)
 
@@ -89,9 +105,10 @@ def call_from_responses(body: dict[str, Any], history: list[Message] | None = No
         raise ChatRequestError("input holds no message", param="input")
     names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
              "max_output_tokens": "max_new_tokens"}
-    return ChatCall(messages=messages, tools=_responses_tools(body.get("tools")), tool_choice=body.get("tool_choice"),
+    offered = responses_tools(body.get("tools"))
+    return ChatCall(messages=messages, tools=offered.functions or None, tool_choice=body.get("tool_choice"),
                     sampling=sampling_fields(body, names, "stop"), reward=metadata_reward(body),
-                    model=body.get("model"))
+                    model=body.get("model"), not_offered=offered.not_offered)
 
 
 def _add_response_item(messages: list[Message], item: Any, where: str) -> None:
@@ -105,18 +122,13 @@ def _add_response_item(messages: list[Message], item: Any, where: str) -> None:
                                    param=f"{where}.role")
         messages.append({"role": role, "content": parts_text(item.get("content"), f"{where}.content",
                                                               _RESPONSES_TEXT)})
-    elif kind == "function_call":
+    elif kind in ("function_call", "custom_tool_call"):
         if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
-            raise ChatRequestError(f"{where}: a function_call needs call_id and name", param=where)
-        call = {"id": item["call_id"], "type": "function",
-                "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
-        last = messages[-1] if messages else None
-        if last is not None and last["role"] == "assistant":  # the text the model wrote before its calls
-            last.setdefault("tool_calls", []).append(call)
-            last["content"] = last.get("content") or None
-        else:
-            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-    elif kind == "function_call_output":
+            raise ChatRequestError(f"{where}: a {kind} needs call_id and name", param=where)
+        arguments = (item.get("arguments") or "{}") if kind == "function_call" else custom_arguments(item.get("input"))
+        _add_call(messages, {"id": item["call_id"], "type": "function", "function": {
+            "name": flat_name(item.get("namespace"), item["name"]), "arguments": arguments}})
+    elif kind in ("function_call_output", "custom_tool_call_output"):
         output = item.get("output")
         text = output if isinstance(output, str) else parts_text(output, f"{where}.output", _RESPONSES_TEXT)
         messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
@@ -124,23 +136,17 @@ def _add_response_item(messages: list[Message], item: Any, where: str) -> None:
         return  # the model's own reasoning, echoed back: never part of continuation matching
     else:
         raise ChatRequestError(f"{where}.type {kind!r} is not supported (message, function_call, "
-                               "function_call_output, reasoning)", param=f"{where}.type")
+                               "function_call_output, custom_tool_call, custom_tool_call_output, reasoning)",
+                               param=f"{where}.type")
 
 
-def _responses_tools(tools: Any) -> list[dict] | None:
-    if not tools:
-        return None
-    if not isinstance(tools, list):
-        raise ChatRequestError("tools must be a list", param="tools")
-    out = []
-    for i, t in enumerate(tools):
-        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str):
-            kind = t.get("type") if isinstance(t, dict) else t
-            raise ChatRequestError(f"tools[{i}]: only function tools ({{type: function, name, parameters}}) run "
-                                   f"here, got {kind!r}", param=f"tools[{i}]")
-        fn = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
-        out.append({"type": "function", "function": fn})
-    return out
+def _add_call(messages: list[Message], call: dict[str, Any]) -> None:
+    last = messages[-1] if messages else None
+    if last is not None and last["role"] == "assistant":  # the text the model wrote before its calls
+        last.setdefault("tool_calls", []).append(call)
+        last["content"] = last.get("content") or None
+    else:
+        messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
 
 
 def responses_body(call: RecordedCall, finish: str, body: dict[str, Any], response_id: str, model: str,
@@ -152,7 +158,7 @@ def responses_body(call: RecordedCall, finish: str, body: dict[str, Any], respon
         "id": response_id, "object": "response", "created_at": int(time.time()), "model": model,
         "status": status or ("incomplete" if incomplete else "completed"),
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "error": None,
-        "output": response_items(call.reply), "parallel_tool_calls": True,
+        "output": response_items(call.reply, _origins(body)), "parallel_tool_calls": True,
         "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
         "instructions": body.get("instructions"), "metadata": body.get("metadata") or {},
         "previous_response_id": body.get("previous_response_id"), "temperature": body.get("temperature"),
@@ -165,7 +171,7 @@ def responses_body(call: RecordedCall, finish: str, body: dict[str, Any], respon
     }
 
 
-def response_items(reply: Message) -> list[dict[str, Any]]:
+def response_items(reply: Message, origins: dict[str, Origin] | None = None) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
     if reply.get("reasoning_content"):
         items.append({"type": "reasoning", "id": new_id("rs"), "summary": [], "status": "completed",
@@ -175,9 +181,23 @@ def response_items(reply: Message) -> list[dict[str, Any]]:
                       "content": [{"type": "output_text", "text": reply["content"], "annotations": [],
                                    "logprobs": []}]})
     for c in reply.get("tool_calls") or ():
-        items.append({"type": "function_call", "id": new_id("fc"), "call_id": c["id"], "name": c["function"]["name"],
-                      "arguments": c["function"]["arguments"], "status": "completed"})
+        items.append(call_item(c, (origins or {}).get(c["function"]["name"])))
     return items
+
+
+def call_item(call: dict[str, Any], origin: Origin | None, status: str = "completed") -> dict[str, Any]:
+    """The output item of one tool call: a `function_call` (with `namespace` and the tool's own name for a
+    namespaced one) or a `custom_tool_call` carrying the model's free-form input."""
+    name, arguments = call["function"]["name"], call["function"]["arguments"]
+    if origin is not None and origin.kind == "custom":
+        item = {"type": "custom_tool_call", "id": new_id("ctc"), "call_id": call["id"], "name": origin.name,
+                "input": custom_input(arguments), "status": status}
+    else:
+        item = {"type": "function_call", "id": new_id("fc"), "call_id": call["id"], "name": name,
+                "arguments": arguments, "status": status}
+    if origin is not None and origin.namespace:
+        item.update(name=origin.name, namespace=origin.namespace)
+    return item
 
 
 # ---- events ----------------------------------------------------------------------------------------
@@ -255,23 +275,27 @@ class ResponsesEvents:
     def finish(self, call: RecordedCall, finish: str) -> str:
         self.proxy.remember(self.id, call, self.session_id)  # a later previous_response_id continues from here
         out = self._close()
+        origins = _origins(self.body)
         for c in call.reply.get("tool_calls") or ():
-            fn = c["function"]
-            item = {"type": "function_call", "id": new_id("fc"), "call_id": c["id"], "name": fn["name"],
-                    "arguments": "", "status": "in_progress"}
-            self.items.append(item)
-            index = len(self.items) - 1
-            out += self._event("response.output_item.added", output_index=index, item=dict(item))
-            out += self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                               delta=fn["arguments"])
-            out += self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                               arguments=fn["arguments"], name=fn["name"])
-            item.update(arguments=fn["arguments"], status="completed")
-            out += self._event("response.output_item.done", output_index=index, item=item)
+            out += self._call(call_item(c, origins.get(c["function"]["name"]), "in_progress"))
         response = responses_body(call, finish, self.body, self.id, self.model)
         response["output"] = self.items  # the items as streamed (their ids)
         done = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         return out + self._event(done, response=response)
+
+    def _call(self, item: dict[str, Any]) -> str:
+        """A tool call's events: added (empty), its arguments (a custom tool's input) in one delta, done."""
+        custom = item["type"] == "custom_tool_call"
+        field, prefix = ("input", "response.custom_tool_call_input") if custom else (
+            "arguments", "response.function_call_arguments")
+        text, index = item[field], len(self.items)
+        self.items.append(item)
+        out = self._event("response.output_item.added", output_index=index, item={**item, field: ""})
+        out += self._event(f"{prefix}.delta", item_id=item["id"], output_index=index, delta=text)
+        done = {"name": item["name"]} if not custom else {}
+        out += self._event(f"{prefix}.done", item_id=item["id"], output_index=index, **{field: text}, **done)
+        item["status"] = "completed"
+        return out + self._event("response.output_item.done", output_index=index, item=item)
 
     def error(self, status: int, message: str, kind: str, param: str | None) -> str:
         return self._event("error", code=kind, message=message, param=param)

@@ -144,6 +144,8 @@ class Session:
     end_reason: str | None = None
     rule: str = "opened"
     """How the session was named when it was opened (path, header, user, metadata, continued, new, opened)."""
+    warned_tools: set[str] = field(default_factory=set)
+    """Tools not offered to the model (hosted, deferred) that the log has already named for this session."""
 
     def summary(self) -> dict[str, Any]:
         return {"id": self.id, "status": str(self.status), "calls": len(self.calls), "reward": self.reward,
@@ -168,6 +170,9 @@ class ChatCall:
     continue_final: bool = False
     """The last message is an assistant's pre-filled text, to be continued (Anthropic's prefill): the prompt
     leaves that turn open, and the reply is the continuation only."""
+    not_offered: list[str] = field(default_factory=list)
+    """Tools of the request the model is not shown: hosted ones (web_search, ...) this server cannot run, deferred
+    ones (turnrl.serve.tools)."""
 
 
 class ChatProxy:
@@ -342,9 +347,11 @@ class ChatProxy:
             messages=copy.deepcopy(chat.messages), tools=copy.deepcopy(chat.tools), reply=reply, base_len=base_len,
             delta_sources=delta_sources,
             cached_prompt_tokens=out.cached_prompt_tokens, gen_time_s=time.perf_counter() - t0, start_ns=start_ns,
-            notes={**notes, **parse_notes, **({"stop": stopped.stop} if stopped else {})},
+            notes={**notes, **parse_notes, **({"stop": stopped.stop} if stopped else {}),
+                   **({"tools_not_offered": sorted(set(chat.not_offered))} if chat.not_offered else {})},
             stop=stopped.stop if stopped else None,
         )
+        _warn_not_offered(session, chat.not_offered)
         session.calls.append(call)
         session.last_active = time.time()
         if chat.reward is not None:
@@ -485,6 +492,15 @@ class ChatProxy:
         if reasoning:
             message["reasoning_content"] = reasoning
         return message, finish, notes
+
+
+def _warn_not_offered(session: Session, names: list[str]) -> None:
+    """Say once per session which of its tools the model is not shown (turnrl.serve.tools: hosted, deferred)."""
+    new = sorted(set(names) - session.warned_tools)
+    if new:
+        session.warned_tools.update(new)
+        log.warning("session %s: tools %s are not offered to the model (hosted by the model provider, which this "
+                    "server is not, or deferred); its calls go on without them", session.id, ", ".join(new))
 
 
 async def _on_loop(loop: asyncio.AbstractEventLoop | None, coro: Any) -> Any:

@@ -301,11 +301,18 @@ STRICT_LAYERS = ("pidns", "mountns", "netns", "landlock")
 
 
 def _isolate_command(cfg, layers, channel):
-    """As root, before the drop: a mount namespace (fresh /proc and /tmp, blocked directories made reachable,
-    a passwd naming the run's user) and a network namespace (loopback only; its listeners go to the supervisor,
-    which relays them to the host's loopback ports)."""
+    """As root, before the drop: a mount namespace (its own root when directories are mounted at new paths,
+    fresh /proc and /tmp, blocked directories made reachable, a passwd naming the run's user) and a network
+    namespace (loopback only; its listeners go to the supervisor, which relays them to the host's loopback
+    ports)."""
     layers["mountns"] = _try(kernel.private_mounts)
+    if cfg["mounts"] and not layers["mountns"]:
+        raise OSError(f"the directories to mount at {', '.join(sorted(cfg['mounts']))} need a mount namespace, "
+                      f"which this machine refuses ({_MISSING_WHY})")
     if layers["mountns"]:
+        if cfg["mounts"]:
+            kernel.new_root(cfg["scratch"], cfg["mounts"])
+            layers["mounts"] = sorted(cfg["mounts"])
         if layers["pidns"]:
             kernel.mount_proc()
         for name, path in cfg["identity"].items():  # before /tmp is covered: the files are in the control dir

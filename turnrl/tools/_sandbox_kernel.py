@@ -219,6 +219,36 @@ def cover(directory, keep, options):
             os.close(fd)
 
 
+def new_root(scratch, binds):
+    """Make `scratch` (an existing directory) this mount namespace's root, holding what the current root holds
+    and the directories of `binds` ({path inside: host directory}) at their paths, then chroot there (the task's
+    /app, /logs, /tests, where no such directory exists on the host). The new root is a small tmpfs: each entry
+    of / is bound there recursively (a symlink is copied), except a top-level directory that holds a bind
+    target: it is a fresh, empty directory (the host's is not seen), so no directory is ever made on the host.
+    Call within `private_mounts()`, before anything else is mounted."""
+    tops = {target.strip("/").split("/")[0] for target in binds}
+    _mount("tmpfs", scratch, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755,size=1m")
+    for name in os.listdir("/"):
+        source, target = "/" + name, os.path.join(scratch, name)
+        if name in tops:
+            continue
+        if os.path.islink(source):
+            os.symlink(os.readlink(source), target)
+        elif os.path.isdir(source):
+            os.mkdir(target, 0o755)
+            _mount(source, target, None, _MS_BIND | _MS_REC)
+        else:  # a file at the root (/.dockerenv)
+            os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
+            _mount(source, target, None, _MS_BIND)
+    for inside, source in sorted(binds.items()):
+        target = scratch + inside
+        os.makedirs(target, 0o755, exist_ok=True)  # in the tmpfs: no target is beneath another (checked)
+        _mount(source, target, None, _MS_BIND | _MS_REC)
+    os.chdir(scratch)
+    os.chroot(".")
+    os.chdir("/")
+
+
 def bind_file(source, target):
     """Bind one file over another (e.g. a generated /etc/passwd naming the sandbox's user)."""
     _mount(source, target, None, _MS_BIND)

@@ -82,6 +82,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -266,6 +267,8 @@ class Launch:
     sandbox_id: int | None
     merge_output: bool = False
     """stdout and stderr into one file, `output` (mode "command"), else `stdout` and `stderr`."""
+    cancel: threading.Event | None = None
+    """Set from another thread to stop the run at once (its whole tree is killed, as at the timeout)."""
 
 
 @dataclass
@@ -275,6 +278,8 @@ class Launched:
     returncode: int
     backstop_fired: bool
     wall_s: float
+    cancelled: bool = False
+    """`Launch.cancel` was set while it ran: the run was killed."""
 
 
 def launch(config: dict[str, Any], how: Launch) -> Launched:
@@ -286,9 +291,10 @@ def launch(config: dict[str, Any], how: Launch) -> Launched:
     finally:
         os.close(report_w)
         report = _read_report(report_r)
-    if backstop_fired or "exit_code" not in report:  # the supervisor itself died: clean up for it
+    if backstop_fired or "exit_code" not in report:  # the supervisor itself died (or was killed): clean up for it
         _kill_leftovers(how.sandbox_id, how.python)
-    return Launched(report, returncode, backstop_fired, wall_s)
+    cancelled = how.cancel is not None and how.cancel.is_set() and "exit_code" not in report
+    return Launched(report, returncode, backstop_fired and not cancelled, wall_s, cancelled)
 
 
 def _spawn_and_wait(how: Launch, report_w: int) -> tuple[int, bool, float]:
@@ -308,14 +314,25 @@ def _spawn_and_wait(how: Launch, report_w: int) -> tuple[int, bool, float]:
             start_new_session=True,  # its own process group, killed as a whole by the backstop
             pass_fds=(report_w,),
         )
-        try:
-            returncode, backstop_fired = proc.wait(timeout=how.timeout_s + _BACKSTOP_GRACE_S), False
-        except subprocess.TimeoutExpired:
-            returncode, backstop_fired = None, True
-        # Normally the supervisor has already killed everything; this matters when it died early.
+        returncode = _wait_or_cancel(proc, how.timeout_s + _BACKSTOP_GRACE_S, how.cancel)
+        backstop_fired = returncode is None
+        # Normally the supervisor has already killed everything; this matters when it died early (or was
+        # cancelled: killing the supervisor kills the command's PID namespace with it).
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
         return proc.wait() if returncode is None else returncode, backstop_fired, time.monotonic() - start
+
+
+def _wait_or_cancel(proc: subprocess.Popen, timeout_s: float, cancel: threading.Event | None) -> int | None:
+    """The supervisor's exit status, or None when it overstays `timeout_s` or `cancel` is set first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            return proc.wait(timeout=max(remaining, 0) if cancel is None else min(max(remaining, 0), 0.1))
+        except subprocess.TimeoutExpired:
+            if remaining <= 0 or (cancel is not None and cancel.is_set()):
+                return None
 
 
 def _sandbox_env(workdir: str, limits: SandboxLimits) -> dict[str, str]:

@@ -68,7 +68,8 @@ class Evaluator:
         s = stats.summary()
         tools = {f"{prefix}{k.removeprefix('rollout/')}": v for k, v in s.items() if k.startswith("rollout/tool_")}
         return {f"{prefix}reward_mean": s.get("rollout/reward_mean", float("nan")),
-                f"{prefix}success": sum(r > 0 for r in stats.rewards) / max(len(stats.rewards), 1),
+                # over every trajectory: a FAILED one has no reward (score() leaves it None) and is no success
+                f"{prefix}success": sum(r > 0 for r in stats.rewards) / max(stats.count, 1),
                 f"{prefix}turns_mean": s["rollout/turns_mean"], f"{prefix}trajectories": float(stats.count),
                 f"{prefix}model_tokens_mean": s["rollout/model_tokens_mean"], **tools}
 

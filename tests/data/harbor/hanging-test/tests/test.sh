@@ -1,0 +1,4 @@
+#!/bin/sh
+echo "checking forever"
+sleep 1000 &
+sleep 1000

@@ -1,0 +1,2 @@
+#!/bin/bash
+echo "hello from turnrl" > /app/greeting.txt
