@@ -249,6 +249,10 @@ class TrainerConfig(Strict):
     sharded state: "final" = only in the run's last checkpoint (the others keep only what resuming needs: the
     weights are in the sharded state once), true = in every checkpoint, false = never. Config and tokenizer
     always go there; `turnrl eval` and `turnrl.train.checkpoint.export_checkpoint` make the weights from the state."""
+    keep_checkpoints: int | None = Field(2, ge=1)
+    """Checkpoints a run keeps (`turnrl train` and `turnrl sft`): after each save, all but the newest N are
+    deleted, except that the newest valid one always stays (a newer broken one does not count), so a run can
+    always resume. None = keep every one (`turnrl replay` of each policy version wants save_every=1 and None)."""
     lora: LoraConfig | None = None
     """Train LoRA adapters (peft) instead of every weight; None = full fine-tuning."""
     mode: Literal["sync", "async"] = "sync"
