@@ -17,8 +17,9 @@ Two kinds of rows, one file may mix them:
 The update is RL's: `SFTTrainer` runs the same `Learner` (turnrl.train.learner) with `masked_nll` as its loss in
 place of the policy loss: packed rows, loss only where the mask is 1, the same process group and FSDP2 path at
 any world size, the same checkpoints, and evaluation through the rollout on held-out RL rows
-(turnrl.train.evaluation). A checkpoint's `model/`
-directory, linked as `output_dir/model`, is what `turnrl train` takes as its `model`.
+(turnrl.train.evaluation). Each run writes its own directory, as `turnrl train` does (turnrl.train.runs); its last
+checkpoint's `model/` directory, linked as RUN/model and as `output_dir/model`, is what `turnrl train` takes as
+its `model`.
 """
 
 from __future__ import annotations
