@@ -239,7 +239,7 @@ def train(
 ) -> None:
     """Train a policy with GRPO on multi-turn rollouts. Each run writes its own directory (printed at start):
     OUTPUT_DIR/<timestamp>, or --run-dir; `turnrl train CONFIG --resume [PATH]` continues one. Under torchrun
-    each process is one trainer rank (trainer.parallel: fsdp; every rank needs the same --run-dir); with
+    each process is one trainer rank (trainer.parallel: fsdp; rank 0 names the run directory for all); with
     trainer.launcher: ray it starts the ranks itself (docs/distributed.md)."""
     _setup_logging(verbose)
     from turnrl.config import ConfigError, TrainConfig
