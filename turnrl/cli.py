@@ -98,14 +98,23 @@ def _is_bad_input(e: BaseException) -> bool:
 
 
 Opt = typer.Option
+_DATA_HELP = ("JSONL/parquet rows with a `prompt` (string or chat messages). An env that opens its episodes itself "
+              "(reasoning_gym:, openenv:, textarena:) takes rows without prompt, or none: --limit N runs seeds 0..N-1.")
+_ENV_HELP = ("Environment: built-in name, dotted module, .py file with build_env, or reasoning_gym:NAME, "
+             "openenv:MODULE:CLASS, openenv+http://HOST:PORT, textarena:GAME-v0 (docs/ecosystems.md).")
+_SERVER_HELP = ("Rollout server URL (turnrl serve --scheduler/--env/...): it runs the turns with its own rollout "
+                "settings; n, sampling and rewards stay here.")
+_TOOLS_HELP = ("Function-tool .py file, tool-config .yaml, or MCP server: 'mcp:COMMAND [ARGS...]' (stdio) or "
+               "mcp+http://HOST:PORT/PATH (repeatable).")
 
 
 @app.command()
 def rollout(
     model: Annotated[str, Opt(help="Local HF directory, hub id, or built-in name (smollm2-135m-instruct, tiny-qwen3).")],
-    data: Annotated[Path, Opt(help="JSONL/parquet rows with a `prompt` (string or chat messages).")],
     out: Annotated[Path, Opt(help="Output trajectory JSONL (docs/trajectory-format.md).")],
-    env: Annotated[str | None, Opt(help="Environment: built-in name, dotted module, or .py file with build_env.")] = None,
+    data: Annotated[Path | None, Opt(help=_DATA_HELP)] = None,
+    env: Annotated[str | None, Opt(help=_ENV_HELP)] = None,
+    env_config: Annotated[str | None, Opt(help='JSON env config over --custom-config, e.g. \'{"size": 200}\'.')] = None,
     n: Annotated[int, Opt(help="Samples per prompt.")] = 1,
     max_turns: Annotated[int | None, Opt(help="Model turns per trajectory (default 4, or --custom-config's).")] = None,
     max_new_tokens: Annotated[int, Opt(help="Tokens per model turn.")] = 256,
@@ -116,7 +125,8 @@ def rollout(
     seed: Annotated[int | None, Opt(help="Seed of the samplers (reproducible trajectories).")] = None,
     agent: Annotated[str | None, Opt(help="Agent of rows without agent_name (default env_agent; tool_agent: --tools).")] = None,
     agents: Annotated[list[str], Opt("--agent-path", help="Extra agent loop: [name=]file.py:function.")] = [],
-    tools: Annotated[list[str], Opt(help="Function-tool .py file or tool-config .yaml (repeatable).")] = [],
+    tools: Annotated[list[str], Opt(help=_TOOLS_HELP)] = [],
+    tool_timeout: Annotated[float | None, Opt(help="Seconds a tool call may take (tool agent; default 30).")] = None,
     tool_parser: Annotated[str, Opt(help="Tool-call format (hermes, qwen3_coder).")] = "hermes",
     scheduler: Annotated[str | None, Opt(help="ms-swift-style scheduler by name.")] = None,
     gym_env: Annotated[str | None, Opt(help="Gym env of the gym scheduler (ms-swift's --gym_env; env_config.gym_env).")] = None,
@@ -129,13 +139,12 @@ def rollout(
     watchdog: Annotated[float, Opt(help="Seconds of no progress before the run fails naming what hung (0 = off).")] = 600.0,
     max_batch_size: Annotated[int, Opt(help="Rows decoded together by the embedded engine.")] = 16,
     ray_workers: Annotated[int, Opt(help="Rollout workers on Ray, the engine a Ray actor (0 = all in this process).")] = 0,
-    limit: Annotated[int | None, Opt(help="Use only the first N rows.")] = None,
+    limit: Annotated[int | None, Opt(help="Use only the first N rows (without --data: N episodes, seeds 0..N-1).")] = None,
     reward: Annotated[str | None, Opt(help="Reward function (env, env_last, math, file.py:fn).")] = None,
     answer_key: Annotated[str, Opt(help="Ground-truth column of --reward (slime's --label-key).")] = "answer",
     trace_uri: Annotated[str | None, Opt(help="MLflow tracking URI: one trace per trajectory (turnrl.observe.tracing).")] = None,
     max_traces: Annotated[int, Opt(help="Trajectories traced to MLflow (the first to finish).")] = 16,
-    server: Annotated[str | None, Opt(help="Rollout server URL (turnrl serve --scheduler/--env/...): it runs the "
-                                           "turns with its own rollout settings; n, sampling and rewards stay here.")] = None,
+    server: Annotated[str | None, Opt(help=_SERVER_HELP)] = None,
     verbose: Annotated[bool, Opt("--verbose", "-v")] = False,
 ) -> None:
     """Roll out trajectories of a model in an environment and write them as JSONL."""
@@ -144,23 +153,44 @@ def rollout(
         _fail("--env, --scheduler, --plugin, --tools, --agent-path and --ray-workers configure where the turns run; "
               "with --server the rollout server runs them: pass these to `turnrl serve` instead")
     from turnrl.config import EngineConfig, RolloutConfig, SamplingConfig, effective_rollout_config
-    from turnrl.data import load_rows
-
-    with _bad_input(ValueError, FileNotFoundError):  # ConfigError, DataError and pydantic's errors among them
+    with _bad_input(ValueError, FileNotFoundError, ImportError):  # ConfigError, DataError, pydantic's errors...
         given = {k: v for k, v in {"max_turns": max_turns, "agent": agent}.items() if v is not None}
         cfg = effective_rollout_config(RolloutConfig(
             env=env, custom_config=str(custom_config) if custom_config else None, agents=agents,
             tools=tools, tool_parser=tool_parser, scheduler=scheduler, plugins=plugin, n=n, **given,
-            env_config={"gym_env": gym_env} if gym_env else {},
+            tool_agent={"tool_timeout_s": tool_timeout} if tool_timeout else {},
+            env_config={**_json_flag("--env-config", env_config), **({"gym_env": gym_env} if gym_env else {})},
             max_new_tokens=max_new_tokens, token_budget=token_budget, concurrency=concurrency,
             env_timeout_s=env_timeout or None, env_retries=env_retries, watchdog_s=watchdog or None,
             sanity_check=sanity_check, chat_template_kwargs=_json_flag("--chat-template-kwargs", chat_template_kwargs),
             trace_uri=trace_uri, max_traces_per_step=max_traces,
             sampling=SamplingConfig(temperature=temperature, top_p=top_p, seed=seed)))
-        rows = load_rows(data)[:limit]
+        rows = _rollout_rows(data, limit, cfg)
         engine_cfg = EngineConfig(max_batch_size=max_batch_size, distributed="ray" if ray_workers else "none",
                                   ray_workers=max(ray_workers, 1))
     _guarded(verbose, lambda: asyncio.run(_rollout(model, cfg, engine_cfg, rows, out, reward, answer_key, server)))
+
+
+def _rollout_rows(data: Path | None, limit: int | None, cfg: RolloutConfig) -> list[dict[str, Any]]:
+    """The rows of `turnrl rollout`: --data's first --limit rows, or, without --data, --limit seed-only rows for an
+    env that opens its episodes itself."""
+    from turnrl.build import env_opens_episode
+    from turnrl.data import load_rows, seed_rows
+
+    try:
+        opens = env_opens_episode(cfg)
+    except Exception:
+        if data is None:
+            raise
+        opens = False  # the env's own error comes at start-up (_guarded: with its traceback under -v)
+    if data is not None:
+        return load_rows(data, prompt_required=not opens)[:limit]
+    if not opens:
+        raise ValueError("--data is required: this env does not open its episodes itself (only reasoning_gym:, "
+                         "openenv:, textarena: envs, and envs whose build_env says opens_episode, run without rows)")
+    if limit is None:
+        raise ValueError("without --data, --limit N says how many episodes to run (seeds 0..N-1)")
+    return seed_rows(limit)
 
 
 async def _rollout(model_name, cfg, engine_cfg, rows, out: Path, reward: str | None, answer_key: str = "answer",

@@ -3,7 +3,11 @@
 A row is a JSON object with a `prompt` (a string, or a list of chat messages) and any other columns; the
 other columns travel with the trajectory (`Trajectory.sample`) to environments, tools and reward functions.
 Optional columns with a meaning: `id`, `system` (a system prompt prepended to a string prompt),
-`agent_name`, `tools_kwargs`, `tool_selection`, `images`, `env_config`.
+`agent_name`, `tools_kwargs`, `tool_selection`, `images`, `env_config`, `seed`.
+
+Rows for an environment that opens the episode itself (its `reset()` gives the first message: reasoning-gym,
+OpenEnv, TextArena; docs/ecosystems.md) need no prompt: such a row may hold only a `seed`, an `id` and
+`env_config` overrides (`load_rows(path, prompt_required=False)`), and `seed_rows(n)` makes N of them.
 
 Rows written for the reference frameworks load as they are:
 - verl's preprocessing scripts (`prompt`, `data_source`, `ability`, `reward_model`, `extra_info`, `agent_name`):
@@ -30,14 +34,23 @@ class DataError(ValueError):
     """A malformed data file or row; the message names the file, the row and the field."""
 
 
-def load_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Read rows from `.jsonl` (one JSON object per line) or `.parquet`, validating each row's prompt."""
+def load_rows(path: str | Path, prompt_required: bool = True) -> list[dict[str, Any]]:
+    """Read rows from `.jsonl` (one JSON object per line) or `.parquet`, validating each row's prompt (a row
+    without one is accepted when not `prompt_required`: the env opens the episode)."""
     path = Path(path)
     rows = read_rows(path)
     for i, row in enumerate(rows):
         resolve_image_paths(row, path.parent)
-        prompt_messages(row, where=f"{path} row {i + 1}")
+        prompt_messages(row, where=f"{path} row {i + 1}", required=prompt_required)
     return rows
+
+
+def seed_rows(n: int) -> list[dict[str, Any]]:
+    """N rows with only a seed (0..N-1) and an id: the episodes of an env that makes its own tasks (`turnrl rollout
+    --limit N` without --data)."""
+    if n < 1:
+        raise DataError(f"expected a number of episodes >= 1, got {n}")
+    return [{"id": f"seed-{i}", "seed": i} for i in range(n)]
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
@@ -88,18 +101,30 @@ def _read_parquet(path: Path) -> list[dict[str, Any]]:
     return pq.read_table(path).to_pylist()
 
 
-def prompt_messages(row: dict[str, Any], where: str = "row") -> list[Message]:
-    """The chat messages of a row's `prompt` (a string becomes one user message), or of its `messages`."""
+def prompt_messages(row: dict[str, Any], where: str = "row", required: bool = True) -> list[Message]:
+    """The chat messages of a row's `prompt` (a string becomes one user message), or of its `messages`; [] for a
+    row with neither when not `required` (the env's `reset()` opens the episode)."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
     if "prompt" not in row:
         if "messages" in row:
             return _messages_row(row, where)
+        if not required:
+            _check_seed(row, where)
+            return []
         raise DataError(f"{where}: missing field 'prompt' (a string or a list of chat messages) or 'messages'")
     prompt = row["prompt"]
     if isinstance(prompt, str):
         return _with_images(_with_system([{"role": "user", "content": prompt}], row, where), row, where)
     return _with_images(_chat(prompt, "prompt", where), row, where)
+
+
+def _check_seed(row: dict[str, Any], where: str) -> None:
+    seed = row.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise DataError(f"{where}: field 'seed' must be an integer >= 0, got {seed!r:.40}")
+    if row.get("env_config") is not None and not isinstance(row["env_config"], dict):
+        raise DataError(f"{where}: field 'env_config' must be a mapping of env settings, got {row['env_config']!r:.60}")
 
 
 def _chat(value: Any, field: str, where: str) -> list[Message]:

@@ -21,13 +21,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import difflib
+import importlib
 import inspect
+import json
 import logging
 import math
 import sysconfig
 import threading
 import traceback
 import weakref
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -47,6 +50,17 @@ BUILTIN_ENVS: dict[str, str] = {
     "single_turn": "turnrl.envs.single_turn",
 }
 """Short names accepted by `--env`, mapped to the modules that define `build_env`."""
+
+ECOSYSTEMS: dict[str, str] = {
+    "reasoning_gym": "turnrl.envs.reasoning_gym",
+    "openenv": "turnrl.envs.openenv",
+    "openenv+http": "turnrl.envs.openenv",
+    "openenv+https": "turnrl.envs.openenv",
+    "textarena": "turnrl.envs.textarena",
+}
+"""`--env SCHEME:TARGET` for environments kept elsewhere (docs/ecosystems.md): each module's `env_factory(spec)`
+returns the `build_env` of that target (`reasoning_gym:NAME`, `openenv:MODULE:CLASS`, `openenv+http://HOST:PORT`,
+`textarena:GAME-v0`)."""
 
 
 class Env(Protocol):
@@ -97,7 +111,14 @@ class EnvStepError(EnvError):
 
 
 def load_env_factory(spec: str) -> EnvFactory:
-    """Find `build_env` in a built-in env name, a dotted module path, or a `.py` file."""
+    """Find `build_env` in a built-in env name, a dotted module path, a `.py` file, or an ecosystem's target
+    (`ECOSYSTEMS`). A factory may carry `opens_episode = True` (its env's `reset()` gives the first message, so
+    rows need no prompt) and `check(config)` (called once at start-up with the env config: a bad config fails
+    there, not in every trajectory)."""
+    scheme = spec.partition(":")[0]
+    if scheme in ECOSYSTEMS:
+        module = importlib.import_module(ECOSYSTEMS[scheme])
+        return module.env_factory(spec)
     target = f"{BUILTIN_ENVS.get(spec, spec)}:build_env"
     try:
         return load_object(target, what="environment", expected="build_env(sample, config) function")
@@ -264,6 +285,8 @@ class EpisodeEnv:
         self.tools: list[dict] | None = getattr(env, "tools", None)
         self.token_aware = isinstance(env, TurnEnv)
         """Token-aware envs get the `Turn` and see length-truncated turns (plain envs never do)."""
+        self.opens_episode = bool(getattr(env, "opens_episode", False))
+        """Its `reset()` gives the episode's first message (rows need no prompt)."""
         self.timeout_s, self.retries, self.threads = timeout_s, retries, threads
 
     @classmethod
@@ -280,6 +303,7 @@ class EpisodeEnv:
         """Extra prompt messages from `reset()` (slime's reset returns (obs, info), which it ignores)."""
         reset = getattr(self.env, "reset", None)
         extra = await self._call(reset) if reset is not None else None
+        self.tools = getattr(self.env, "tools", None)  # an env may learn its tools in reset (an MCP environment)
         return self._messages(extra, "reset") if isinstance(extra, dict | list) else []
 
     async def step(self, turn: Turn) -> tuple[StepResult, int]:
@@ -319,3 +343,25 @@ class EpisodeEnv:
 
     def _messages(self, value: Any, method: str) -> list[Message]:
         return as_messages(value, f"{self.name}.{method}")
+
+
+def episode_settings(sample: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """One episode's env settings: the rollout's env config with the row's `env_config` column over it."""
+    row = sample.get("env_config") or {}
+    if not isinstance(row, dict):
+        raise EnvError(f"the row's env_config must be a mapping of env settings, got {row!r:.60}")
+    return {**config, **row}
+
+
+def episode_seed(sample: dict[str, Any]) -> int:
+    """The row's `seed`, else a seed derived from the row itself (its `id`, else its columns): the n samples of a
+    group play the same episode, and the same row replays the same episode."""
+    seed = sample.get("seed")
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise EnvError(f"the row's seed must be an integer >= 0, got {seed!r:.40}")
+        return seed
+    key = sample.get("id")
+    if key is None:
+        key = json.dumps({k: v for k, v in sample.items() if k != "session_id"}, sort_keys=True, default=str)
+    return zlib.crc32(str(key).encode())

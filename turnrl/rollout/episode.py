@@ -36,7 +36,16 @@ from typing import Any
 
 from turnrl.data import prompt_messages
 from turnrl.engines.base import Engine
-from turnrl.envs.base import Env, EnvFactory, EnvStepError, EnvThreads, EpisodeEnv, TurnEnv, error_with_frames
+from turnrl.envs.base import (
+    Env,
+    EnvError,
+    EnvFactory,
+    EnvStepError,
+    EnvThreads,
+    EpisodeEnv,
+    TurnEnv,
+    error_with_frames,
+)
 from turnrl.moe import merge_routing
 from turnrl.multimodal import check_parity, image_ref
 from turnrl.observe.watchdog import Detail, Watchdog, abandon_after, engine_label
@@ -227,8 +236,11 @@ class Episode:
     async def start(self, env: EpisodeEnv, messages: list[Message] | None = None) -> None:
         """Reset the env and render the prompt (its messages, the env's extra ones, its tools)."""
         self._env = env
-        self.messages = list(messages) if messages is not None else prompt_messages(self.ctx.sample)
+        self.messages = list(messages) if messages is not None else \
+            prompt_messages(self.ctx.sample, required=not env.opens_episode)
         self.messages += await env.reset()
+        if not self.messages:
+            raise EnvError(f"{env.name}: the row has no prompt and reset() gave no message to open the episode with")
         prompt = self.ctx.renderer.initial(self.messages, env.tools)
         self._builder = self.ctx.new_trajectory(prompt.ids, self.messages)
         self.builder.images.add(prompt)

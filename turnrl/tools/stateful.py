@@ -134,6 +134,9 @@ class ToolSpec:
     schema: dict[str, Any]
     source: str = field(compare=False)
     """Where the spec came from, for error messages (e.g. `tools.yaml (class pkg.Calc)`)."""
+    group: str | None = field(default=None, compare=False)
+    """Specs of one group share one instance per trajectory, called `execute_tool(name, arguments)` (the tools of
+    one MCP server share its session: turnrl.tools.mcp); None: an instance of its own, called `execute(arguments)`."""
 
     @classmethod
     def from_class(
@@ -192,6 +195,7 @@ def load_tool_config(path: str | Path) -> list[ToolSpec]:
           - class_name: my_pkg.tools.Calculator      # or path/to/file.py:Calculator (relative to this file)
             config: {max_calls: 5}                   # passed to the constructor
             tool_schema: {type: function, function: {name: calc, ...}}   # optional
+          - mcp: python my_server.py                 # an MCP server's tools (stdio command, or an http(s) URL)
     """
     config_path = Path(path)
     if not config_path.is_file():
@@ -199,12 +203,30 @@ def load_tool_config(path: str | Path) -> list[ToolSpec]:
     data = yaml.safe_load(config_path.read_text())
     if not isinstance(data, dict) or not isinstance(data.get("tools"), list) or set(data) != {"tools"}:
         raise ValueError(f"{path}: expected a mapping with exactly one key, `tools:`, holding a list of tools")
-    return [_spec_from_entry(entry, f"{path}: tools[{i}]", config_path) for i, entry in enumerate(data["tools"])]
+    return [spec for i, entry in enumerate(data["tools"]) for spec in _specs_from_entry(entry, f"{path}: tools[{i}]",
+                                                                                         config_path)]
+
+
+def _specs_from_entry(entry: Any, where: str, config_path: Path) -> list[ToolSpec]:
+    """A `class_name:` entry's spec, or the tools of an `mcp:` entry's server (turnrl.tools.mcp)."""
+    if isinstance(entry, dict) and set(entry) == {"mcp"}:
+        target = entry["mcp"]
+        if not isinstance(target, str):
+            raise ValueError(f"{where}: `mcp:` must be a command line or an http(s) URL, got {target!r:.60}")
+        return mcp_tool_specs(target if target.startswith("http") else f"mcp:{target}", where)
+    return [_spec_from_entry(entry, where, config_path)]
+
+
+def mcp_tool_specs(source: str, where: str | None = None) -> list[ToolSpec]:
+    """The tools of the MCP server `source` names (`mcp:COMMAND ...`, `mcp+http://...`: turnrl.tools.mcp)."""
+    from turnrl.tools.mcp import mcp_server
+
+    return [ToolSpec(**fields) for fields in mcp_server(source, where).tools()]
 
 
 def _spec_from_entry(entry: Any, where: str, config_path: Path) -> ToolSpec:
     if not isinstance(entry, dict) or not isinstance(entry.get("class_name"), str):
-        raise ValueError(f"{where}: expected a mapping with a string `class_name:`")
+        raise ValueError(f"{where}: expected a mapping with a string `class_name:` (or `mcp:` naming an MCP server)")
     unknown = sorted(set(entry) - _CONFIG_KEYS)
     if unknown:
         raise ValueError(f"{where}: unknown keys {unknown}; allowed: {sorted(_CONFIG_KEYS)}")
@@ -261,9 +283,14 @@ class ToolSet:
         function_tool_files: Iterable[str | Path] = (),
         tool_config_files: Iterable[str | Path] = (),
         tools: Iterable[FunctionTool | ToolSpec | type | Callable[..., Any]] = (),
+        mcp_servers: Iterable[str] = (),
     ) -> ToolSet:
-        """Function tools from .py files, stateful tools from YAML configs, and tool objects, merged."""
+        """Function tools from .py files, stateful tools from YAML configs, the tools of MCP servers (`mcp:COMMAND
+        ...`, `mcp+http://...`: turnrl.tools.mcp), and tool objects, merged."""
         toolset = cls()
+        for source in mcp_servers:
+            for spec in mcp_tool_specs(source):
+                toolset.add(spec)
         for path in function_tool_files:
             for tool in load_function_tools(path):
                 toolset.add(tool, f"{path} (function tool)")
@@ -391,32 +418,38 @@ class ToolSession:
         if isinstance(tool, FunctionTool):
             return await _run_wrapped(tool.name, tool.invoke(arguments))
         async with self._locks.setdefault(tool.name, asyncio.Lock()):
-            instance = await self._instance(tool)
+            instance: Any = await self._instance(tool)
+            if tool.group is not None:
+                return await _run_wrapped(tool.name, instance.execute_tool(tool.name, arguments))
             return await _run_wrapped(tool.name, instance.execute(arguments))
 
     async def _instance(self, spec: ToolSpec) -> StatefulTool:
-        if spec.name in self._instances:
-            return self._instances[spec.name]
-        if spec.name in self._create_errors:
-            raise self._create_errors[spec.name]
-        instance = spec.instantiate()
-        self._to_release.append((spec.name, instance))  # before create: release runs even if create fails
-        try:
-            await instance.create(**self._create_kwargs.get(spec.name, {}))
-        except BaseException as e:  # also cancellation (a timeout): this trajectory never retries create
-            error = ToolLifecycleError(f"create() of tool {spec.name!r} ({spec.source}) failed: {e!r}")
-            self._create_errors[spec.name] = error
-            if isinstance(e, Exception):
-                raise error from e
-            raise
-        self._instances[spec.name] = instance
-        return instance
+        key = spec.group or spec.name
+        async with self._locks.setdefault(f"create:{key}", asyncio.Lock()):  # a group's tools create it once
+            if key in self._instances:
+                return self._instances[key]
+            if key in self._create_errors:
+                raise self._create_errors[key]
+            instance = spec.instantiate()
+            self._to_release.append((key, instance))  # before create: release runs even if create fails
+            try:
+                await instance.create(**self._create_kwargs.get(spec.name, {}))
+            except BaseException as e:  # also cancellation (a timeout): this trajectory never retries create
+                error = ToolLifecycleError(f"create() of tool {spec.name!r} ({spec.source}) failed: {e!r}")
+                self._create_errors[key] = error
+                if isinstance(e, Exception):
+                    raise error from e
+                raise
+            self._instances[key] = instance
+            return instance
 
     async def calc_rewards(self) -> dict[str, Any]:
         """`calc_reward()` of every stateful tool this trajectory created (tools never called have none), each
         value as the tool returned it: `split_tool_rewards` tells the rewards from the rest."""
         values = {}
         for name, instance in self._instances.items():
+            if getattr(instance, "calc_reward", None) is None:  # a group without rewards (an MCP server's session)
+                continue
             try:
                 values[name] = await instance.calc_reward()
             except Exception as e:

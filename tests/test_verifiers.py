@@ -1,0 +1,109 @@
+"""verifiers v1 traces (message graphs with token deltas, masks and logprobs) as turnrl trajectories, without
+re-tokenising. Built with verifiers' own types (`Trace`, `MessageNode`, `Reward`, its `branches`) where the package
+is installed (its own venv: it pins mcp==2.0.0 and openai<3); the JSON such a trace dumps is checked in
+tests/data/verifiers_trace.json (written by `python tests/test_verifiers.py` there) and converted in every venv."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from turnrl.agents.verifiers import trajectories_from_trace
+
+DUMP = Path(__file__).resolve().parent / "data" / "verifiers_trace.json"
+HAS_VERIFIERS = importlib.util.find_spec("verifiers") is not None
+
+
+def build_trace(tokenizer):
+    """A two-branch episode: the user asks, the model answers in one branch, and in the other calls a tool, gets
+    its result and answers; token deltas rendered by the real Qwen3 tokenizer, scaffold unmasked."""
+    from verifiers.v1.graph import MessageNode
+    from verifiers.v1.trace import AgentInfo, Error, Reward, Trace, TraceTask  # noqa: F401
+    from verifiers.v1.types import AssistantMessage, SystemMessage, ToolCall, ToolMessage, UserMessage
+
+    def enc(text):
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def node(parent, message, scaffold, body="", sampled=False):
+        s, b = enc(scaffold), enc(body)
+        n_b = len(b)
+        return MessageNode(parent=parent, message=message, sampled=sampled, token_ids=s + b,
+                           mask=[False] * len(s) + [sampled] * n_b,
+                           logprobs=[-0.1 * (k + 1) for k in range(n_b)] if sampled else [])
+
+    call = ToolCall(id="c1", name="add", arguments='{"a": 2, "b": 2}')
+    nodes = [
+        node(None, SystemMessage(content="Be terse."), "<|im_start|>system\nBe terse.<|im_end|>\n"),
+        node(0, UserMessage(content="2+2?"), "<|im_start|>user\n2+2?<|im_end|>\n"),
+        node(1, AssistantMessage(content="4"), "<|im_start|>assistant\n", "4<|im_end|>", sampled=True),
+        node(1, AssistantMessage(tool_calls=[call]), "<|im_start|>assistant\n",
+             '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 2}}\n</tool_call><|im_end|>', sampled=True),
+        node(3, ToolMessage(tool_call_id="c1", content="4"),
+             "\n<|im_start|>user\n<tool_response>\n4\n</tool_response><|im_end|>\n"),
+        node(4, AssistantMessage(content="It is 4."), "<|im_start|>assistant\n", "It is 4.<|im_end|>", sampled=True),
+    ]
+    return Trace(task=TraceTask(type="Sum", data={"idx": 0, "prompt": "2+2?"}), agent=AgentInfo(config={}),
+                 nodes=nodes, rewards={"correct": Reward(score=1.0, weight=0.5), "brief": Reward(score=0.4)},
+                 metrics={"turns": 2.0}, ok=True, is_completed=True, stop_condition="no_tools")
+
+
+def check(trajs, dumped):
+    assert len(trajs) == 2
+    direct, with_tool = trajs
+    for traj in trajs:
+        traj.validate()
+        assert traj.reward == pytest.approx(0.9) and traj.episode_id == dumped["id"]
+        assert traj.rollout_infos["rewards"] == {"correct": 1.0, "brief": 0.4}
+        assert traj.rollout_infos["metrics"] == {"turns": 2.0}
+        assert (traj.status.value, traj.termination_reason.value) == ("completed", "env_done")
+    nodes = dumped["nodes"]
+    # token-exact: prompt + response is the concatenation of the path's deltas, nothing re-rendered
+    assert direct.prompt_ids + direct.response_ids == [t for i in (0, 1, 2) for t in nodes[i]["token_ids"]]
+    assert with_tool.prompt_ids + with_tool.response_ids == [t for i in (0, 1, 3, 4, 5) for t in nodes[i]["token_ids"]]
+    assert direct.prompt_ids == with_tool.prompt_ids  # the shared prefix, generation prompt included
+    assert [s.source.value for s in with_tool.segments] == ["model", "tool", "template", "model"]
+    assert with_tool.num_turns == 2 and [m["role"] for m in with_tool.messages] == [
+        "system", "user", "assistant", "tool", "assistant"]
+    model = [s for s in with_tool.segments if s.source.value == "model"]
+    assert [lp for s in model for lp in s.logprobs] == nodes[3]["logprobs"] + nodes[5]["logprobs"]
+    assert sum(with_tool.loss_mask) == len(nodes[3]["logprobs"]) + len(nodes[5]["logprobs"])
+
+
+@pytest.mark.skipif(not HAS_VERIFIERS, reason="verifiers is not installed here (its own venv: pins mcp==2.0.0)")
+def test_a_verifiers_trace_and_its_json(qwen3_tokenizer):
+    trace = build_trace(qwen3_tokenizer)
+    assert [len(b.nodes) for b in trace.branches] == [3, 5]  # verifiers' own branch view
+    dumped = trace.model_dump(mode="json")
+    check(trajectories_from_trace(trace, group_id="g"), dumped)
+    check(trajectories_from_trace(dumped, group_id="g"), dumped)
+    def shape(nodes):  # what the conversion reads (timestamps differ)
+        return [(n["parent"], n["message"], n["token_ids"], n["mask"], n["logprobs"]) for n in nodes]
+
+    assert shape(json.loads(DUMP.read_text())["nodes"]) == shape(dumped["nodes"]), \
+        "regenerate: python tests/test_verifiers.py"
+
+
+def test_the_json_verifiers_dumps():
+    dumped = json.loads(DUMP.read_text())
+    check(trajectories_from_trace(dumped, group_id="g"), dumped)
+
+
+def test_a_failed_rollout_and_bad_nodes():
+    dumped = json.loads(DUMP.read_text())
+    failed = {**dumped, "ok": False, "errors": [{"type": "HarnessError", "message": "the program exited 1"}]}
+    for traj in trajectories_from_trace(failed, group_id="g"):
+        assert traj.status.value == "failed" and traj.error == "verifiers: HarnessError: the program exited 1"
+    broken = json.loads(json.dumps(dumped))
+    broken["nodes"][2]["logprobs"] = broken["nodes"][2]["logprobs"][:-1]
+    with pytest.raises(ValueError, match=r"sampled tokens but \d+ logprobs"):
+        trajectories_from_trace(broken, group_id="g")
+
+
+if __name__ == "__main__":  # writes the JSON dump (in a venv with verifiers)
+    from turnrl.models import load_tokenizer
+
+    DUMP.write_text(json.dumps(build_trace(load_tokenizer("tiny-qwen3")).model_dump(mode="json"), indent=1) + "\n")
+    print(f"wrote {DUMP}")
