@@ -142,6 +142,40 @@ def test_torchrun_trains_on_two_ranks_and_a_killed_run_resumes_on_one(tmp_path):
     assert expected[3.0]["train/grad_norm"] > 0 and expected[3.0]["train/samples"] > 0
 
 
+@pytest.mark.filterwarnings("ignore")
+def test_torchrun_without_run_dir_trains_every_rank_in_rank_0s_timestamped_run(tmp_path):
+    """`torchrun ... turnrl train CONFIG` with only output_dir, as verl and TRL users launch it (before: refused,
+    "every rank needs the same run directory"): rank 0 makes the timestamped run directory, the other rank takes
+    it once the process group is up, and `--resume` alone continues that run on both ranks."""
+    from turnrl.train.runs import runs_under
+
+    config = _write_config(tmp_path, "runs", steps=1, trainer={"parallel": "fsdp", "world_size": 2, "save_hf": False})
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    script = Path(sys.executable).with_name("turnrl")
+
+    def launch(*args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               str(script), "train", str(config), *args], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:]
+        return done.stdout
+
+    first = launch()
+    [run] = runs_under(tmp_path / "runs")
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == sorted([run.name, "latest-run"])  # one run only
+    assert (tmp_path / "runs" / "latest-run").resolve() == run.resolve()
+    assert first.count("run directory: ") == 1 and f"run directory: {run}\n" in first  # said once, by rank 0
+    ckpt = run / "checkpoints" / "step_000001"  # both ranks wrote their part into it
+    assert sorted(f.name for f in (ckpt / "state").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert sorted(f.name for f in (ckpt / "rng").iterdir()) == ["rank_00000.pt", "rank_00001.pt"]
+
+    second = launch("--resume", "steps=2")
+    assert f"run directory: {run} (resuming)" in second and f"resumed from {ckpt} (step 1" in second
+    assert runs_under(tmp_path / "runs") == [run] and [m["step"] for m in _metrics(run)] == [1.0, 2.0]
+    assert sorted(f.name for f in (run / "checkpoints" / "step_000002" / "state").glob("*.distcp")) == [
+        "__0_0.distcp", "__1_0.distcp"]
+
+
 def test_python_dash_m_turnrl_cli_runs_the_cli():  # what `torchrun ... -m turnrl.cli train CONFIG` needs
     out = subprocess.run([sys.executable, "-m", "turnrl.cli", "export", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "Hugging Face directory" in out.stdout, out.stderr

@@ -162,7 +162,7 @@ def test_optim_freeze_trains_only_the_vision_side_and_its_checkpoint_exports_fro
     history = run_sft(cfg)
     assert [m["train/loss"] for m in history if "train/loss" in m]
     base = load_model("tiny-llava").state_dict()
-    ckpt = max((tmp_path / "run" / "checkpoints").glob("step_*"))
+    ckpt = max((tmp_path / "run" / "latest-run" / "checkpoints").glob("step_*"))  # the run's own directory
     exported = export_checkpoint(ckpt, tmp_path / "export")
     for trained in (load_model(str(tmp_path / "run" / "model")).state_dict(),
                     load_model(str(exported)).state_dict()):

@@ -157,7 +157,8 @@ def test_a_two_rank_checkpoint_resumes_in_one_process(two_ranks, tmp_path):
     run = tmp_path / "resharded"
     shutil.copytree(two_ranks / "run", run)
     trainer = worker.make_trainer(worker.config(run, 1, resume=str(run / "checkpoints" / "step_000002")))
-    assert trainer.load_checkpoint() and trainer.step == 2
+    trainer.load_checkpoint()
+    assert trainer.step == 2
     trainer.step = 3
     loss = trainer.update(worker.fixed_samples(3))["train/loss"]
     assert loss == pytest.approx(_result(two_ranks, "run")["losses"][3], rel=1e-5)

@@ -57,7 +57,7 @@ def test_arithmetic_demo_config_runs_one_step_on_smollm2(tmp_path):
 
 def sft_then_rl(tmp_path: Path, recipe: str, sft_args: list[str], rl_args: list[str]) -> tuple[list[dict], list[dict]]:
     """A recipe shortened: `turnrl sft` its sft.yaml, then `turnrl train` its RL config from the SFT model."""
-    run(TURNRL, "sft", f"examples/{recipe}/sft.yaml", f"output_dir={tmp_path}/sft", *sft_args)
+    run(TURNRL, "sft", f"examples/{recipe}/sft.yaml", f"output_dir={tmp_path}/sft", f"run_dir={tmp_path}/sft", *sft_args)
     assert (tmp_path / "sft" / "model" / "config.json").exists()
     run(TURNRL, "train", f"examples/{recipe}/{'config' if recipe == 'gsm8k_tools' else 'rl'}.yaml",
         f"model={tmp_path}/sft/model", f"run_dir={tmp_path}/rl", *rl_args)  # the run's own directory

@@ -103,7 +103,7 @@ def test_a_trajectory_without_recorded_calls_is_refused(row):
 # ---- `turnrl replay` on a training run's own files (issue 27) ------------------------------------------
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    """A 3-step tiny-qwen3 run that checkpoints every policy version (save_every=1), trained through the CLI."""
+    """A 3-step tiny-qwen3 run that checkpoints every policy version (save_every=1, keep_checkpoints: null), trained through the CLI."""
     tmp = tmp_path_factory.mktemp("replay-run")
     data = tmp / "rows.jsonl"
     data.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"Say {i}."}) + "\n" for i in range(4)))
@@ -113,7 +113,8 @@ def run_dir(tmp_path_factory):
         "model": "tiny-qwen3", "train_data": str(data), "output_dir": str(tmp / "runs"), "steps": 3,
         "prompts_per_step": 2, "seed": 5, "save_every": 1, "rollout": {"env": "single_turn", "n": 2,
                                                                       "max_new_tokens": 6},
-        "engine": {"max_batch_size": 2}, "optim": {"lr": 1e-2}, "reward": {"function": f"{tmp / 'reward.py'}:reward"}}))
+        "engine": {"max_batch_size": 2}, "optim": {"lr": 1e-2}, "reward": {"function": f"{tmp / 'reward.py'}:reward"},
+        "trainer": {"keep_checkpoints": None}}))
     result = CliRunner().invoke(app, ["train", str(config), "--run-dir", str(tmp / "run")])
     assert result.exit_code == 0, result.output
     return tmp / "run"

@@ -13,7 +13,13 @@ from typer.testing import CliRunner
 
 from turnrl.cli import app, run_training
 from turnrl.config import ConfigError, TrainConfig, load_config
-from turnrl.train.checkpoint import MANIFEST, checkpoint_problem, load_checkpoint_model, select_checkpoint
+from turnrl.train.checkpoint import (
+    MANIFEST,
+    checkpoint_problem,
+    load_checkpoint_model,
+    prune_checkpoints,
+    select_checkpoint,
+)
 from turnrl.train.runs import find_checkpoint, prepare_run, runs_under
 
 
@@ -27,6 +33,7 @@ def _files(tmp_path: Path) -> Path:
         "prompts_per_step": 2, "seed": 5, "save_every": 1, "rollout": {"env": "single_turn", "n": 2,
                                                                       "max_new_tokens": 4},
         "engine": {"max_batch_size": 2}, "optim": {"lr": 1e-3}, "reward": {"function": f"{tmp_path / 'reward.py'}:reward"},
+        "trainer": {"keep_checkpoints": None},  # every checkpoint: the tests below damage and resume them
     }))
     return config
 
@@ -116,6 +123,85 @@ def test_resume_paths_name_a_run_a_checkpoint_or_a_directory_of_runs(trained, tm
     assert result.exit_code == 2 and "not a checkpoint folder" in result.output
     result = CliRunner().invoke(app, ["train", str(config), "oops"])
     assert result.exit_code == 2 and "override 'oops': expected dotted.key=value" in result.output
+
+
+def _keep_only(run: Path, *names: str) -> Path:
+    """`run` with only the checkpoints `names` (the others deleted)."""
+    for ckpt in (run / "checkpoints").glob("step_*"):
+        if ckpt.name not in names:
+            shutil.rmtree(ckpt)
+    return run
+
+
+def test_resume_with_nothing_to_resume_is_refused_naming_what_is_missing(trained, tmp_path):
+    """Before, each of these printed "(resuming)" and trained from scratch (in a new or the half-written run)."""
+    config, run = trained
+    crashed = tmp_path / "crashed"  # a run that died before its first checkpoint
+    crashed.mkdir()
+    for name in ("config.yaml", "metrics.jsonl"):
+        shutil.copy(run / name, crashed / name)
+    broken = _keep_only(_copy(run, tmp_path), "step_000003")  # its only checkpoint truncated
+    _truncate(_weights(broken / "checkpoints" / "step_000003")[0])
+    cases = [
+        ([f"output_dir={tmp_path / 'none'}", "--resume"], f"there is no earlier run to resume: output_dir "
+                                                           f"{tmp_path / 'none'} does not exist"),
+        ([f"output_dir={tmp_path / 'folders'}", "--resume"], "holds no run directory"),  # none of them a run
+        (["--run-dir", str(tmp_path / "empty"), "--resume"], f"run directory {tmp_path / 'empty'} does not exist, "
+                                                             "so there is nothing to resume"),
+        (["--resume", str(crashed)], f"run {crashed} has no checkpoint, so there is nothing to resume"),
+        (["--resume", str(broken)], "has no complete checkpoint (step_000003 broken)"),
+    ]
+    (tmp_path / "folders" / "notes").mkdir(parents=True)
+    for args, said in cases:
+        result = CliRunner().invoke(app, ["train", str(config), *args])
+        assert result.exit_code == 2, (args, result.output)
+        text = " ".join(result.output.split())
+        assert said in text and "(resuming)" not in text, (args, text)
+        assert "start" in text and "without --resume" in text
+    assert not (tmp_path / "none").exists() and not (tmp_path / "empty").exists()  # nothing was created
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_resume_of_a_run_whose_every_checkpoint_fails_its_checksum_is_refused(trained, tmp_path):
+    config, run = trained
+    copy = _keep_only(_copy(run, tmp_path), "step_000003")
+    _flip(_weights(copy / "checkpoints" / "step_000003")[0])  # sizes match: only the checksum finds it
+    result = CliRunner().invoke(app, ["train", str(config), "--resume", str(copy)])
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert f"resume: run {copy} has no valid checkpoint to resume from (skipped step_000003: state/" in text
+    assert "does not match its checksum" in text and "start a new run without --resume" in text
+    assert json.loads((copy / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 3  # not trained again
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_run_keeps_its_newest_checkpoints(tmp_path):
+    """trainer.keep_checkpoints (default 2): a checkpoint every step, the two newest kept."""
+    config = _files(tmp_path)
+    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "trainer"}))
+    result = CliRunner().invoke(app, ["train", str(config), "--run-dir", str(tmp_path / "run")])
+    assert result.exit_code == 0, result.output
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_000002", "step_000003"]  # before: 1, 2 and 3
+    assert select_checkpoint(tmp_path / "run") == (ckpts / "step_000003", [])
+
+
+def test_pruning_never_deletes_the_newest_valid_checkpoint(trained, tmp_path):
+    _, run = trained
+    copy = _copy(run, tmp_path)
+    ckpts = copy / "checkpoints"
+    _truncate(_weights(ckpts / "step_000003")[0])  # the newest is broken: step 2 is the newest valid one
+    assert prune_checkpoints(ckpts, 1) == ["step_000001"]
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_000002", "step_000003"]
+    assert select_checkpoint(copy)[0] == ckpts / "step_000002"  # the run can still resume
+
+    copy = _copy(run, tmp_path / "b")
+    ckpts = copy / "checkpoints"
+    for name in ("step_000003", "step_000002"):
+        _flip(_weights(ckpts / name)[0])  # sizes intact: only their checksums say they are broken
+    assert prune_checkpoints(ckpts, 2) == []  # step 1, the only valid one, stays beside the two newest
+    assert prune_checkpoints(ckpts, 1) == ["step_000002"]
+    assert select_checkpoint(copy)[0] == ckpts / "step_000001"
 
 
 # ---- corrupted checkpoints: the newest valid one is chosen, and the skipped one is named ------------------

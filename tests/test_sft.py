@@ -18,6 +18,7 @@ from turnrl.observe.stats import TrajectoryWriter
 from turnrl.render import ChatRenderer
 from turnrl.rollout import RolloutLimits, RolloutManager, run_groups
 from turnrl.tools import ToolSet, function_tool
+from turnrl.train.runs import runs_under
 from turnrl.train.sft import load_sft_samples, parse_filter, reply_text, sft_trajectories
 from turnrl.types import RolloutStatus, SegmentSource
 
@@ -212,8 +213,9 @@ def test_sft_trains_and_turnrl_train_loads_its_checkpoint_as_model(tmp_path):
     history = run_sft(cfg)
     losses = [m["train/loss"] for m in history if "train/loss" in m]
     assert len(losses) == 4 and losses[-1] < losses[0]
-    model_dir = tmp_path / "run" / "model"
-    assert model_dir.is_symlink() and (model_dir / "config.json").exists() and (tmp_path / "run" / "curves.png").exists()
+    model_dir = tmp_path / "run" / "model"  # output_dir/model: the run's model, through the run directory's link
+    [run] = runs_under(tmp_path / "run")
+    assert model_dir.is_symlink() and (model_dir / "config.json").exists() and (run / "curves.png").exists()
     saved = load_file(model_dir / "model.safetensors")
 
     rows = tmp_path / "rl.jsonl"
@@ -232,3 +234,53 @@ def test_sft_trains_and_turnrl_train_loads_its_checkpoint_as_model(tmp_path):
     finally:
         stack.close()
     assert [m["step"] for m in history if "train/samples" in m] == [1.0]
+
+
+def _sft(*args: str):
+    from typer.testing import CliRunner
+
+    from turnrl.cli import app
+
+    result = CliRunner().invoke(app, ["sft", *args])
+    return result.exit_code, " ".join(result.output.split())
+
+
+def _trained_steps(run) -> list[float]:
+    return [m["step"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "train/loss" in m]
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_sft_reruns_follow_the_run_directory_rules_of_train(tmp_path):
+    """Before, a second `turnrl sft` overwrote the first's checkpoints and appended to its metrics.jsonl, and there
+    was no --run-dir, --resume or --overwrite. Now each run has its own directory, output_dir/model links the model
+    of the run that saved last, and the rules (and refusals) are `turnrl train`'s."""
+    out = tmp_path / "run"
+    config = tmp_path / "sft.yaml"
+    config.write_text(json.dumps(sft_config(tmp_path).model_dump(mode="json")))
+    code, said = _sft(str(config), "steps=3", "save_every=1")
+    assert code == 0, said
+    [first] = runs_under(out)
+    assert f"run directory: {first} sft:" in said and (first / "config.yaml").exists()
+    assert sorted(p.name for p in (first / "checkpoints").glob("step_*")) == ["step_000002", "step_000003"]
+    assert (out / "model").resolve() == (first / "checkpoints" / "step_000003" / "model").resolve()
+    before = {p: p.stat().st_mtime_ns for p in first.rglob("*")}
+
+    code, said = _sft(str(config), "steps=2")  # the same command again: a second run beside the first
+    assert code == 0, said
+    [_, second] = runs_under(out)
+    assert {p: p.stat().st_mtime_ns for p in first.rglob("*")} == before and _trained_steps(first) == [1, 2, 3]
+    assert (out / "latest-run").resolve() == second.resolve() and _trained_steps(second) == [1, 2]
+    assert (out / "model").resolve() == (second / "checkpoints" / "step_000002" / "model").resolve()
+
+    code, said = _sft(str(config), "--run-dir", str(first))
+    assert code == 2 and f"run directory {first} is not empty (checkpoints up to step_000003)" in said
+    code, said = _sft(str(config), "steps=4", "--resume")  # the newest run, from its newest checkpoint
+    assert code == 0 and f"run directory: {second} (resuming)" in said, said
+    assert f"resumed from {second / 'checkpoints' / 'step_000002'} (step 2" in said
+    assert _trained_steps(second) == [1, 2, 3, 4] and runs_under(out) == [first, second]
+    code, said = _sft(str(config), "steps=1", "--run-dir", str(first), "--overwrite")
+    assert code == 0 and _trained_steps(first) == [1], said
+    assert sorted(p.name for p in (first / "checkpoints").glob("step_*")) == ["step_000001"]
+
+    code, said = _sft(str(config), f"output_dir={tmp_path / 'none'}", "--resume")  # before: trained from scratch
+    assert code == 2 and "there is no earlier run to resume" in said and not (tmp_path / "none").exists()

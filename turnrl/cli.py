@@ -19,7 +19,7 @@ from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 if TYPE_CHECKING:
-    from turnrl.config import RolloutConfig, TrainConfig
+    from turnrl.config import RolloutConfig, SFTConfig, TrainConfig
     from turnrl.train.parallel import Parallel
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Multi-turn agentic RL for LLMs and VLMs.")
@@ -275,27 +275,39 @@ def train(
 ) -> None:
     """Train a policy with GRPO on multi-turn rollouts. Each run writes its own directory (printed at start):
     OUTPUT_DIR/<timestamp>, or --run-dir; `turnrl train CONFIG --resume [PATH]` continues one. Under torchrun
-    each process is one trainer rank (trainer.parallel: fsdp; every rank needs the same --run-dir); with
+    each process is one trainer rank (trainer.parallel: fsdp; rank 0 names the run directory for all); with
     trainer.launcher: ray it starts the ranks itself (docs/distributed.md)."""
     _setup_logging(verbose)
-    from turnrl.config import ConfigError, TrainConfig, load_config
+    from turnrl.config import ConfigError, TrainConfig
     from turnrl.train.parallel import check_launch
     from turnrl.train.runs import prepare_run
 
     with _bad_input(ConfigError):
-        overrides, resume_path = _resume_path(overrides or [], resume)
-        cfg = load_config(TrainConfig, config, overrides)
+        cfg = _run_config(TrainConfig, config, overrides, run_dir, resume)
         if scheduler is not None:
             cfg.rollout.scheduler = scheduler
         if plugin:
             cfg.rollout.plugins = [*cfg.rollout.plugins, *plugin]
-        if run_dir is not None:
-            cfg.run_dir = str(run_dir)
-        if resume:
-            cfg.resume = resume_path or True
         check_launch(cfg.trainer)  # torchrun's ranks against trainer.world_size / parallel / launcher
         prepare_run(cfg, overwrite=overwrite)  # refuses a non-empty run directory before anything loads
-    _guarded(verbose, lambda: run_training(cfg, console=console))
+    _guarded(verbose, lambda: run_training(cfg, console=console, overwrite=overwrite))
+
+
+C = TypeVar("C", bound="TrainConfig")
+
+
+def _run_config(schema: type[C], config: Path, overrides: list[str] | None, run_dir: Path | None,
+                resume: bool) -> C:
+    """The config of `turnrl train` or `turnrl sft` with its run flags: --run-dir, --resume [PATH]."""
+    from turnrl.config import load_config
+
+    overrides, resume_path = _resume_path(overrides or [], resume)
+    cfg = load_config(schema, config, overrides)
+    if run_dir is not None:
+        cfg.run_dir = str(run_dir)
+    if resume:
+        cfg.resume = resume_path or True
+    return cfg
 
 
 def _resume_path(items: list[str], resume: bool) -> tuple[list[str], str | None]:
@@ -314,39 +326,26 @@ def run_training(cfg: TrainConfig, console: Console | None = None, parallel: Par
     """`turnrl train`: choose the run directory (turnrl.train.runs.prepare_run: a ConfigError for a non-empty one
     without resume or `overwrite`), build the trainer (turnrl.build), train, close; returns the metrics history
     (rank 0's is the one logged). This process is one trainer rank: `parallel`, else as torchrun's environment
-    says (one process without it). With `trainer.launcher: ray` and no `parallel` it starts the ranks as Ray
-    actors (each runs this function with its own `parallel`, in the run directory chosen here) and returns rank
-    0's history."""
-    from rich.markup import escape
-
+    says (one process without it; under torchrun the ranks take rank 0's run directory once the process group
+    is up). With `trainer.launcher: ray` and no `parallel` it starts the ranks as Ray actors (each runs this
+    function with its own `parallel`, in the run directory chosen here) and returns rank 0's history."""
     from turnrl.build import build_trainer
-    from turnrl.config import training_warnings
     from turnrl.observe.plots import plot_curves
     from turnrl.observe.stats import peak_rss_gb
-    from turnrl.train.runs import discard_if_empty, prepare_run
 
     console = console or Console()
     if parallel is None:  # a Ray trainer rank (parallel given) runs in the directory its driver chose
-        prepare_run(cfg, overwrite=overwrite)
-        if os.environ.get("RANK", "0") == "0":  # said once, before anything loads
-            for warning in training_warnings(cfg):
-                console.print(f"[bold yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
-    assert cfg.run_dir is not None  # prepare_run set it (here or in the driver)
-    run_dir = Path(cfg.run_dir)
-    said = f"run directory: {run_dir}" + (" (resuming)" if cfg.resume else "")
+        _prepare_training(cfg, console, overwrite)
     if cfg.trainer.launcher == "ray" and parallel is None:
         from turnrl.train.ray import train_on_ray
 
-        console.print(said, soft_wrap=True)
+        console.print(_run_line(cfg), soft_wrap=True)
         return train_on_ray(functools.partial(_train_rank, cfg), cfg.trainer.world_size,
                             address=cfg.engine.ray_address, gpus_per_rank=1.0 if cfg.device.startswith("cuda") else 0.0)
-    try:
+    with _starting_run(cfg, parallel) as parallel:
         trainer, stack = build_trainer(cfg, console=console, parallel=parallel, loggers=True)
-    except BaseException:
-        discard_if_empty(run_dir)  # a run that never started leaves no empty directory behind (nor says it had one)
-        raise
     if trainer.parallel.is_main:
-        console.print(said, soft_wrap=True)
+        console.print(_run_line(cfg), soft_wrap=True)
     failed = True
     try:
         history = asyncio.run(trainer.train())
@@ -368,44 +367,102 @@ def run_training(cfg: TrainConfig, console: Console | None = None, parallel: Par
     return history
 
 
+def _prepare_training(cfg: TrainConfig, console: Console, overwrite: bool) -> None:
+    """The run directory (rank 0's choice under torchrun) and, said once before anything loads, the settings
+    that make training do nothing useful."""
+    from rich.markup import escape
+
+    from turnrl.config import training_warnings
+    from turnrl.train.runs import prepare_run
+
+    prepare_run(cfg, overwrite=overwrite)
+    if os.environ.get("RANK", "0") == "0":
+        for warning in training_warnings(cfg):
+            console.print(f"[bold yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
+
+
+@contextmanager
+def _starting_run(cfg: TrainConfig, parallel: Parallel | None) -> Iterator[Parallel]:
+    """This process's place among the trainer ranks (`parallel`, else started from torchrun's environment), with
+    every rank in rank 0's run directory (turnrl.train.runs.share_run). Inside: building the run; should that
+    fail, a run directory left empty is removed (a run that never started leaves nothing behind)."""
+    from turnrl.train.parallel import Parallel
+    from turnrl.train.runs import discard_if_empty, share_run
+
+    run_dir = Path(cfg.run_dir) if cfg.run_dir else None
+    try:
+        parallel = parallel or Parallel.start(cfg.trainer, cfg.device)
+        run_dir = share_run(cfg, parallel)
+        yield parallel
+    except BaseException:
+        if run_dir is not None:
+            discard_if_empty(run_dir)
+        raise
+
+
+def _run_line(cfg: TrainConfig) -> str:
+    return f"run directory: {cfg.run_dir}" + (" (resuming)" if cfg.resume else "")
+
+
 @app.command()
 def sft(
     config: Annotated[Path, typer.Argument(help="SFT config YAML (turnrl.config.SFTConfig).")],
     overrides: Annotated[list[str] | None, typer.Argument(help="Dotted key=value overrides.")] = None,
     filter_: Annotated[str | None, Opt("--filter", help="Keep rows that pass, e.g. 'reward>=1' (rejection "
                                                         "sampling from rollouts); overrides sft.filter.")] = None,
+    run_dir: Annotated[Path | None, Opt(help="This run's directory (default: a new OUTPUT_DIR/<timestamp>); it must "
+                                             "be empty unless --resume or --overwrite.")] = None,
+    resume: Annotated[bool, Opt("--resume", help="Continue a run from its newest valid checkpoint: `--resume` alone "
+                                                 "continues the newest run under output_dir (or --run-dir); "
+                                                 "`--resume PATH` the run directory or checkpoint at PATH.")] = False,
+    overwrite: Annotated[bool, Opt("--overwrite", help="Replace the run in --run-dir (its checkpoints, metrics and "
+                                                       "model link are deleted first).")] = False,
     verbose: Annotated[bool, Opt("--verbose", "-v")] = False,
 ) -> None:
-    """Multi-turn SFT on chat-message rows or trajectory JSONL, with the masks RL trains on (turnrl.train.sft); the
-    checkpoint's model directory (output_dir/model) is a `model` for `turnrl train`."""
+    """Multi-turn SFT on chat-message rows or trajectory JSONL, with the masks RL trains on (turnrl.train.sft). Each
+    run writes its own directory, as `turnrl train` does (OUTPUT_DIR/<timestamp>, or --run-dir; --resume,
+    --overwrite); OUTPUT_DIR/model links the newest run's model, a `model` for `turnrl train`."""
     _setup_logging(verbose)
-    from turnrl.config import ConfigError, SFTConfig, load_config
+    from turnrl.config import ConfigError, SFTConfig
+    from turnrl.train.parallel import check_launch
+    from turnrl.train.runs import prepare_run
 
     with _bad_input(ConfigError):
-        cfg = load_config(SFTConfig, config, overrides or [])
+        cfg = _run_config(SFTConfig, config, overrides, run_dir, resume)
         if filter_ is not None:
             cfg.sft.filter = filter_
-    run_sft(cfg, console=console)
+        check_launch(cfg.trainer)
+        prepare_run(cfg, overwrite=overwrite)  # refuses a non-empty run directory before anything loads
+    run_sft(cfg, console=console, overwrite=overwrite)
 
 
-def run_sft(cfg: Any, console: Console | None = None) -> list[dict[str, float]]:
-    """`turnrl sft`: build the SFT trainer (turnrl.build), train, close; returns the metrics history."""
+def run_sft(cfg: SFTConfig, console: Console | None = None, *, overwrite: bool = False) -> list[dict[str, float]]:
+    """`turnrl sft`: choose the run directory as `turnrl train` does (turnrl.train.runs), build the SFT trainer
+    (turnrl.build), train, close; returns the metrics history."""
     from turnrl.build import build_sft
     from turnrl.observe.plots import plot_sft_curves
+    from turnrl.train.runs import prepare_run
 
-    with _bad_input(ValueError, FileNotFoundError):  # DataError among them
-        trainer, stack = build_sft(cfg, console=console)
+    with _bad_input(ValueError, FileNotFoundError):  # ConfigError and DataError among them
+        prepare_run(cfg, overwrite=overwrite)
+        with _starting_run(cfg, None) as parallel:
+            trainer, stack = build_sft(cfg, console=console, parallel=parallel)
+    on_main = trainer.parallel.is_main
     r = trainer.report
-    trainer.console.print(f"sft: {r['samples']} samples from {r['rows']} rows of {cfg.train_data} "
-                          f"({r['filtered_out']} filtered out, skipped: {r['skipped'] or 'none'}), "
-                          f"{r['trained_tokens']} trained of {r['tokens']} tokens, {cfg.steps} steps")
+    if on_main:
+        trainer.console.print(_run_line(cfg), soft_wrap=True)
+        trainer.console.print(f"sft: {r['samples']} samples from {r['rows']} rows of {cfg.train_data} "
+                              f"({r['filtered_out']} filtered out, skipped: {r['skipped'] or 'none'}), "
+                              f"{r['trained_tokens']} trained of {r['tokens']} tokens, {cfg.steps} steps")
     try:
         history = asyncio.run(trainer.train())
     finally:
         stack.close()
-    plot_sft_curves(history, trainer.out / "curves.png")
-    trainer.console.print(f"wrote {trainer.out / 'model'} (a model for `turnrl train`), "
-                          f"{trainer.out / 'curves.png'}, {trainer.out / 'metrics.jsonl'}")
+    trainer.parallel.close()
+    if on_main:
+        plot_sft_curves(history, trainer.out / "curves.png")
+        trainer.console.print(f"wrote {trainer.out / 'model'} (a model for `turnrl train`), "
+                              f"{trainer.out / 'curves.png'}, {trainer.out / 'metrics.jsonl'}", soft_wrap=True)
     return history
 
 

@@ -301,6 +301,10 @@ class TrainerConfig(Strict):
     sharded state: "final" = only in the run's last checkpoint (the others keep only what resuming needs: the
     weights are in the sharded state once), true = in every checkpoint, false = never. Config and tokenizer
     always go there; `turnrl eval` and `turnrl.train.checkpoint.export_checkpoint` make the weights from the state."""
+    keep_checkpoints: int | None = Field(2, ge=1)
+    """Checkpoints a run keeps (`turnrl train` and `turnrl sft`): after each save, all but the newest N are
+    deleted, except that the newest valid one always stays (a newer broken one does not count), so a run can
+    always resume. null = keep every one (`turnrl replay` of every policy version needs save_every=1 and null)."""
     lora: LoraConfig | None = None
     """Train LoRA adapters (peft) instead of every weight; None = full fine-tuning."""
     mode: Literal["sync", "async"] = "sync"
@@ -426,7 +430,8 @@ class TrainConfig(Strict):
     resume: bool | str = False
     """Continue a run (same data order, RNG, optimizer; `turnrl train --resume [PATH]`): true = the newest run
     under output_dir (or run_dir when set); a path = that run directory or checkpoint folder. The newest
-    checkpoint whose files match its manifest is used; newer broken ones are skipped and named."""
+    checkpoint whose files match its manifest is used; newer broken ones are skipped and named. With no run or
+    no valid checkpoint to resume, the run is refused (it never starts from scratch instead)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Training and engine dtype (fp32 on CPU: bf16 is ~25x slower without hardware support)."""
     device: str = "cpu"
@@ -494,9 +499,10 @@ class SFTSection(Strict):
 class SFTConfig(TrainConfig):
     """`turnrl sft`: multi-turn SFT through the RL renderer (turnrl.train.sft). `train_data` holds chat-message rows
     (`messages`) or trajectory JSONL (`turnrl rollout` / `turnrl train` output); `eval_data` holds RL prompt rows,
-    evaluated through `rollout` and `reward` as `turnrl train` does. The checkpoint's `model/` directory (linked
-    as `output_dir/model`) is what `turnrl train` takes as its `model`. `prompts_per_step` and `algo` (except
-    `loss_agg`) are not used."""
+    evaluated through `rollout` and `reward` as `turnrl train` does. Each run writes its own run directory, as
+    `turnrl train` does (`output_dir`, `run_dir`, `resume`); the last checkpoint's `model/` directory (linked as
+    RUN/model and `output_dir/model`) is what `turnrl train` takes as its `model`. `prompts_per_step` and `algo`
+    (except `loss_agg`) are not used."""
 
     steps: int | None = Field(None, ge=1)  # type: ignore[assignment]
     """Optimizer steps; None = sft.epochs passes over the samples."""

@@ -4,7 +4,7 @@
 set -euo pipefail
 TURNRL=${TURNRL:-.venv/bin/turnrl}
 PYTHON=${PYTHON:-.venv/bin/python}
-rm -rf runs/calculator_agent  # metrics.jsonl is appended to: start clean
+rm -rf runs/calculator_agent  # sft.yaml's and rl.yaml's run_dir must be empty: start clean
 start=$(date +%s)
 $PYTHON examples/calculator_agent/prepare_data.py --out data/calculator_agent
 $TURNRL sft examples/calculator_agent/sft.yaml "$@"

@@ -4,7 +4,7 @@
 set -euo pipefail
 TURNRL=${TURNRL:-.venv/bin/turnrl}
 PYTHON=${PYTHON:-.venv/bin/python}
-rm -rf runs/vlm_shapes  # metrics.jsonl is appended to: start clean
+rm -rf runs/vlm_shapes  # sft.yaml's and rl.yaml's run_dir must be empty: start clean
 start=$(date +%s)
 $PYTHON examples/vlm_shapes/prepare_data.py --out data/vlm_shapes
 $TURNRL sft examples/vlm_shapes/sft.yaml "$@"

@@ -212,10 +212,11 @@ def _model_to_fill(ckpt: Path, cfg) -> nn.Module:
 # Atomic writes, manifests, and choosing the checkpoint to resume
 # ---------------------------------------------------------------------------------------------------
 def save_checkpoint(learner: Learner, path: Path, loop_state: dict[str, Any], *, renderer: Any,
-                    hf_weights: bool) -> Path:
+                    hf_weights: bool, keep: int | None = None) -> Path:
     """Sharded state that resumes exactly (every rank writes its part), the loop's `loop_state` and a Hugging
     Face model dir (with `hf_weights`, its weights; always the config and the `renderer`'s tokenizer), written
-    into a staging folder and renamed into place once complete (with its manifest), then named by `latest`."""
+    into a staging folder and renamed into place once complete (with its manifest), then named by `latest`;
+    then all but the `keep` newest checkpoints of the run are deleted (`prune_checkpoints`; None: none)."""
     parallel = learner.parallel
     staged = staging_dir(path)
     if parallel.is_main:
@@ -232,6 +233,8 @@ def save_checkpoint(learner: Learner, path: Path, loop_state: dict[str, Any], *,
     parallel.barrier()  # every rank's files are written before the checkpoint is published
     if parallel.is_main:
         publish_checkpoint(staged, path)
+        if keep is not None:
+            prune_checkpoints(path.parent, keep, published=path)
     parallel.barrier()
     return path
 
@@ -248,10 +251,10 @@ def save_tokenizer(renderer: Any, where: Path) -> None:
 
 
 def resume_checkpoint(learner: Learner, run_dir: Path, resume: bool | str, *, lora: dict[str, Any] | None,
-                      console: Console) -> dict[str, Any] | None:
+                      console: Console) -> dict[str, Any]:
     """Restore the learner (weights, optimizer, scheduler) and this rank's RNG from the checkpoint to resume
-    (`resume_point`: rank 0 chooses, the other ranks take its choice), whatever world size wrote it. Returns
-    the loop's saved state (None: nothing to resume); what was logged after the checkpoint is dropped from
+    (`resume_point`: rank 0 chooses, the other ranks take its choice; a ValueError when there is none), whatever
+    world size wrote it. Returns the loop's saved state; what was logged after the checkpoint is dropped from
     the run's metrics.jsonl and groups.jsonl, to be done again. `lora`: the run's trainer.lora, which must be
     the checkpoint's."""
     parallel = learner.parallel
@@ -264,8 +267,6 @@ def resume_checkpoint(learner: Learner, run_dir: Path, resume: bool | str, *, lo
     path = parallel.broadcast_object(choice)
     if isinstance(path, ValueError):
         raise path
-    if path is None:
-        return None
     state = torch.load(path / "trainer_state.pt", weights_only=False)
     saved_lora = state["config"]["trainer"]["lora"]
     if saved_lora != lora:
@@ -285,9 +286,10 @@ def resume_checkpoint(learner: Learner, run_dir: Path, resume: bool | str, *, lo
     return state
 
 
-def resume_point(resume: bool | str, run_dir: Path, console: Console) -> Path | None:
+def resume_point(resume: bool | str, run_dir: Path, console: Console) -> Path:
     """The checkpoint `resume` names (a checkpoint folder), else the newest valid one of the run in `run_dir`;
-    the newer ones skipped (broken, incomplete) are named in one line. None: nothing to resume."""
+    the newer ones skipped (broken, incomplete) are named in one line. A ValueError when there is none: a
+    resume never starts from scratch."""
     if isinstance(resume, str) and checkpoint_step(Path(resume)) is not None:
         path = Path(resume)
         problem = checkpoint_problem(path)
@@ -295,10 +297,10 @@ def resume_point(resume: bool | str, run_dir: Path, console: Console) -> Path | 
             raise ValueError(f"resume: checkpoint {path} {problem}")
         return path
     found, notes = select_checkpoint(run_dir)
-    if found is None:
-        log.warning("resume: no valid checkpoint in %s%s; starting from scratch", run_dir,
-                    f" ({'; '.join(notes)})" if notes else "")
-    elif notes:
+    if found is None:  # turnrl.train.runs refused a run without a complete checkpoint; these failed their checksums
+        raise ValueError(f"resume: run {run_dir} has no valid checkpoint to resume from"
+                         + (f" ({'; '.join(notes)})" if notes else "") + "; start a new run without --resume")
+    if notes:
         console.print(f"[yellow]resume:[/] {'; '.join(notes)}; resuming from {found.name}", soft_wrap=True)
     return found
 
@@ -412,6 +414,22 @@ def supersede_newer(path: Path) -> list[str]:
             p.rename(aside / p.name)
     _write_atomically(root / "latest", path.name)
     return [p.name for p in newer]
+
+
+def prune_checkpoints(root: Path, keep: int, *, published: Path | None = None) -> list[str]:
+    """Delete the checkpoints in `root` (a run's checkpoints/) but the `keep` newest and the newest valid one,
+    whatever `keep` says: a newer broken one (truncated, failing its checksum) does not count as valid, so the
+    only checkpoint a run can resume from is never deleted. `published`: the checkpoint just written (whole by
+    construction: its manifest was made from its files), not hashed again. Returns the names deleted."""
+    steps = sorted((p for p in root.glob("step_*") if checkpoint_step(p) is not None and p.is_dir()),
+                   key=lambda p: checkpoint_step(p) or 0, reverse=True)
+    newest_valid = next((p for p in steps if p == published or checkpoint_problem(p) is None), None)
+    doomed = [p for p in steps[keep:] if p != newest_valid]
+    for p in doomed:
+        shutil.rmtree(p)
+    if doomed:
+        log.info("deleted checkpoints %s (trainer.keep_checkpoints=%d)", ", ".join(p.name for p in doomed), keep)
+    return [p.name for p in doomed]
 
 
 def has_hf_weights(model_dir: Path) -> bool:

@@ -109,7 +109,8 @@ class Trainer:
         self.tracer.log_params(self.cfg.model_dump())
         if self.parallel.is_main:  # the resolved config, every key: what this run is (and marks its directory)
             (self.out / "config.yaml").write_text(yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
-        if self.cfg.resume and self.load_checkpoint():
+        if self.cfg.resume:
+            self.load_checkpoint()
             await self.sync_weights()
         if self.step == 0:
             await self._evaluate_on_main("before")
@@ -266,27 +267,27 @@ class Trainer:
 
     def save_checkpoint(self, final: bool = True) -> Path:
         """The learner's sharded state, this loop's (step, data position, history, the buffer: nothing in flight
-        is lost) and a Hugging Face model dir (turnrl.train.checkpoint). `final`: the run's last checkpoint
-        (trainer.save_hf="final" gives it the Hugging Face weights; the others keep only what resuming needs)."""
+        is lost) and a Hugging Face model dir (turnrl.train.checkpoint); the run keeps the newest
+        trainer.keep_checkpoints. `final`: the run's last checkpoint (trainer.save_hf="final" gives it the
+        Hugging Face weights; the others keep only what resuming needs)."""
         save_hf = self.cfg.trainer.save_hf
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "history": self.history,
                  "buffer": self.buffer.state_dict(), "config": self.cfg.model_dump()} if self.parallel.is_main else {}
         return save_checkpoint(self.learner, self.out / "checkpoints" / f"step_{self.step:06d}", state,
                                renderer=getattr(self.rollout, "renderer", None),
-                               hf_weights=save_hf is True or (save_hf == "final" and final))
+                               hf_weights=save_hf is True or (save_hf == "final" and final),
+                               keep=self.cfg.trainer.keep_checkpoints)
 
-    def load_checkpoint(self) -> bool:
+    def load_checkpoint(self) -> None:
         """Restore weights, optimizer, scheduler, data position, the buffer, RNG and history from the checkpoint
-        to resume (cfg.resume: turnrl.train.checkpoint.resume_point), whatever world size wrote it."""
+        to resume (cfg.resume: turnrl.train.checkpoint.resume_point, a ValueError when there is none), whatever
+        world size wrote it."""
         lora = self.cfg.trainer.lora
         state = resume_checkpoint(self.learner, self.out, self.cfg.resume, console=self.console,
                                   lora=lora.model_dump() if lora else None)
-        if state is None:
-            return False
         self.sampler.load_state_dict(state["sampler"])
         self._reissue = self.buffer.load_state_dict(state["buffer"]) if "buffer" in state else []
         self.step, self.history = state["step"], state["history"]
-        return True
 
 
 @dataclass(frozen=True)

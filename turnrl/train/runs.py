@@ -1,18 +1,24 @@
-"""Run directories: every `turnrl train` gets its own, so a run never overwrites another.
+"""Run directories: every `turnrl train` and `turnrl sft` gets its own, so a run never overwrites another.
 
     runs/arithmetic/                    output_dir: the runs of one config
         latest-run -> 20261201-103200   the newest run started here (a symbolic link)
         20261201-103200/                a run directory (`--run-dir` names one yourself)
             config.yaml                 the config the run started with (resolved: every key)
             metrics.jsonl  groups.jsonl  curves.png  trajectories/  (tensorboard/  wandb/: trainer.loggers)
-            checkpoints/step_000030/ ... checkpoints/latest    (turnrl.train.checkpoint)
+            checkpoints/step_000030/ ... checkpoints/latest    (turnrl.train.checkpoint; the newest
+                                        trainer.keep_checkpoints of them are kept)
+            model -> checkpoints/step_000030/model      `turnrl sft`: its model (and output_dir/model -> it)
 
 `prepare_run` decides the directory before anything loads:
 - a new run: `run_dir` if given (it must be empty or absent; `overwrite` deletes the previous run's files
   from it first), else a new `<output_dir>/<YYYYmmdd-HHMMSS>`;
 - `resume=True`: the run in `run_dir`, else the newest run under output_dir (a config whose output_dir is
   itself a run directory, as before run directories existed, resumes that one);
-- `resume=PATH`: the run directory, checkpoint folder or directory of runs at PATH.
+- `resume=PATH`: the run directory, checkpoint folder or directory of runs at PATH;
+- a resume that finds no run, or a run without a checkpoint, is refused (the user asked to continue a run that
+  is not there; starting afresh in its place would mix two runs).
+Under torchrun without `run_dir`, rank 0 alone decides (a timestamped name is only unique where it is made);
+`share_run` gives the other ranks its choice once the process group is up.
 
 `find_checkpoint(PATH)` is the same rule for `turnrl eval`: a checkpoint folder, a run (its newest valid
 checkpoint) or a directory of runs (the newest run's). `find_run(FILE)` is the run a file it wrote lies in
@@ -26,12 +32,16 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from turnrl.config import ConfigError, TrainConfig
 from turnrl.train.checkpoint import checkpoint_problem, checkpoint_step, select_checkpoint
 
+if TYPE_CHECKING:
+    from turnrl.train.parallel import Parallel
+
 RUN_FILES = ("config.yaml", "metrics.jsonl", "groups.jsonl", "curves.png", "checkpoints", "trajectories", "tensorboard",
-             "wandb")
+             "wandb", "model")
 """What a run writes into its directory (what `overwrite` deletes; anything else there is left alone)."""
 
 
@@ -67,12 +77,23 @@ LATEST_RUN = "latest-run"
 
 
 def _link_latest(output_dir: Path, run: Path) -> None:
-    """`<output_dir>/latest-run` -> the run just created (replaced atomically; skipped where links cannot be made)."""
-    tmp = output_dir / f".{LATEST_RUN}-{os.getpid()}"
-    with contextlib.suppress(OSError):
+    """`<output_dir>/latest-run` -> the run just created."""
+    replace_link(output_dir / LATEST_RUN, run.name)
+
+
+def replace_link(link: Path, target: str | Path) -> bool:
+    """Point the symbolic link `link` at `target` (a path relative to the link's folder), replacing an older
+    link atomically. False, and nothing changed, where `link` is a real file or folder or links cannot be made."""
+    if link.exists() and not link.is_symlink():
+        return False
+    tmp = link.with_name(f".{link.name}-{os.getpid()}")
+    try:
         tmp.unlink(missing_ok=True)
-        tmp.symlink_to(run.name, target_is_directory=True)
-        os.replace(tmp, output_dir / LATEST_RUN)
+        tmp.symlink_to(target, target_is_directory=True)
+        os.replace(tmp, link)
+    except OSError:
+        return False
+    return True
 
 
 def discard_if_empty(run: Path) -> None:
@@ -90,27 +111,38 @@ def discard_if_empty(run: Path) -> None:
                 link.unlink()
 
 
-def prepare_run(cfg: TrainConfig, *, overwrite: bool = False) -> Path:
+def prepare_run(cfg: TrainConfig, *, overwrite: bool = False) -> Path | None:
     """Decide this run's directory (module docstring) and set `cfg.run_dir` to it; an explicit checkpoint
     to resume from stays in `cfg.resume`. Raises ConfigError, naming the directory and the way out, for a
-    non-empty run directory without resume or overwrite."""
+    non-empty run directory without resume or overwrite, and for a resume with nothing to resume. Returns None
+    on a torchrun rank other than 0 without `run_dir`: rank 0's choice comes with `share_run`."""
+    if overwrite and cfg.run_dir is None and not cfg.resume:
+        raise ConfigError("--overwrite replaces the run in --run-dir (run_dir); without it every run gets a "
+                          f"new directory under output_dir ({cfg.output_dir})")
+    if cfg.run_dir is None and _rank() != 0:
+        return None
     if isinstance(cfg.resume, str):
         run_dir = _run_of_resume_path(cfg, Path(cfg.resume))
     elif cfg.resume:
         run_dir = Path(cfg.run_dir) if cfg.run_dir else _newest_run(Path(cfg.output_dir))
+        _check_resumable(run_dir)
     else:
         run_dir = _fresh_run(cfg, overwrite)
     cfg.run_dir = str(run_dir)
     return run_dir
 
 
+def share_run(cfg: TrainConfig, parallel: Parallel) -> Path:
+    """Every rank takes rank 0's run directory and resume choice (a collective; the identity in one process):
+    under torchrun without `run_dir` only rank 0 chose (`prepare_run`)."""
+    cfg.run_dir, cfg.resume = parallel.broadcast_object((cfg.run_dir, cfg.resume))
+    if cfg.run_dir is None:
+        raise ConfigError("rank 0 chose no run directory (prepare_run was not called on it)")
+    return Path(cfg.run_dir)
+
+
 def _fresh_run(cfg: TrainConfig, overwrite: bool) -> Path:
     if cfg.run_dir is None:
-        if overwrite:
-            raise ConfigError("--overwrite replaces the run in --run-dir (run_dir); without it every run gets a "
-                              f"new directory under output_dir ({cfg.output_dir})")
-        if _world_size() > 1:  # every rank must write into the same directory
-            raise ConfigError("under torchrun every rank needs the same run directory: pass --run-dir (run_dir=)")
         return new_run_dir(Path(cfg.output_dir))
     run_dir = Path(cfg.run_dir)
     if run_dir.exists() and not run_dir.is_dir():
@@ -122,10 +154,10 @@ def _fresh_run(cfg: TrainConfig, overwrite: bool) -> Path:
                           "that run, --overwrite to replace it, or another --run-dir")
     for name in RUN_FILES:
         target = run_dir / name
-        if target.is_dir():
-            shutil.rmtree(target)
-        elif target.exists():
+        if target.is_symlink() or target.is_file():
             target.unlink()
+        elif target.is_dir():
+            shutil.rmtree(target)
     return run_dir
 
 
@@ -139,8 +171,10 @@ def _run_of_resume_path(cfg: TrainConfig, path: Path) -> Path:
         run_dir = path.parent.parent
     elif is_run_dir(path):
         run_dir, cfg.resume = path, True
+        _check_resumable(run_dir)
     elif runs_under(path):
         run_dir, cfg.resume = runs_under(path)[-1], True
+        _check_resumable(run_dir)
     else:
         raise ConfigError(f"--resume {path}: not a checkpoint folder (checkpoints/step_N), a run directory or a "
                           "directory of runs")
@@ -156,7 +190,23 @@ def _newest_run(output_dir: Path) -> Path:
         return runs[-1]
     if is_run_dir(output_dir):  # a run written before run directories: output_dir was the run directory
         return output_dir
-    return new_run_dir(output_dir)  # nothing to resume: the trainer says so and starts from scratch
+    raise ConfigError(f"--resume: there is no earlier run to resume: output_dir {output_dir} "
+                      f"{'holds no run directory' if output_dir.is_dir() else 'does not exist'}; start the run "
+                      "without --resume, or pass --resume PATH (a run directory or checkpoint)")
+
+
+def _check_resumable(run_dir: Path) -> None:
+    """A ConfigError unless the run in `run_dir` has a checkpoint to resume from (a cheap check: sizes, not
+    checksums; `select_checkpoint` verifies the one it picks)."""
+    if not run_dir.is_dir():
+        raise ConfigError(f"--resume: run directory {run_dir} does not exist, so there is nothing to resume; "
+                          "start the run without --resume")
+    root = run_dir / "checkpoints"
+    saved = sorted(root.glob("step_*")) if root.is_dir() else []
+    if not any(checkpoint_problem(p, verify=False) is None for p in saved):
+        what = f"no complete checkpoint ({', '.join(p.name for p in saved)} broken)" if saved else "no checkpoint"
+        raise ConfigError(f"--resume: run {run_dir} has {what}, so there is nothing to resume; start a new run "
+                          f"without --resume, or replace this one with --run-dir {run_dir} --overwrite")
 
 
 def find_checkpoint(path: Path) -> tuple[Path, list[str]]:
@@ -212,7 +262,8 @@ def version_checkpoint(run_dir: Path, version: int) -> Path:
     if problem is not None:
         saved = sorted(p.name for p in (Path(run_dir) / "checkpoints").glob("step_*"))
         raise FileNotFoundError(f"{run_dir}: no checkpoint of policy version {version} ({path.name} {problem}); "
-                                f"saved: {', '.join(saved) or 'none'} (save_every=1 keeps every version)")
+                                f"saved: {', '.join(saved) or 'none'} (save_every=1 with trainer.keep_checkpoints: "
+                                "null keeps every version)")
     return path
 
 
@@ -226,6 +277,3 @@ def _describe(run_dir: Path) -> str:
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
-
-def _world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))

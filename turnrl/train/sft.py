@@ -17,8 +17,9 @@ Two kinds of rows, one file may mix them:
 The update is RL's: `SFTTrainer` runs the same `Learner` (turnrl.train.learner) with `masked_nll` as its loss in
 place of the policy loss: packed rows, loss only where the mask is 1, the same process group and FSDP2 path at
 any world size, the same checkpoints, and evaluation through the rollout on held-out RL rows
-(turnrl.train.evaluation). A checkpoint's `model/`
-directory, linked as `output_dir/model`, is what `turnrl train` takes as its `model`.
+(turnrl.train.evaluation). Each run writes its own directory, as `turnrl train` does (turnrl.train.runs); its last
+checkpoint's `model/` directory, linked as RUN/model and as `output_dir/model`, is what `turnrl train` takes as
+its `model`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from rich.console import Console
 
 from turnrl.config import SFTConfig
@@ -45,6 +47,7 @@ from turnrl.rollout.episode import RolloutContext, RolloutLimits, drive
 from turnrl.train.checkpoint import resume_checkpoint, save_checkpoint
 from turnrl.train.evaluation import Evaluator, format_step_line, write_metrics
 from turnrl.train.learner import Learner, MicroBatch
+from turnrl.train.runs import replace_link
 from turnrl.train.samples import PromptSampler, TrainSample, to_sample
 from turnrl.types import (
     FinishReason,
@@ -349,8 +352,12 @@ class SFTTrainer:
 
     async def train(self) -> list[dict[str, Any]]:
         self.tracer.log_params(self.cfg.model_dump())
-        if self.cfg.resume and self.load_checkpoint() and self.eval_rows:
-            await self.sync_weights()
+        if self.parallel.is_main:  # the resolved config, every key: what this run is (and marks its directory)
+            (self.out / "config.yaml").write_text(yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
+        if self.cfg.resume:
+            self.load_checkpoint()
+            if self.eval_rows:
+                await self.sync_weights()
         if self.step == 0:
             await self._evaluate("before")
         while self.step < self.steps:
@@ -402,32 +409,33 @@ class SFTTrainer:
 
     def save_checkpoint(self) -> Path:
         """The learner's checkpoint with this loop's state, the Hugging Face weights unless trainer.save_hf is
-        false (turnrl.train.checkpoint), and `output_dir/model` linked to its model directory."""
+        false (turnrl.train.checkpoint; the run keeps the newest trainer.keep_checkpoints), and the links to
+        its model directory: RUN/model, and output_dir/model when the run lies in output_dir (so a config's
+        `model: runs/NAME/sft/model` is the newest run's model)."""
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "history": self.history,
                  "config": self.cfg.model_dump()} if self.parallel.is_main else {}
         save_hf = self.cfg.trainer.save_hf
         path = save_checkpoint(self.learner, self.out / "checkpoints" / f"step_{self.step:06d}", state,
-                               renderer=self.renderer, hf_weights=save_hf is True or save_hf == "final")
+                               renderer=self.renderer, hf_weights=save_hf is True or save_hf == "final",
+                               keep=self.cfg.trainer.keep_checkpoints)
         if self.parallel.is_main:
-            link = self.out / "model"
-            if link.is_symlink():
-                link.unlink()
-            if link.exists():
-                log.warning("%s exists and is not a link; the model is in %s", link, path / "model")
-            else:
-                link.symlink_to(Path("checkpoints") / path.name / "model", target_is_directory=True)
+            links = [(self.out / "model", Path("checkpoints") / path.name / "model")]
+            output_dir = Path(self.cfg.output_dir)
+            if self.out.parent.resolve() == output_dir.resolve() and self.out.resolve() != output_dir.resolve():
+                links.append((output_dir / "model", Path(self.out.name) / "model"))
+            for link, target in links:
+                if not replace_link(link, target):
+                    log.warning("%s exists and is not a link; the model is in %s", link, path / "model")
         return path
 
-    def load_checkpoint(self) -> bool:
-        """Restore the learner, data position, RNG and history from the checkpoint to resume (cfg.resume)."""
+    def load_checkpoint(self) -> None:
+        """Restore the learner, data position, RNG and history from the checkpoint to resume (cfg.resume; a
+        ValueError when there is none)."""
         lora = self.cfg.trainer.lora
         state = resume_checkpoint(self.learner, self.out, self.cfg.resume, console=self.console,
                                   lora=lora.model_dump() if lora else None)
-        if state is None:
-            return False
         self.sampler.load_state_dict(state["sampler"])
         self.step, self.history = state["step"], state["history"]
-        return True
 
 
 def sft_steps(cfg: SFTConfig, n_samples: int) -> int:
