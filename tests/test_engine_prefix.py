@@ -195,6 +195,41 @@ async def test_a_compacted_branch_reuses_the_system_prompt_of_the_history_it_rep
     assert_logprobs_match(out, full_logprobs(model, compacted, out.token_ids))
 
 
+async def test_a_group_through_the_turn_loop_counts_its_shared_prompt_in_the_rollout_metric(model, qwen3_tokenizer):
+    """run_groups with n=4 on the real engine: the group's prompt is prefilled once (rollout/cached_prompt_tokens),
+    and the trajectories are those of the no-sharing engine."""
+    from test_rollout import FeedbackEnv, _manager
+
+    from turnrl.observe.stats import RolloutStats
+    from turnrl.rollout import run_groups
+
+    row = {"id": "r", "prompt": "You are a careful solver. " * 20 + "What is 2+2?"}
+    # a random model rarely ends its turn: every token id stops one, so each turn is one sampled token. Greedy:
+    # a seeded draw from this model's near-flat 152k-token distribution flips on float rounding (turn 3 of 12
+    # draws did once), with or without sharing, as it does between two batch compositions without it
+    sampling = SamplingParams(temperature=0.0, stop_token_ids=tuple(range(151936)))
+    groups = {}
+    for share in (True, False):
+        engine = EmbeddedEngine(model, max_batch_size=4, share_prefixes=share)
+        try:
+            manager = _manager(engine, qwen3_tokenizer, lambda s, c: FeedbackEnv(answer="never-said"), concurrency=4)
+            [groups[share]] = await run_groups(manager, [row], n=4, sampling=sampling)
+        finally:
+            engine.close()
+    shared, alone = groups[True], groups[False]
+    assert [t.response_ids for t in shared] == [t.response_ids for t in alone]
+    prompt_len = len(shared[0].prompt_ids)
+    first = sorted(t.turns[0].generate.cached_prompt_tokens for t in shared)
+    assert first == [0] + [prompt_len - 1] * 3 and all(t.turns[0].generate.cached_prompt_tokens == 0 for t in alone)
+    summary = {share: RolloutStats() for share in groups}
+    for share, group in groups.items():
+        for t in group:
+            summary[share].add(t)
+    gained = (summary[True].summary()["rollout/cached_prompt_tokens"]
+              - summary[False].summary()["rollout/cached_prompt_tokens"])
+    assert gained >= 3 * (prompt_len - 1)  # later turns reuse their own trajectory's KV either way
+
+
 # ---- what is never copied ------------------------------------------------------------------------
 async def test_kv_from_replaced_weights_is_never_copied(engines, model):
     import copy
