@@ -51,6 +51,7 @@ def repeat_to(ids: list[int], n: int) -> list[int]:
 @dataclass
 class Result:
     wall_s: float
+    prefill_s: float
     prefill_tokens: int
     cached_prompt_tokens: int
     generated_tokens: int
@@ -77,7 +78,7 @@ def run_once(model: torch.nn.Module, share: bool, prompt: list[int], tool: list[
         asyncio.run(rollout(engine, prompt, tool, n, turns, turn_tokens))
         wall = time.perf_counter() - t0
         s = engine.stats
-        return Result(wall, int(s["prefill_tokens"]), int(s["cached_prompt_tokens"]), int(s["generated_tokens"]))
+        return Result(wall, float(s["prefill_s"]), int(s["prefill_tokens"]), int(s["cached_prompt_tokens"]), int(s["generated_tokens"]))
     finally:
         engine.close()
 
@@ -108,18 +109,20 @@ def main() -> None:
         for share in ((True, False) if r % 2 == 0 else (False, True)):
             res = run_once(model, share, prompt, tool, args.n, turns, turn_tokens, max_context)
             results[share].append(res)
-            print(f"repeat {r} {'share' if share else 'per-sample'}: {res.wall_s:.1f} s", flush=True)
+            print(f"repeat {r} {'share' if share else 'per-sample'}: {res.wall_s:.1f} s ({res.prefill_s:.1f} s "
+                  f"prefilling {res.prefill_tokens} tokens)", flush=True)
 
     table = Table(title=f"case {args.case}: {args.model}, n={args.n}, {len(prompt)}-token prompt, {turns} turn(s) "
                         f"of {turn_tokens} tokens, {len(tool)}-token tool outputs ({args.repeats} alternated runs)")
-    for col in ("mode", "wall s (median)", "prefill tokens", "cached prompt tokens", "generated tokens", "speed-up"):
+    for col in ("mode", "wall s (median)", "of which prefill s", "prefill tokens", "cached prompt tokens", "generated tokens", "speed-up"):
         table.add_column(col, justify="right")
     base = statistics.median(r.wall_s for r in results[False])
     for share in (False, True):
         runs = results[share]
         wall = statistics.median(r.wall_s for r in runs)
+        prefill = statistics.median(r.prefill_s for r in runs)
         last = runs[-1]
-        table.add_row("share" if share else "per-sample", f"{wall:.1f}", str(last.prefill_tokens),
+        table.add_row("share" if share else "per-sample", f"{wall:.1f}", f"{prefill:.1f}", str(last.prefill_tokens),
                       str(last.cached_prompt_tokens), str(last.generated_tokens), f"{base / wall:.2f}x")
     Console().print(table)
 

@@ -346,8 +346,9 @@ class EmbeddedEngine:
         self._updating = False  # between the first and the final bucket of a streamed weight update
         self._deferred: list[tuple] = []  # commands held until the running requests finish (pause=wait)
         self.stats = {"decode_steps": 0, "prefill_forwards": 0, "prefill_tokens": 0, "cached_prompt_tokens": 0,
-                      "shared_prompt_tokens": 0, "generated_tokens": 0, "requests": 0, "busy_s": 0.0}
-        """shared_prompt_tokens: the part of cached_prompt_tokens copied from another request's KV."""
+                      "shared_prompt_tokens": 0, "generated_tokens": 0, "requests": 0, "busy_s": 0.0, "prefill_s": 0.0}
+        """shared_prompt_tokens: the part of cached_prompt_tokens copied from another request's KV; prefill_s: the
+        part of busy_s spent in prefill forwards."""
         self._thread = threading.Thread(target=self._run, name="turnrl-engine", daemon=True)
         self._thread.start()
 
@@ -653,6 +654,7 @@ class EmbeddedEngine:
 
     def _prefill(self, group: list[tuple[_Request, int]]) -> None:
         """One forward over the new tokens of a group of requests in consecutive slots."""
+        t0 = time.perf_counter()
         first_slot = self._active.index(group[0][0])
         starts = [start for _, start in group]
         new_ids = [req.prompt_ids[start:] for req, start in group]
@@ -671,6 +673,7 @@ class EmbeddedEngine:
         else:
             logits = self._forward(input_ids, positions, mask)
         self.stats["prefill_forwards"] += 1
+        self.stats["prefill_s"] += time.perf_counter() - t0
         reqs = [req for req, _ in group]
         if self._routing is not None:  # rows [m * Q]: each request's new tokens are the last of its (left-padded) row
             routed = self._routing.take().view(len(reqs), q_max, *self._routing_shape())
