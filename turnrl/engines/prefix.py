@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -103,11 +104,12 @@ class ParkedKV:
 
 @dataclass
 class Source:
-    """Where a request's reused prefix comes from: `kind` parked (key: the request id of the entry), running or
-    round (key: the request whose slot holds it); `level`: the prefill phase of the step the request joins (0;
-    one more than its source's with a round source, which must be prefilled first)."""
+    """Where a request's reused prefix comes from and how many tokens it copies: `kind` parked (key: the Parked
+    entry), running (key: the running request whose slot holds it) or round (key: a request admitted before it in
+    the same step, prefilled first); `level`: the prefill phase of the step the request joins (0, or one more than
+    its round source's)."""
 
-    kind: str
+    kind: Literal["parked", "running", "round"]
     key: object
     tokens: int
     level: int = 0
@@ -118,7 +120,7 @@ class Candidate:
     """KV that could serve a prompt's prefix: its tokens, how many of them have KV, and the level a request
     served by it would join."""
 
-    kind: str
+    kind: Literal["parked", "running", "round"]
     key: object
     tokens: Sequence[int]
     available: int
