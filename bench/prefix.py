@@ -135,7 +135,7 @@ def main() -> None:
         table.add_row("share" if share else "per-sample", f"{wall:.1f}", f"{prefill:.1f}", f"{cpu:.1f}",
                       str(last.prefill_tokens), str(last.cached_prompt_tokens), str(last.generated_tokens),
                       f"{base / wall:.2f}x", f"{base_cpu / cpu:.2f}x")
-    Console().print(table)
+    Console(width=200).print(table)
 
 
 if __name__ == "__main__":
