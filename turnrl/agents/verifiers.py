@@ -154,7 +154,7 @@ def _finish(traj: Trajectory, data: dict[str, Any]) -> None:
 async def verifiers_agent(ctx: Any, sample: dict[str, Any]) -> list[Trajectory]:
     """Run the row's task on the env server named by `env_config.env_server` (module docstring)."""
     from turnrl.agents.openai_agent import gateway
-    from turnrl.agents.verifiers_wire import EnvServer
+    from turnrl.agents.verifiers_wire import EnvServer, EpisodeTimeout
 
     config = {**ctx.env_config, **(sample.get("env_config") or {})}
     address = config.get("env_server")
@@ -166,9 +166,13 @@ async def verifiers_agent(ctx: Any, sample: dict[str, Any]) -> list[Trajectory]:
                                     max_new_tokens=ctx.limits.max_new_tokens, max_calls=ctx.limits.max_turns)
     try:
         request = run_request(ctx, sample, config, gw.session_url(session.id), gw.token)
-        episode = await EnvServer.on_loop(address).run(
-            request, timeout_s=float(config.get("timeout_s") or DEFAULT_TIMEOUT_S),
-            health_timeout_s=float(config.get("health_timeout_s") or 30.0))
+        health_timeout_s = float(config.get("health_timeout_s") or 30.0)
+        try:
+            episode = await EnvServer.on_loop(address).run(
+                request, timeout_s=float(config.get("timeout_s") or DEFAULT_TIMEOUT_S),
+                health_interval_s=min(5.0, health_timeout_s / 2), health_timeout_s=health_timeout_s)
+        except EpisodeTimeout as e:
+            return [ctx.failed(TerminationReason.TIMEOUT, str(e))]
         return episode_trajectories(ctx, sample, episode, session.calls)
     finally:
         gw.proxy.close_session(session.id)

@@ -35,6 +35,10 @@ class VerifiersServerError(RuntimeError):
     """The env server failed a request, stopped answering, or sent what the protocol does not allow."""
 
 
+class EpisodeTimeout(VerifiersServerError):
+    """The server answers, but the episode ran past its bound (`timeout_s`)."""
+
+
 def _zmq() -> Any:
     try:
         import msgpack  # noqa: F401
@@ -128,15 +132,18 @@ class EnvServer:
                     if assembly is not None:
                         assembly.apply(unpack(data))
                     continue
+                reply = unpack(data)
                 future = self._pending.pop(request_id, None)
                 if future is not None and not future.done():
-                    future.set_result(unpack(data))
+                    future.set_result(reply)
             except Exception as e:  # one bad frame fails its own request at most, never the receiver
-                log.warning("verifiers env server %s: a malformed frame (%d parts): %s", self.address, len(frames), e)
+                why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                log.warning("verifiers env server %s: a malformed frame (%d parts): %s", self.address, len(frames), why)
                 if len(frames) == 3:
                     future = self._pending.pop(frames[0].decode(errors="replace"), None)
                     if future is not None and not future.done():
-                        future.set_exception(VerifiersServerError(f"a malformed reply: {e}"))
+                        future.set_exception(VerifiersServerError(
+                            f"the verifiers env server at {self.address} sent a malformed reply: {why}"))
 
     async def _send(self, method: str, payload: dict[str, Any], request_id: str | None = None
                     ) -> tuple[str, asyncio.Future[Any]]:
@@ -160,7 +167,7 @@ class EnvServer:
     async def run(self, request: dict[str, Any], *, timeout_s: float, health_interval_s: float = 5.0,
                   health_timeout_s: float = 30.0) -> dict[str, Any]:
         """Run one episode (`request`: verifiers' RunRequest fields `task_data`, `client`, `model`, `sampling`)
-        and return its record; VerifiersServerError when the server fails the run or stops answering, TimeoutError
+        and return its record; VerifiersServerError when the server fails the run or stops answering, EpisodeTimeout
         after `timeout_s`."""
         request_id = uuid.uuid4().hex
         assembly = self._deltas[request_id] = EpisodeAssembly()
@@ -171,13 +178,13 @@ class EnvServer:
             while not future.done():
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"the verifiers env server at {self.address} did not finish the episode in "
-                                       f"{timeout_s:g} s")
+                    raise EpisodeTimeout(f"the verifiers env server at {self.address} did not finish the episode "
+                                         f"in {timeout_s:g} s (env_config.timeout_s)")
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(asyncio.shield(future), min(health_interval_s, left))
                 if future.done():
                     break
-                if await self.health(min(health_interval_s, 2.0)):
+                if await self.health(min(health_interval_s, 2.0, max(deadline - time.monotonic(), 0.1))):
                     last_answer = time.monotonic()
                 elif time.monotonic() - last_answer > health_timeout_s:
                     raise VerifiersServerError(f"the verifiers env server at {self.address} does not answer (no "
