@@ -102,6 +102,79 @@ def test_a_failed_rollout_and_bad_nodes():
         trajectories_from_trace(broken, group_id="g")
 
 
+# ---- verifiers' own client code against turnrl's side of the protocol (its venv: make verifiers-test) --------
+@pytest.mark.skipif(not HAS_VERIFIERS, reason="verifiers is not installed here (its own venv: pins mcp==2.0.0)")
+async def test_the_renderers_train_client_generates_through_turnrl(qwen3_tokenizer):
+    """What a verifiers env server's train client does each turn (`renderers.client.generate`: render with its own
+    Qwen3 renderer, POST the ids, parse the answer), against turnrl's /inference/v1/generate."""
+    from fakes import ScriptedEngine
+    from openai import AsyncOpenAI
+    from renderers import Qwen3RendererConfig, create_renderer
+    from renderers.base import load_tokenizer
+    from renderers.client import generate
+
+    from turnrl.render import ChatRenderer
+    from turnrl.serve.app import ServerThread, create_app
+    from turnrl.serve.sessions import ChatProxy
+
+    engine = ScriptedEngine(qwen3_tokenizer, lambda rid, turn, text: "<reversed_text>olleh</reversed_text>")
+    proxy = ChatProxy(engine, ChatRenderer(qwen3_tokenizer))
+    server = ServerThread(create_app(engine, proxy, model_name="pol"))
+    url = server.start()
+    try:
+        renderer = create_renderer(load_tokenizer(qwen3_tokenizer.name_or_path), Qwen3RendererConfig())
+        client = AsyncOpenAI(base_url=f"{url}/sessions/trace-7/v1", api_key="none")
+        messages = [{"role": "system", "content": "Reverse it."}, {"role": "user", "content": "hello"}]
+        result = await generate(client=client, renderer=renderer, messages=messages, model="pol",
+                                sampling_params={"temperature": 0.8, "top_p": 0.95, "max_tokens": 40})
+        await client.close()
+    finally:
+        server.stop()
+    im_end = qwen3_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    reply = qwen3_tokenizer.encode("<reversed_text>olleh</reversed_text>", add_special_tokens=False) + [im_end]
+    assert result["completion_ids"] == reply and result["finish_reason"] == "stop"
+    assert result["completion_logprobs"] == [-(k + 1) / 100 for k in range(len(reply))]
+    assert result["content"] == "<reversed_text>olleh</reversed_text>"
+    [call] = proxy.session("trace-7").calls  # recorded in the session the base_url names, exactly as sent
+    assert call.prompt_ids == result["prompt_ids"] and call.completion_ids == reply
+    params = engine.calls[0].params
+    assert (params.temperature, params.top_p, params.max_new_tokens) == (0.8, 0.95, 40)
+    assert im_end in params.stop_token_ids
+
+
+@pytest.mark.skipif(not HAS_VERIFIERS, reason="verifiers is not installed here (its own venv: pins mcp==2.0.0)")
+async def test_turnrls_episode_assembly_matches_verifiers(qwen3_tokenizer):
+    """A trace growing turn by turn, streamed by verifiers' own DeltaStreamer: turnrl's assembly of the deltas
+    (turnrl.agents.verifiers_wire, no verifiers needed) is verifiers' EpisodeAssembly's."""
+    from verifiers.v1.serve.delta import DeltaStreamer, TraceSummary, pack
+    from verifiers.v1.serve.delta import EpisodeAssembly as Theirs
+
+    from turnrl.agents.verifiers_wire import EpisodeAssembly, unpack
+
+    full = build_trace(qwen3_tokenizer)
+    nodes, rewards = list(full.nodes), dict(full.rewards)
+    trace = full.model_copy(update={"nodes": [], "rewards": {}})
+    frames: list[bytes] = []
+
+    async def send(delta):
+        frames.append(pack(delta))
+
+    streamer = DeltaStreamer(lambda: [trace], send)
+    for node in nodes:  # one turn at a time, as the rollout appends them
+        trace.nodes.append(node)
+        await streamer.flush()
+    trace.rewards = rewards
+    await streamer.flush()
+    ours, theirs = EpisodeAssembly(), Theirs()
+    for frame in frames:
+        ours.apply(unpack(frame))
+        theirs.apply(unpack(frame))
+    summary = [TraceSummary(id=trace.id, nodes=len(nodes), calls=0)]
+    head = {"id": "ep", "errors": []}
+    assert ours.finish(head, [s.model_dump() for s in summary]) == theirs.finish(head, summary)
+    assert len(frames) == len(nodes) + 1
+
+
 if __name__ == "__main__":  # writes the JSON dump (in a venv with verifiers)
     from turnrl.models import load_tokenizer
 
