@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from turnrl.agents.verifiers import trajectories_from_trace
+from turnrl.agents.verifiers import episode_trajectories, trajectories_from_trace
+from turnrl.types import Trajectory
 
 DUMP = Path(__file__).resolve().parent / "data" / "verifiers_trace.json"
 HAS_VERIFIERS = importlib.util.find_spec("verifiers") is not None
@@ -100,6 +101,60 @@ def test_a_failed_rollout_and_bad_nodes():
     broken["nodes"][2]["logprobs"] = broken["nodes"][2]["logprobs"][:-1]
     with pytest.raises(ValueError, match=r"sampled tokens but \d+ logprobs"):
         trajectories_from_trace(broken, group_id="g")
+
+
+def _ctx():
+    from types import SimpleNamespace
+
+    def failed(reason, error):
+        traj = Trajectory(id="q-0", group_id="q", sample_index=0, prompt_ids=[])
+        traj.finish(reason, error)
+        return traj
+
+    return SimpleNamespace(trajectory_id="q-0", group_id="q", sample_index=0, agent_name="verifiers", failed=failed)
+
+
+def _recorded(dumped, version=3):
+    """What turnrl's session recorded for the dump's sampled nodes (their masked tokens), with the engine's own
+    logprobs (shifted here, so the test sees which ones the trajectory took)."""
+    from types import SimpleNamespace
+
+    calls = []
+    for node in dumped["nodes"]:
+        ids = [t for t, m in zip(node["token_ids"], node["mask"], strict=True) if m]
+        if ids:
+            calls.append(SimpleNamespace(completion_ids=ids, logprobs=[lp - 0.5 for lp in node["logprobs"]],
+                                         policy_version=version))
+    return calls
+
+
+def test_an_episode_becomes_trajectories_checked_against_the_recorded_calls():
+    dumped = json.loads(DUMP.read_text())
+    episode = {"id": "ep-1", "traces": [dumped]}
+    trajs = episode_trajectories(_ctx(), {"idx": 0}, episode, _recorded(dumped))
+    assert [t.id for t in trajs] == ["q-0", "q-0.1"] and {t.episode_id for t in trajs} == {"q-0"}
+    for traj in trajs:
+        traj.validate()
+        assert traj.status.value == "completed" and traj.agent == "verifiers"
+        assert traj.rollout_infos["verifiers_episode_id"] == "ep-1"
+        model = [s for s in traj.segments if s.source.value == "model"]
+        assert {s.policy_version for s in model} == {3}  # the engine's version, from the recorded call
+        recorded = {tuple(c.completion_ids): c.logprobs for c in _recorded(dumped)}
+        assert [s.logprobs for s in model] == [recorded[tuple(s.token_ids)] for s in model]  # the engine's
+    # a trace claiming tokens the engine never returned to the session fails that trajectory
+    forged = _recorded(dumped)[:-1]
+    bad = episode_trajectories(_ctx(), {}, episode, forged)
+    assert bad[0].status.value == "completed"
+    assert bad[1].status.value == "failed" and "not what turnrl's engine returned" in bad[1].error
+    # a harness that failed because the session refused a call past max_turns ends as max_turns
+    failed = {**dumped, "ok": False, "errors": [{"type": "ProviderError", "message": "turn_limit"}]}
+    capped = episode_trajectories(_ctx(), {}, {"id": "e", "traces": [failed]}, _recorded(dumped), max_turns_hit=True)
+    assert {t.termination_reason.value for t in capped} == {"max_turns"} and capped[0].error is None
+    assert "rollout.max_turns" in capped[0].warnings[0]
+    # an episode without a trace (its setup failed) is one failed trajectory with its error
+    [none] = episode_trajectories(_ctx(), {}, {"id": "e", "traces": [], "errors": [
+        {"type": "SandboxError", "message": "uv sync failed"}]}, [])
+    assert none.status.value == "failed" and none.error == "verifiers: SandboxError: uv sync failed"
 
 
 # ---- verifiers' own client code against turnrl's side of the protocol (its venv: make verifiers-test) --------

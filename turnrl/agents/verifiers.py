@@ -173,7 +173,7 @@ async def verifiers_agent(ctx: Any, sample: dict[str, Any]) -> list[Trajectory]:
                 health_interval_s=min(5.0, health_timeout_s / 2), health_timeout_s=health_timeout_s)
         except EpisodeTimeout as e:
             return [ctx.failed(TerminationReason.TIMEOUT, str(e))]
-        return episode_trajectories(ctx, sample, episode, session.calls)
+        return episode_trajectories(ctx, sample, episode, session.calls, max_turns_hit=session.limit_reached)
     finally:
         gw.proxy.close_session(session.id)
         try:
@@ -203,11 +203,12 @@ def run_request(ctx: Any, sample: dict[str, Any], config: dict[str, Any], base_u
             "sampling": sampling}
 
 
-def episode_trajectories(ctx: Any, sample: dict[str, Any], episode: dict[str, Any], calls: list[Any]
-                         ) -> list[Trajectory]:
+def episode_trajectories(ctx: Any, sample: dict[str, Any], episode: dict[str, Any], calls: list[Any],
+                         max_turns_hit: bool = False) -> list[Trajectory]:
     """The episode's traces as trajectories (ids `<trajectory id>`, `<trajectory id>.<k>`, one `episode_id`), their
     model segments checked against the session's recorded `calls`; an episode with no trace is one failed
-    trajectory with the episode's first error."""
+    trajectory with the episode's first error. `max_turns_hit`: the session refused a call past
+    `rollout.max_turns`, so a trace that failed on it ends as max_turns (its error kept as a warning)."""
     trajectories = [t for trace in episode.get("traces") or []
                     for t in trajectories_from_trace(trace, ctx.group_id, ctx.sample_index, sample)]
     if not trajectories:
@@ -220,6 +221,10 @@ def episode_trajectories(ctx: Any, sample: dict[str, Any], episode: dict[str, An
         traj.episode_id = ctx.trajectory_id if len(trajectories) > 1 else None
         traj.agent = ctx.agent_name
         traj.rollout_infos["verifiers_episode_id"] = episode.get("id")
+        if max_turns_hit and traj.termination_reason == TerminationReason.ENV_ERROR:
+            refused, traj.error = traj.error, None
+            traj.finish(TerminationReason.MAX_TURNS)
+            traj.warnings.append(f"{refused} (a call past rollout.max_turns was refused)")
         _check_against(traj, recorded)
     return trajectories
 

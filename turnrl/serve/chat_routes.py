@@ -301,7 +301,8 @@ async def _generate_tokens(proxy: ChatProxy, request: Any, session_id: str | Non
     except InvalidRequest as e:  # a token id outside the vocabulary, a prompt longer than the context
         param = "token_ids" if e.param == "prompt_ids" else e.param
         raise ChatRequestError(str(e), param=param) from None
-    request_id = body.get("request_id") if isinstance(body.get("request_id"), str) else f"gen-{session.id}-{call.index}"
+    given = body.get("request_id")
+    request_id = given if isinstance(given, str) and given else f"gen-{session.id}-{call.index}"
     return _json(inference.answer(call, request_id, session.id), {SESSION_HEADER: session_header(session.id)})
 
 

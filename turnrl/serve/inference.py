@@ -109,7 +109,7 @@ def _stop_token_ids(value: Any) -> tuple[int, ...]:
 
 def answer(call: RecordedCall, request_id: str, session_id: str) -> dict[str, Any]:
     """The call in vLLM's GenerateResponse shape (module docstring), with turnrl's policy version and session."""
-    content = [{"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
+    content: list[dict[str, Any]] = [{"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
                for t, lp in zip(call.completion_ids, call.logprobs, strict=True)]
     n_prompt, n_out = len(call.prompt_ids), len(call.completion_ids)
     return {
