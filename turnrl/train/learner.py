@@ -222,15 +222,17 @@ class Learner:
         return [dataclasses.replace(r, sequence_index=[indices[j] for j in r.sequence_index]) for r in rows]
 
     def _logprobs(self, model: nn.Module, row: PackedRow,
-                  samples: list[TrainSample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  samples: list[TrainSample] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Logprobs under `model` of the tokens `row` trains, at `temperature`, as the loss uses them
         (`sampling_mask`), renormalised over each token's kept set, and under the full softmax: [N] each, the first
         one of the other two. Under `router_replay` the forward takes the experts its samples record (held through
         the row's backward when it has gradients). With `pack`, the one place that knows how samples are packed
-        (flat: turnrl.train.packing); `row.sequence_index` indexes `samples`."""
+        (flat: turnrl.train.packing); `row.sequence_index` indexes `samples` (None: samples without kept sets or
+        routing)."""
         o = self.options
-        kept_N = row_kept_counts(row, [s.kept_counts for s in samples], self.vocab_size)
-        routing = row_routing(row, [s.routed_experts for s in samples]) if o.router_replay else None
+        kept = [None] * (max(row.sequence_index) + 1) if samples is None else [s.kept_counts for s in samples]
+        kept_N = row_kept_counts(row, kept, self.vocab_size)
+        routing = row_routing(row, [s.routed_experts for s in samples]) if o.router_replay and samples else None
         with contextlib.ExitStack() as forward_only:
             if routing is not None:
                 held = self._through_backward if torch.is_grad_enabled() else forward_only
@@ -259,9 +261,10 @@ class Learner:
         return loss, metrics
 
     @torch.no_grad()
-    def reference_logprobs(self, row: PackedRow, samples: list[TrainSample]) -> torch.Tensor:
-        """Logprobs under the KL reference, scored as the policy's are (`_logprobs`): the frozen copy, or with LoRA
-        the policy with its adapters off. [N]"""
+    def reference_logprobs(self, row: PackedRow, samples: list[TrainSample] | None = None) -> torch.Tensor:
+        """Logprobs under the KL reference, scored as the policy's are (`_logprobs`; `row.sequence_index` indexes
+        `samples`, None: without kept sets or routing): the frozen copy, or with LoRA the policy with its adapters
+        off. [N]"""
         if self.reference is not None:
             return self._logprobs(self.reference, row, samples)[0]
         with self.policy.disable_adapter():
