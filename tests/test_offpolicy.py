@@ -500,3 +500,31 @@ def test_the_learner_replays_the_engines_routing_for_every_token_and_layer(tiny_
                        for r in moe_routers(learner.policy))
     assert results[True][0] == 0 < results[False][0]  # every token and layer as the engine; not so on its own
     assert results[True][1] < 0.1 * results[False][1], results
+
+
+def test_trajectories_without_the_recorded_corrections_are_warned_about_once(caplog):
+    from types import SimpleNamespace
+
+    from turnrl.train.loop import Trainer
+    from turnrl.train.samples import TrainSample
+
+    def trainer(**overrides):
+        cfg = TrainConfig.model_validate({"model": "tiny-qwen3-moe", "train_data": "x", **overrides})
+        return SimpleNamespace(cfg=cfg, step=2, _unrecorded_said=set())
+
+    recorded = TrainSample([1], [2, 3], [1, 1], [-0.1, -0.2], 1.0, kept_counts=[4, 5],
+                           routed_experts=torch.zeros(2, 2, 2, dtype=torch.int16))
+    bare = TrainSample([1], [2, 3], [1, 1], [-0.1, -0.2], 1.0)
+    truncated = trainer(rollout={"sampling": {"top_p": 0.9}, "router_replay": "record"}, algo={"router_replay": True})
+    with caplog.at_level("WARNING", logger="turnrl.train.loop"):
+        Trainer._warn_unrecorded(truncated, [recorded, recorded])
+        assert not caplog.records
+        for _ in range(2):
+            Trainer._warn_unrecorded(truncated, [recorded, bare, bare])
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and "2 of 3 trajectories carry no kept sets" in said[0] and "no routing" in said[1]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="turnrl.train.loop"):  # nothing was cut, or the full softmax is asked for
+        Trainer._warn_unrecorded(trainer(), [bare])
+        Trainer._warn_unrecorded(trainer(rollout={"sampling": {"top_k": 20}}, algo={"sampling_mask": "ignore"}), [bare])
+    assert not caplog.records
