@@ -287,7 +287,7 @@ def test_an_env_server_killed_mid_episode_fails_that_trajectory(qwen3_tokenizer,
 
         engine = ScriptedEngine(qwen3_tokenizer, slow)
         manager = _manager(engine, qwen3_tokenizer, {"env_server": address, "renderer": "qwen3",
-                                                     "health_timeout_s": 3})
+                                                     "health_timeout_s": 10})
         t0 = time.monotonic()
         [[traj]] = asyncio.run(run_groups(manager, [ROWS[0]]))
     assert len(engine.calls) == 1, log_path.read_text()[-3000:]
