@@ -203,14 +203,18 @@ def test_turnrl_rollout_runs_verifiers_reverse_text_env(reverse_text_server, qwe
     address, _, log_path = reverse_text_server
     engines = script_the_cli(monkeypatch, qwen3_tokenizer, _reverser)
     data, out = tmp_path / "rows.jsonl", tmp_path / "out.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    bad = {"id": "bad", "idx": 2, "prompt": "no answer"}  # ReverseTextData requires `answer`
+    data.write_text("".join(json.dumps(r) + "\n" for r in [*ROWS, bad]))
     result = CliRunner().invoke(cli_app, [
         "rollout", "--model", "tiny-qwen3", "--agent", "verifiers", "--data", str(data), "--n", "2",
         "--out", str(out), "--max-new-tokens", "48",
         "--env-config", json.dumps({"env_server": address, "renderer": "qwen3"})])
     assert result.exit_code == 0, result.output + log_path.read_text()[-3000:]
     trajs = {t["id"]: t for t in map(json.loads, out.read_text().splitlines())}
-    assert sorted(trajs) == ["hello-0", "hello-1", "turnrl-0", "turnrl-1"]
+    assert sorted(trajs) == ["bad-0", "bad-1", "hello-0", "hello-1", "turnrl-0", "turnrl-1"]
+    for tid in ("bad-0", "bad-1"):  # the env server validates the task with the taskset's own type
+        failed = trajs.pop(tid)
+        assert failed["status"] == "failed" and "failed the run" in failed["error"] and "answer" in failed["error"]
     [engine] = engines
     im_end = qwen3_tokenizer.convert_tokens_to_ids("<|im_end|>")
     for tid, t in trajs.items():
