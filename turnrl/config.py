@@ -40,7 +40,11 @@ class EngineConfig(Strict):
     max_batch_size: int = Field(16, ge=1)
     """Rows decoded together by the embedded engine."""
     prefix_cache_tokens: int = Field(32_768, ge=0)
-    """KV tokens the embedded engine keeps per finished turn for the trajectory's next turn (0 = off)."""
+    """KV tokens the embedded engine keeps of finished requests (least recently used out first), for a trajectory's
+    next turn and any request whose prompt shares a prefix with them (0 = off; docs/engines.md)."""
+    share_prefixes: bool = True
+    """Embedded engine: a request copies the KV of the longest prefix it shares with any parked, running or
+    same-step request (a group's prompt is prefilled once); false: only its own trajectory's (docs/engines.md)."""
     replicas: int = Field(1, ge=1)
     """Engine replicas behind the router (each a separate engine)."""
     urls: list[str] = []
