@@ -28,6 +28,7 @@ from turnrl.serve.sessions import (
     RecordedCall,
     Session,
     SessionNotFound,
+    subagent_of,
 )
 
 log = logging.getLogger(__name__)
@@ -182,6 +183,7 @@ def _call_server(proxy: ChatProxy, engine: Engine, model_name: str) -> Callable[
         body = await json_body(request)
         stream, api = stream_flag(body), APIS[name]
         chat, previous = api.parse(body, proxy)
+        chat.subagent = subagent_of(request.headers, body)
         named, rule = (session_id, "path") if session_id else (previous, "previous_response_id") if previous else (
             _named_session(request, body))
         if named:
