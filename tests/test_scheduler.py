@@ -23,7 +23,7 @@ from turnrl.render import ChatRenderer
 from turnrl.rewards import bind_reward, boxed_answer_reward
 from turnrl.rollout import RolloutLimits, RolloutManager, run_groups
 from turnrl.train.samples import group_advantages
-from turnrl.types import RolloutStatus, SegmentSource, TerminationReason
+from turnrl.types import BranchKind, RolloutStatus, SegmentSource, TerminationReason
 
 MODEL, TEMPLATE, ENV = SegmentSource.MODEL, SegmentSource.TEMPLATE, SegmentSource.ENV
 ROW = {"prompt": "What is 2+2?", "answer": "4"}
@@ -341,6 +341,9 @@ def test_history_rewrite_splits_the_episode(qwen3_tokenizer):
     assert second.termination_reason == TerminationReason.ENV_DONE
     assert first.episode_id == second.episode_id == "0-0"
     assert first.rollout_infos == second.rollout_infos == {"num_turns": 2}
+    assert first.parent is None and (second.parent.id, second.parent.kind) == ("0-0", BranchKind.SPLIT)
+    at = second.parent.at  # the streams agree up to the rewritten message, and differ from there
+    assert first.stream[:at] == second.stream[:at] and first.stream[at] != second.stream[at]
     prompt = tok.decode(second.prompt_ids)  # rendered afresh from the rewritten history
     assert "Summary: you said 5." in prompt and "It is 5." not in prompt
     assert [s.source for s in second.segments] == [MODEL] and second.segments[0].turn == 1

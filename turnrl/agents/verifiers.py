@@ -14,7 +14,8 @@ sample, so it becomes one `Trajectory`:
                     score), `metrics`, `verifiers_trace_id`, `stop_condition`
     status          completed, or failed with the trace's first error (`ok` false)
 
-A trace of several branches gives several trajectories sharing `episode_id` (the trace id) and the reward;
+A trace of several branches gives several trajectories sharing `episode_id` (the trace id) and the reward, each
+later one a `fork` of the earlier branch it shares the longest token prefix with (`parent`, docs/trees.md);
 branches verifiers marks untrainable (a compaction attempt the harness did not resume from) are left out. The
 function takes a `verifiers.v1.trace.Trace` or its JSON (what verifiers' env servers send and dump); a JSON trace
 gives a branch per leaf with no compaction rules.
@@ -27,7 +28,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from turnrl.rollout.tree import link_by_prefix
 from turnrl.types import (
+    BranchKind,
     Message,
     Segment,
     SegmentSource,
@@ -53,8 +56,10 @@ def trajectories_from_trace(trace: Any, group_id: str, sample_index: int = 0,
         traj.episode_id = data.get("id") if len(branches) > 1 else None
         traj.agent = "verifiers"
         _finish(traj, data)
-        traj.validate()
         out.append(traj)
+    link_by_prefix(out, BranchKind.FORK)  # each branch forks the earlier one it shares the most nodes with
+    for traj in out:
+        traj.validate()
     return out
 
 
