@@ -375,11 +375,9 @@ def test_thinking_tips_one_sample_per_turn_and_split_rewards(qwen3_tokenizer):
     prompt = tok.decode(second.prompt_ids)  # the second turn sees its history without the earlier reasoning
     assert "It is \\boxed{5}." in prompt and "Hmm." not in prompt and "Your answer is not correct." in prompt
     assert [c.prompt_ids for c in engine.calls if c.request_id == "0-0.1"] == [second.prompt_ids]
-    # a per-sample reward differs within an episode: the trainer refuses it
+    # the reward function scores each episode once, on its last sample (where it ended); the split shares it
     cfg = TrainConfig(model="m", train_data="d")
-    assert [t.reward for t in trajs] == [0.0, 1.0, 0.0, 0.0]
-    with pytest.raises(ValueError, match="split episode '0-0' has unequal rewards"):
-        group_advantages([trajs], cfg)
+    assert [t.reward for t in trajs] == [1.0, 1.0, 0.0, 0.0]
     # the episode's outcome, read from rollout_infos, gives every sample the same reward
     episode_reward = bind_reward(lambda correct: float(correct))
     for t in trajs:

@@ -20,6 +20,7 @@ from test_serve import QUESTION, RecordingEngine, calculator_script
 
 from turnrl.engines.embedded import EmbeddedEngine
 from turnrl.render import ChatRenderer
+from turnrl.rollout.tree import common_prefix
 from turnrl.serve.app import ServerThread, create_app
 from turnrl.serve.openai import chat_completion
 from turnrl.serve.sessions import ChatProxy
@@ -631,7 +632,7 @@ def test_a_history_rewritten_mid_episode_gives_one_episode_tree(served):
     assert served.engine.tokenizer.decode(fork.stream[at:at + 1]) == "1"
     # the sub-agent: a branch of the trajectory whose tool call was pending, its header recorded
     assert (subagent.parent.id, subagent.parent.kind) == ("tree", BranchKind.SUBAGENT)
-    assert subagent.parent.at == next(i for i, (a, b) in enumerate(zip(main.stream, subagent.stream)) if a != b)
+    assert subagent.parent.at == common_prefix(main.stream, subagent.stream)
     assert subagent.turns[0].extra["subagent"] == {"kind": "explorer"}
 
 

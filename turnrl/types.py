@@ -150,7 +150,7 @@ class Parent:
         if at is not None and (not is_int(at) or at < 0):
             raise ValueError(f"{where}.at must be null or an integer >= 0, got {at!r}")
         try:
-            kind = BranchKind(row.get("kind"))
+            kind = BranchKind(str(row.get("kind")))
         except ValueError:
             raise ValueError(f"{where}.kind must be one of {', '.join(BranchKind)}, got {row.get('kind')!r}") from None
         return cls(row["id"], at, kind)
@@ -705,6 +705,9 @@ class StepResult:
     are appended to the model segment with mask 0, with no turn closing and no generation prompt."""
     rollout_infos: dict[str, Any] | None = None
     """Merged into `Trajectory.rollout_infos`; reward functions receive the keys as arguments."""
+    compact: bool = False
+    """Ask for the context to be compacted now (`rollout.context.strategy`; turnrl.rollout.context): the episode goes
+    on in a `compaction` branch after this observation, whether or not the context is full."""
 
 
 @dataclass

@@ -43,7 +43,7 @@ All samples of one episode share `episode_id` (each later one is a `split` branc
 `parent`, docs/trees.md) and the episode's `rollout_infos` (with
 `num_turns`, the episode's model turns, and, when it was split, `episode_turn_rewards`: the env rewards of all
 its samples, which a reward function's `turn_rewards` then are, so `reward: env` scores the episode); the
-trainer rejects unequal rewards within an episode.
+reward function scores the episode once, on its last sample, and every sample takes that reward.
 
 One scheduler instance serves every trajectory of a RolloutManager, as in ms-swift: keep per-trajectory state
 keyed by `request.uuid` and drop it in `on_trajectory_end`, which always runs (also after a failure).
