@@ -126,3 +126,21 @@ async def test_the_manager_returns_every_branch_with_the_episode_reward(qwen3_to
 
 async def _env_agent(ctx, sample):
     return await drive(ctx, LongOutputEnv())
+
+
+async def test_metrics_and_the_progress_line_count_branches_and_compactions(qwen3_tokenizer):
+    from turnrl.observe.stats import RolloutStats
+    from turnrl.train.evaluation import format_step_line
+
+    tok = qwen3_tokenizer
+    ctx = make_ctx(ScriptedEngine(tok, script), tok, limits=_limits(max_tokens=300))
+    last = await drive(ctx, LongOutputEnv())
+    flat = await drive(make_ctx(ScriptedEngine(tok, lambda *a: "DONE"), tok, tid="t1"), LongOutputEnv())
+    stats = RolloutStats()
+    for traj in [*ctx.branches, last, flat]:
+        stats.add(traj)
+    s = stats.summary()
+    assert (s["rollout/episodes"], s["rollout/branches_per_episode"], s["rollout/compactions_per_episode"]) == (
+        2.0, 1.5, 0.5)
+    line = format_step_line({**s, "step": 1, "time/step_s": 1.0}, 10)
+    assert "branches 1.50/ep  compactions 0.50/ep" in line
