@@ -144,3 +144,29 @@ async def test_metrics_and_the_progress_line_count_branches_and_compactions(qwen
         2.0, 1.5, 0.5)
     line = format_step_line({**s, "step": 1, "time/step_s": 1.0}, 10)
     assert "branches 1.50/ep  compactions 0.50/ep" in line
+
+
+async def test_the_viewer_draws_an_episode_as_its_tree(qwen3_tokenizer, tmp_path):
+    import json
+
+    from rich.console import Console
+
+    from turnrl.observe.viewer import _pieces, print_trajectories, write_html
+
+    tok = qwen3_tokenizer
+    ctx = make_ctx(ScriptedEngine(tok, script), tok, limits=_limits(max_tokens=300))
+    last = await drive(ctx, LongOutputEnv())
+    other = await drive(make_ctx(ScriptedEngine(tok, lambda *a: "DONE"), tok, tid="t1"), LongOutputEnv())
+    path = tmp_path / "t.jsonl"  # the branch first, its root later: the viewer puts the root first
+    path.write_text("".join(json.dumps(t.to_json()) + "\n" for t in (last, other, ctx.branches[0])))
+    console = Console(record=True, width=200)
+    print_trajectories(path, console)
+    text = console.export_text()
+    root, branch_at, flat = text.index("t0  status="), text.index("└─ t0.c1  compaction of t0 at"), text.index("t1  ")
+    assert root < branch_at < flat
+    pieces = _pieces(last.to_json(), tok)  # the branch from where it leaves its parent
+    assert pieces[0] == ("shared", f"⟨{last.parent.at} tokens shared with t0⟩")
+    assert "".join(t for _, t in pieces[1:]) == tok.decode(last.stream[last.parent.at:])
+    write_html(path, tmp_path / "t.html")
+    page = (tmp_path / "t.html").read_text()
+    assert "margin-left:2em" in page and "compaction of t0" in page
