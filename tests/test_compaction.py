@@ -170,3 +170,35 @@ async def test_the_viewer_draws_an_episode_as_its_tree(qwen3_tokenizer, tmp_path
     write_html(path, tmp_path / "t.html")
     page = (tmp_path / "t.html").read_text()
     assert "margin-left:2em" in page and "compaction of t0" in page
+
+
+async def test_the_recipe_env_needs_its_summary(qwen3_tokenizer):
+    """examples/compaction: page 2 overflows the recipe's window, the question is answered from the summary; a
+    summary that keeps the code is rewarded, one that drops it is not."""
+    import importlib.util
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parent.parent / "examples" / "compaction"
+    spec = importlib.util.spec_from_file_location("compaction_env", root / "env.py")
+    env_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(env_mod)
+    context = yaml.safe_load((root / "config.yaml").read_text())["rollout"]["context"]
+    tok = qwen3_tokenizer
+    for keeps, reward in ((True, 1.0), (False, 0.0)):
+        def reply(rid, turn, prompt, keeps=keeps):
+            last = prompt[prompt.rfind("<|im_start|>user"):]
+            if "summary" in last and "context is full" in last:
+                return "The access code is 4321." if keeps else "A report of log lines."
+            if "Summary of the work so far" in prompt and "last page" in last:
+                code = prompt.split("access code is ")[-1][:4] if keeps else "0000"
+                return code
+            return "next"
+
+        limits = RolloutLimits(max_turns=4, max_new_tokens=40, context=ContextPolicy(**context))
+        ctx = make_ctx(ScriptedEngine(tok, reply), tok, limits=limits, sample={"prompt": "Read.", "code": "4321"})
+        last = await drive(ctx, env_mod.build_env({"code": "4321", "seed": 3}, {}))
+        [first] = ctx.branches
+        assert last.parent.kind == BranchKind.COMPACTION and "4321" in tok.decode(first.prompt_ids + first.response_ids)
+        assert "NOTE" not in tok.decode(last.prompt_ids) and last.turn_rewards == [reward]
