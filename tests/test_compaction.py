@@ -59,16 +59,18 @@ async def test_summarize_compacts_into_a_branch_that_starts_from_the_task_and_th
     assert last.termination_reason == TerminationReason.ENV_DONE and last.id == "t0.c1"
     assert last.parent.id == "t0" and last.parent.kind == BranchKind.COMPACTION
     assert {first.episode_id, last.episode_id} == {"t0"}
-    # the first branch: two turns, the second output with the instruction (mask 0), then the summary (mask 1)
+    # the first branch: two turns and output 1, then the instruction (mask 0) and the summary (mask 1)
     assert first.num_turns == 3 and first.turns[-1].extra == {"compaction": "summary"}
     summary = first.segments[-1]
     assert summary.source == SegmentSource.MODEL and summary.loss_mask == [1] * len(summary)
     assert tok.decode(summary.token_ids).startswith("Summary: outputs 1 and 2")
     assert DEFAULT_INSTRUCTION in tok.decode(first.segments[-2].token_ids)
-    assert len(first.prompt_ids) + 2 * 16 < len(first.stream)
-    # the next branch: the task and the summary, none of the outputs; it shares the system/task tokens
+    assert "output 1:" in tok.decode(first.stream) and "output 2:" not in tok.decode(first.stream)
+    # the next branch: the task, the summary and output 2 (which did not fit); it shares the system/task tokens
     prompt = tok.decode(last.prompt_ids)
-    assert "What is 2+2?" in prompt and "Summary: outputs 1 and 2 listed lines." in prompt and "line7" not in prompt
+    assert "What is 2+2?" in prompt and "Summary: outputs 1 and 2 listed lines." in prompt
+    assert "output 1:" not in prompt and "output 2:" in prompt
+    assert prompt.index("Summary:") < prompt.index("output 2:")
     at = last.parent.at
     assert first.stream[:at] == last.stream[:at] and at >= len(ChatRenderer(tok).encode("<|im_start|>user\nWhat is"))
     assert last.num_turns == 1 and last.turns[0].turn == 1 and engine.released == ["t0", "t0.c1"]
@@ -172,7 +174,7 @@ async def test_the_viewer_draws_an_episode_as_its_tree(qwen3_tokenizer, tmp_path
     assert "margin-left:2em" in page and "compaction of t0" in page
 
 
-async def test_the_recipe_env_needs_its_summary(qwen3_tokenizer):
+async def test_the_recipe_env_needs_its_summary(smol_tokenizer):
     """examples/compaction: page 2 overflows the recipe's window, the question is answered from the summary; a
     summary that keeps the code is rewarded, one that drops it is not."""
     import importlib.util
@@ -185,7 +187,7 @@ async def test_the_recipe_env_needs_its_summary(qwen3_tokenizer):
     env_mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(env_mod)
     context = yaml.safe_load((root / "config.yaml").read_text())["rollout"]["context"]
-    tok = qwen3_tokenizer
+    tok = smol_tokenizer  # the recipe's model's
     for keeps, reward in ((True, 1.0), (False, 0.0)):
         def reply(rid, turn, prompt, keeps=keeps):
             last = prompt[prompt.rfind("<|im_start|>user"):]
@@ -194,7 +196,7 @@ async def test_the_recipe_env_needs_its_summary(qwen3_tokenizer):
             if "Summary of the work so far" in prompt and "last page" in last:
                 code = prompt.split("access code is ")[-1][:4] if keeps else "0000"
                 return code
-            return "next"
+            return "I have read this page of the report and noted what matters. Please show me the next page now."
 
         limits = RolloutLimits(max_turns=4, max_new_tokens=40, context=ContextPolicy(**context))
         ctx = make_ctx(ScriptedEngine(tok, reply), tok, limits=limits, sample={"prompt": "Read.", "code": "4321"})
@@ -202,3 +204,17 @@ async def test_the_recipe_env_needs_its_summary(qwen3_tokenizer):
         [first] = ctx.branches
         assert last.parent.kind == BranchKind.COMPACTION and "4321" in tok.decode(first.prompt_ids + first.response_ids)
         assert "NOTE" not in tok.decode(last.prompt_ids) and last.turn_rewards == [reward]
+
+
+def test_after_summary_carries_the_observation_a_tool_output_as_a_user_message():
+    from turnrl.rollout.context import after_summary, drop_observations
+
+    first = [{"role": "system", "content": "S"}, {"role": "user", "content": "Task"}]
+    out = after_summary(first, "<think>\nhm\n</think>\n\nkept 42", [{"role": "tool", "name": "grep", "content": "x"}])
+    assert out == [*first, {"role": "user", "content": SUMMARY_HEADER + "kept 42"},
+                   {"role": "user", "content": "Output of grep:\nx"}]
+    talk = [*first, {"role": "assistant", "content": "a"}, {"role": "tool", "content": "o1"},
+            {"role": "assistant", "content": "b"}, {"role": "tool", "content": "o2"}]
+    assert [m["content"] for m in drop_observations(talk, 1)] == ["S", "Task", "a", DROPPED, "b", "o2"]
+    assert [m["content"] for m in drop_observations(talk, 0)] == ["S", "Task", "a", DROPPED, "b", DROPPED]
+    assert drop_observations(talk, 2) is None

@@ -4,17 +4,18 @@
 and a whole next turn (`max_new_tokens`) would pass `max_tokens`, or the env asked for it (`StepResult.compact`),
 the episode is compacted and goes on in a new trajectory, a `compaction` branch of this one (docs/trees.md):
 
-    summarize          the observation is appended with `instruction` (mask 0) and the policy writes a summary: a
-                       model turn of this branch (mask 1, trained). The next branch starts from the episode's first
-                       messages (system prompt, task) and the summary, as a user message.
+    summarize          `instruction` is appended (mask 0) and the policy writes a summary of its work so far: a model
+                       turn of this branch (mask 1, trained). The next branch starts from the episode's first messages
+                       (system prompt, task), the summary (a user message) and the observation that did not fit (a
+                       tool output as a user message: the call it answers stayed behind).
     drop_observations  the next branch is the conversation so far with the tool/env outputs of all but the last
                        `keep_last_turns` turns replaced by a stub, rendered afresh (the model turns it holds were
                        trained in this branch; in the next they are prompt).
     none               never compacted: the episode ends TRUNCATED/token_budget when the context is full.
 
-`max_tokens` is the threshold, not the engine's limit: the summary request (the stream, the last observation, the
-instruction) and the summary itself (up to max_new_tokens) go past it, so the engine's context must hold
-max_tokens + the largest observation + the instruction + max_new_tokens. A branch that still would not fit (a prompt
+`max_tokens` is the threshold, not the engine's limit: the summary request (the stream and the instruction) and the
+summary itself (up to max_new_tokens) may go past it, so the engine's context must hold max_tokens + the instruction
++ max_new_tokens. A branch that still would not fit (a prompt
 longer than max_tokens) has its turns cut to what is left and ends TRUNCATED/token_budget when nothing is.
 
 Budgets count across branches: `max_turns` (the summary turn is not one of them) and `token_budget` (every
@@ -80,11 +81,23 @@ class ContextPolicy:
         return {"role": "user", "content": self.instruction}
 
 
-def after_summary(first_messages: list[Message], summary: str) -> list[Message]:
-    """A summarize branch's conversation: the episode's first messages (system prompt, task), then the summary (its
-    reasoning, if any, left out)."""
+def after_summary(first_messages: list[Message], summary: str, observation: list[Message]) -> list[Message]:
+    """A summarize branch's conversation: the episode's first messages (system prompt, task), the summary (its
+    reasoning, if any, left out), then the observation that did not fit, tool outputs as user messages."""
     _, answer = split_reasoning(summary)
-    return [*first_messages, {"role": "user", "content": SUMMARY_HEADER + (answer.strip() or summary.strip())}]
+    summary_message = {"role": "user", "content": SUMMARY_HEADER + (answer.strip() or summary.strip())}
+    return [*first_messages, summary_message, *(_as_user(m) for m in observation)]
+
+
+def _as_user(message: Message) -> Message:
+    """A tool output as a user message (the assistant call it answers is not in the new branch)."""
+    if message.get("role") != "tool":
+        return message
+    content = message.get("content")
+    head = f"Output of {message.get('name') or 'the tool call'}:\n"
+    if isinstance(content, list):
+        return {"role": "user", "content": [{"type": "text", "text": head}, *content]}
+    return {"role": "user", "content": head + str(content or "")}
 
 
 def drop_observations(messages: list[Message], keep_last_turns: int) -> list[Message] | None:

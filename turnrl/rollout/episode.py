@@ -412,7 +412,7 @@ class Episode:
 
     async def _compact(self, strategy: Strategy, observation: list[Message]) -> None:
         """Go on in a `compaction` branch (turnrl.rollout.context): after a summary turn of this branch, from the first
-        messages and the summary; or from the conversation with older outputs dropped. When there is nothing to
+        messages, the summary and `observation`; or from the conversation with older outputs dropped. When there is nothing to
         drop, the observation is appended here (the token budget and context window still bound it)."""
         policy, tools = self.limits.context, self.env.tools
         if strategy == Strategy.DROP_OBSERVATIONS:
@@ -422,15 +422,15 @@ class Episode:
                 self._append_observation(observation, closing, self.ctx.renderer.observation(
                     observation, tools, history=self.messages))
                 return
-        else:
-            asked = [*observation, policy.request()]
+        else:  # the summary of the work before this observation; the next branch gets it whole after the summary
+            asked = [policy.request()]
             closing = self.ctx.renderer.turn_closing_ids(self.trajectory.segments[-1].token_ids)
             rendered = self.ctx.renderer.observation(asked, tools, history=self.messages)
             self._fit(len(closing) + len(rendered.ids), window=False)
             self._append_observation(asked, closing, rendered, fit=False)
             summary = await self.generate(self._offset + self.trajectory.num_turns + 1, window=False)
             self.trajectory.turns[-1].extra["compaction"] = "summary"
-            messages = after_summary(self._first_messages, summary.text)
+            messages = after_summary(self._first_messages, summary.text, observation)
         await self._branch_off(messages, BranchKind.COMPACTION)
 
     async def _branch_off(self, messages: list[Message], kind: BranchKind) -> None:
