@@ -191,7 +191,7 @@ async def test_the_recipe_env_needs_its_summary(smol_tokenizer):
     for keeps, reward in ((True, 1.0), (False, 0.0)):
         def reply(rid, turn, prompt, keeps=keeps):
             last = prompt[prompt.rfind("<|im_start|>user"):]
-            if "summary" in last and "context is full" in last:
+            if "context is full" in last:
                 return "The access code is 4321." if keeps else "A report of log lines."
             if "Summary of the work so far" in prompt and "last page" in last:
                 code = prompt.split("access code is ")[-1][:4] if keeps else "0000"

@@ -1,7 +1,7 @@
 """A report read page by page whose pages outgrow the context: the episode must be compacted to finish.
 
 The task: read a report (one page per turn, whatever the model replies) and at the end answer one question, the
-code written on the first page. Every page is long (~100 tokens of log lines), so by the second page the stream
+code written on the first page. Every page is long (~150 tokens of log lines), so by the second page the stream
 passes `rollout.context.max_tokens` and the turn loop compacts it (`strategy: summarize`): the policy writes a
 summary of what it read, and the episode goes on from the task and that summary alone. The last question is
 answered from the summary: reward 1.0 when the final reply holds the code, else 0. What RL can teach: to keep the
@@ -24,9 +24,9 @@ SERVICES = ["auth", "billing", "cache", "db", "gateway", "mailer", "queue", "sea
 def page(rng: random.Random, k: int, code: str | None) -> str:
     """Page `k` of a report: log lines; the first one holds the code in the middle of its lines."""
     lines = [f"{rng.randint(10, 23)}:{rng.randint(10, 59)} {rng.choice(SERVICES)} {rng.choice(['ok', 'slow', 'retry'])} "
-             f"{rng.randint(100, 999)}ms" for _ in range(6)]
+             f"{rng.randint(100, 999)}ms" for _ in range(10)]
     if code is not None:
-        lines.insert(3, f"NOTE: the access code is {code}.")
+        lines.insert(5, f"NOTE: the access code is {code}.")
     return f"Report page {k}:\n" + "\n".join(lines)
 
 
