@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The compaction recipe, timed: data, GRPO with rollout.context (summarize), held-out evaluation before and after.
+#   bash examples/compaction/run.sh            (from the repository root)
+set -euo pipefail
+TURNRL=${TURNRL:-.venv/bin/turnrl}
+PYTHON=${PYTHON:-.venv/bin/python}
+rm -rf runs/compaction  # config.yaml's run_dir must be empty: start clean
+start=$(date +%s)
+$PYTHON examples/compaction/prepare_data.py --out data/compaction
+$TURNRL train examples/compaction/config.yaml "$@"
+echo "wall time: $(( $(date +%s) - start )) s"
