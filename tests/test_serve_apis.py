@@ -637,7 +637,7 @@ def test_a_history_rewritten_mid_episode_gives_one_episode_tree(served):
 
 
 def test_codex_subagent_headers_mark_a_call():
-    from turnrl.serve.sessions import subagent_of
+    from turnrl.serve.chat_routes import subagent_of
 
     meta = json.dumps({"thread_source": "subagent", "subagent_kind": "thread_spawn", "parent_thread_id": "p"})
     assert subagent_of({"x-openai-subagent": "collab_spawn"}, {}) == {"kind": "collab_spawn"}

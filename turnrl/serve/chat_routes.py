@@ -12,6 +12,7 @@ ASCII). docs/serving.md has the endpoints, the session rule and the streams.
 # inside the functions that add the routes (fastapi stays an optional dependency: `turnrl[serve]`).
 
 import asyncio
+import json
 import logging
 import unicodedata
 from collections.abc import Awaitable, Callable
@@ -28,7 +29,6 @@ from turnrl.serve.sessions import (
     RecordedCall,
     Session,
     SessionNotFound,
-    subagent_of,
 )
 
 log = logging.getLogger(__name__)
@@ -121,6 +121,32 @@ def _named_session(request: Any, body: dict[str, Any]) -> tuple[str | None, str]
     if isinstance(metadata, dict) and isinstance(metadata.get("session_id"), str) and metadata["session_id"]:
         return metadata["session_id"], "metadata"
     return None, ""
+
+
+def subagent_of(headers: Any, body: dict[str, Any]) -> dict[str, Any] | None:
+    """What marks a call as a harness sub-agent's, or None: Codex's `x-openai-subagent` header (`collab_spawn`,
+    `review`, ...) and its `x-codex-turn-metadata` (a header, or `client_metadata` in the body: JSON with
+    `thread_source: subagent`, `subagent_kind`, `parent_thread_id`), or turnrl's own `X-Turnrl-Subagent` header (any
+    agent can send it). The proxy records it in the call's notes (`turns[k].subagent`)."""
+    found: dict[str, Any] = {}
+    for name in ("x-turnrl-subagent", "x-openai-subagent"):
+        value = headers.get(name)
+        if value and value.lower() not in ("false", "0"):
+            found["kind"] = value
+    raw = headers.get("x-codex-turn-metadata")
+    client = body.get("client_metadata")
+    if raw is None and isinstance(client, dict):
+        raw = client.get("x-codex-turn-metadata")
+    try:
+        meta = json.loads(raw) if isinstance(raw, str) else None
+    except json.JSONDecodeError:
+        meta = None
+    if isinstance(meta, dict) and (meta.get("thread_source") == "subagent" or meta.get("subagent_kind")
+                                   or meta.get("parent_thread_id")):
+        found.setdefault("kind", str(meta.get("subagent_kind") or "subagent"))
+        found.update({k: str(meta[k]) for k in ("thread_id", "parent_thread_id") if meta.get(k)})
+    return found or None
+
 
 
 # ---- the routes --------------------------------------------------------------------------------------

@@ -17,8 +17,9 @@ Nothing recorded is ever re-tokenized text. docs/serving.md tells the rules in f
 - Trajectories (`assemble_trajectories`): a call whose prompt extends an open trajectory's token stream is
   appended to it (the tokens between are mask-0 segments, the completion mask 1 with its logprobs); one that
   extends none starts a new branch of the same episode tree (`episode_id`, the session id; the same reward):
-  a `subagent` branch of the trajectory that spawned it when a header marks it (`subagent_of`) or its system
-  prompt or tools are another agent's, else a `fork` of the trajectory it shares the longest token prefix with (`parent.at`).
+  a `subagent` branch of the trajectory that spawned it when a header marks it (chat_routes.subagent_of) or
+  its system prompt or tools are another agent's, else a `fork` of the trajectory it shares the longest token
+  prefix with (`parent.at`).
 - Replies (`ChatProxy._reply`): tool calls parsed from the completion text (`tool_parser`); reasoning in
   `reasoning_content`; stop strings and streaming in turnrl/serve/streaming.py.
 
@@ -178,8 +179,8 @@ class ChatCall:
     """Tools of the request the model is not shown: hosted ones (web_search, ...) this server cannot run, deferred
     ones (turnrl.serve.tools)."""
     subagent: dict[str, Any] | None = None
-    """Set when a header marks the call as a harness sub-agent's (`subagent_of`): its trajectory is a `subagent`
-    branch of the session's episode."""
+    """Set when a header marks the call as a harness sub-agent's (chat_routes.subagent_of): its trajectory is a
+    `subagent` branch of the session's episode."""
 
 
 class ChatProxy:
@@ -716,11 +717,11 @@ def assemble_trajectories(
 
 def _parent_of(call: RecordedCall, builders: list[TrajectoryBuilder], last_call: dict[int, RecordedCall],
                first: RecordedCall) -> tuple[int, BranchKind]:
-    """(index of the trajectory a call that extends none branches from, why). A sub-agent's call (named by a header,
-    `subagent_of`, or a conversation with another system prompt or other tools than the episode's first call, as
-    Claude Code's Agent tool starts) branches from the trajectory whose latest call is waiting on a tool call: the one
-    that spawned it. Any other call forks the trajectory it shares the longest token prefix with (its history was
-    rewritten or retried)."""
+    """(index of the trajectory a call that extends none branches from, why). A sub-agent's call (named by a header:
+    chat_routes.subagent_of; or a conversation with another system prompt or other tools than the episode's first
+    call, as Claude Code's Agent tool starts) branches from the trajectory whose latest call is waiting on a tool
+    call: the one that spawned it. Any other call forks the trajectory it shares the longest token prefix with (its
+    history was rewritten or retried)."""
     if "subagent" in call.notes or _agent_key(call) != _agent_key(first):
         waiting = [(c.index, k) for k, c in last_call.items() if c.reply.get("tool_calls")]
         return (max(waiting)[1] if waiting else 0), BranchKind.SUBAGENT
@@ -732,31 +733,6 @@ def _agent_key(call: RecordedCall) -> tuple:
     """What tells one agent's conversations from another's: its system messages and its tools."""
     system = tuple(_canonical(m) for m in call.messages if m.get("role") in ("system", "developer"))
     return system, _tools_key(call.tools)
-
-
-def subagent_of(headers: Any, body: dict[str, Any]) -> dict[str, Any] | None:
-    """What marks a call as a harness sub-agent's, or None: Codex's `x-openai-subagent` header (`collab_spawn`,
-    `review`, ...) and its `x-codex-turn-metadata` (a header, or `client_metadata` in the body: JSON with
-    `thread_source: subagent`, `subagent_kind`, `parent_thread_id`), or turnrl's own `X-Turnrl-Subagent` header (any
-    agent can send it). The proxy records it in the call's notes (`turns[k].subagent`)."""
-    found: dict[str, Any] = {}
-    for name in ("x-turnrl-subagent", "x-openai-subagent"):
-        value = headers.get(name)
-        if value and value.lower() not in ("false", "0"):
-            found["kind"] = value
-    raw = headers.get("x-codex-turn-metadata")
-    client = body.get("client_metadata")
-    if raw is None and isinstance(client, dict):
-        raw = client.get("x-codex-turn-metadata")
-    try:
-        meta = json.loads(raw) if isinstance(raw, str) else None
-    except json.JSONDecodeError:
-        meta = None
-    if isinstance(meta, dict) and (meta.get("thread_source") == "subagent" or meta.get("subagent_kind")
-                                   or meta.get("parent_thread_id")):
-        found.setdefault("kind", str(meta.get("subagent_kind") or "subagent"))
-        found.update({k: str(meta[k]) for k in ("thread_id", "parent_thread_id") if meta.get(k)})
-    return found or None
 
 
 def _extended(streams: list[list[int]], prompt_ids: list[int]) -> int | None:
