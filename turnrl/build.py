@@ -33,6 +33,7 @@ from turnrl.config import (
 from turnrl.engines.base import Engine, Recording
 from turnrl.observe.tracing import TrajectoryTracer
 from turnrl.render import ChatRenderer
+from turnrl.rollout.context import DEFAULT_INSTRUCTION, ContextPolicy, Strategy
 from turnrl.rollout.episode import RolloutLimits
 from turnrl.rollout.manager import RewardFn, Rollout, RolloutManager
 from turnrl.types import SamplingParams
@@ -58,9 +59,13 @@ def sampling_params(cfg: RolloutConfig) -> SamplingParams:
 
 
 def rollout_limits(cfg: RolloutConfig) -> RolloutLimits:
+    c = cfg.context
+    context = ContextPolicy(c.max_tokens, Strategy(c.strategy), c.keep_last_turns,
+                            c.instruction if c.instruction is not None else DEFAULT_INSTRUCTION)
     return RolloutLimits(
         max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens, token_budget=cfg.token_budget,
         env_timeout_s=cfg.env_timeout_s, env_retries=cfg.env_retries, trajectory_timeout_s=cfg.trajectory_timeout_s,
+        context=context,
     )
 
 
