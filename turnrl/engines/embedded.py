@@ -284,6 +284,13 @@ def _prefill_groups(admitted: list[tuple[_Request, int]], max_group: int) -> lis
 # ---------------------------------------------------------------------------------------------------
 # The engine
 # ---------------------------------------------------------------------------------------------------
+def _model_end_tokens(model: PreTrainedModel, text_config: Any) -> frozenset[int]:
+    """The model config's and the generation config's end tokens: both stop (Qwen3: <|im_end|>, <|endoftext|>)."""
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return frozenset(t for ids in (getattr(text_config, "eos_token_id", None), gen_eos) if ids is not None
+                     for t in ([ids] if isinstance(ids, int) else ids))
+
+
 class EmbeddedEngine:
     """Token-level continuous-batching engine over a transformers causal LM (see module docstring)."""
 
@@ -320,11 +327,7 @@ class EmbeddedEngine:
         self.max_context: int = max_context or int(getattr(cfg, "max_position_embeddings", 32_768))
         self.vocab_size: int = cast(torch.nn.Embedding, model.get_input_embeddings()).num_embeddings
         """Token ids must lie in [0, vocab_size): the rows of the embedding (may exceed the tokenizer's)."""
-        # the model config's and the generation config's end tokens both stop (Qwen3: <|im_end|>, <|endoftext|>)
-        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        default_eos = {t for ids in (getattr(cfg, "eos_token_id", None), gen_eos) if ids is not None
-                       for t in ([ids] if isinstance(ids, int) else ids)}
-        self.eos_token_ids = frozenset(eos_token_ids) | frozenset(default_eos)
+        self.eos_token_ids = frozenset(eos_token_ids) | _model_end_tokens(model, cfg)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         dtype = next(model.parameters()).dtype
         self.cache = SlotKVCache(cfg.num_hidden_layers, max_batch_size, cfg.num_key_value_heads, head_dim, dtype)
