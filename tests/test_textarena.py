@@ -94,9 +94,64 @@ def test_two_players_against_a_scripted_opponent(tmp_path, monkeypatch, qwen3_to
 def test_errors(tmp_path, monkeypatch, qwen3_tokenizer):
     result, _ = run(tmp_path, "textarena:GuessTheNumbr-v0", "--limit", "1")
     assert result.exit_code == 2 and "did you mean GuessTheNumber-v0" in result.output, result.output
-    result, _ = run(tmp_path, "textarena:TicTacToe-v0", "--limit", "1", "--env-config", '{"opponent": "self"}')
-    assert result.exit_code == 2 and "needs trajectory trees" in " ".join(result.output.split()), result.output
+    result, _ = run(tmp_path, "textarena:TicTacToe-v0", "--limit", "1", "--env-config",
+                    '{"opponent": "self", "seat": 1}')
+    assert result.exit_code == 2 and "has no meaning with opponent: self" in " ".join(result.output.split())
     script_the_cli(monkeypatch, qwen3_tokenizer, lambda rid, turn, prompt: "[0]")
     result, rows = run(tmp_path, "textarena:TicTacToe-v0", "--limit", "1", "--env-config", '{"num_players": 2}')
     assert result.exit_code == 0, result.output
     assert rows[0]["status"] == "failed" and "needs env_config.opponent" in rows[0]["error"]
+
+
+def cells(prompt):
+    return re.findall(r"'(\[\d+\])'", prompt.rsplit("Available Moves:", 1)[-1])
+
+
+def test_self_play_every_seat_a_branch_of_one_episode(tmp_path, monkeypatch, qwen3_tokenizer):
+    """opponent: self: the policy plays both seats of a real TicTacToe game; each seat's turns are a trajectory of
+    their own in one episode (seat 1's a `seat` branch of seat 0's), each with its own observations and reward."""
+    asked = []
+
+    def policy(rid, turn, prompt):
+        asked.append(rid)
+        moves = cells(prompt)  # seat 0 takes the first free cell, seat 1 the last: seat 0 wins along the top row
+        return (moves[0] if ".s1" not in rid else moves[-1]) if moves else "[0]"
+
+    script_the_cli(monkeypatch, qwen3_tokenizer, policy)
+    result, rows = run(tmp_path, "textarena:TicTacToe-v0", "--limit", "2", "--n", "2", "--max-turns", "9",
+                       "--env-config", '{"opponent": "self", "system_prompt": "Win."}')
+    assert result.exit_code == 0, result.output
+    assert len(rows) == 8  # 2 rows x 2 samples x 2 seats
+    by_episode = {}
+    for row in rows:
+        check(row)
+        by_episode.setdefault(row["episode_id"], {})[row["rollout_infos"]["seat"]] = row
+    assert len(by_episode) == 4
+    for episode_id, seats in by_episode.items():
+        first, second = seats[0], seats[1]
+        assert first["id"] == episode_id and second["id"] == f"{episode_id}.s1"
+        assert first["parent"] is None
+        assert second["parent"]["id"] == episode_id and second["parent"]["kind"] == "seat"
+        at = second["parent"]["at"]  # the streams share the chat template's start and the system prompt, no more
+        stream = lambda r: r["prompt_ids"] + r["response_ids"]  # noqa: E731
+        assert 0 < at < len(first["prompt_ids"]) and stream(first)[:at] == stream(second)[:at]
+        assert stream(first)[at] != stream(second)[at]
+        for seat, row in seats.items():
+            assert (row["status"], row["termination_reason"]) == ("completed", "env_done"), row["error"]
+            assert row["messages"][0] == {"role": "system", "content": "Win."}
+            assert f"You are Player {seat}" in row["messages"][1]["content"]
+            assert row["group_id"] == first["group_id"] and row["sample_index"] == first["sample_index"]
+        rewards = first["rollout_infos"]["game_rewards"]
+        assert rewards == second["rollout_infos"]["game_rewards"] == {"0": 1.0, "1": -1.0}
+        assert (first["reward"], second["reward"]) == (1.0, -1.0)
+        assert first["turn_rewards"] == [1.0] and second["turn_rewards"] == [-1.0]
+        # each seat's moves are its own model turns (mask 1); the other seat's moves reach it as observations (0)
+        assert first["num_turns"] == 3 and second["num_turns"] == 2
+        moves = [[m["content"] for m in r["messages"] if m["role"] == "assistant"] for r in (first, second)]
+        assert moves == [["[0]", "[1]", "[2]"], ["[8]", "[7]"]], moves  # seat 0 wins along the top row
+        for row, other in ((first, second), (second, first)):
+            observed = " ".join(m["content"] for m in row["messages"] if m["role"] == "user")
+            for move in moves[1 if row is first else 0]:
+                assert f"Player {other['rollout_infos']['seat']} placed their symbol" in observed or move in observed
+    # the engine was asked for each seat's turns under that seat's own trajectory id
+    assert {rid.endswith(".s1") for rid in asked} == {True, False}

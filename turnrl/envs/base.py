@@ -288,6 +288,8 @@ class EpisodeEnv:
         self.opens_episode = bool(getattr(env, "opens_episode", False))
         """Its `reset()` gives the episode's first message (rows need no prompt)."""
         self.timeout_s, self.retries, self.threads = timeout_s, retries, threads
+        if getattr(env, "waits_for_others", False):  # a seat of a game (turnrl.envs.seats): its step holds the other
+            self.timeout_s = None                    # seats' model turns; the table bounds its own game calls
 
     @classmethod
     def of(cls, env: Any, timeout_s: float | None = None, retries: int = 0,
