@@ -149,9 +149,28 @@ def test_self_play_every_seat_a_branch_of_one_episode(tmp_path, monkeypatch, qwe
         assert first["num_turns"] == 3 and second["num_turns"] == 2
         moves = [[m["content"] for m in r["messages"] if m["role"] == "assistant"] for r in (first, second)]
         assert moves == [["[0]", "[1]", "[2]"], ["[8]", "[7]"]], moves  # seat 0 wins along the top row
-        for row, other in ((first, second), (second, first)):
-            observed = " ".join(m["content"] for m in row["messages"] if m["role"] == "user")
-            for move in moves[1 if row is first else 0]:
-                assert f"Player {other['rollout_infos']['seat']} placed their symbol" in observed or move in observed
+        for row, mine, theirs in ((first, moves[0], moves[1]), (second, moves[1], moves[0])):
+            other = 1 - row["rollout_infos"]["seat"]
+            observed = "\n".join(m["content"] for m in row["messages"] if m["role"] == "user")
+            # the other seat's moves it saw before its own last one (the game ended on seat 0's third)
+            assert all(f"[Player {other}] {move}" in observed for move in theirs[: len(mine) if other else 2])
+            trained = qwen3_tokenizer.decode([t for t, m in zip(row["response_ids"], row["loss_mask"],
+                                                                strict=True) if m])
+            assert re.findall(r"\[\d\]", trained) == mine  # mask 1: this seat's own moves, nothing else
     # the engine was asked for each seat's turns under that seat's own trajectory id
     assert {rid.endswith(".s1") for rid in asked} == {True, False}
+
+
+def test_self_play_seat_that_stops_early_stops_the_game(tmp_path, monkeypatch, qwen3_tokenizer):
+    """A seat whose trajectory ends before the game (here max_turns) stops the game: the other seat, waiting for its
+    turn, fails with a message naming it, never hangs; an unfinished game gives no seat a game reward."""
+    script_the_cli(monkeypatch, qwen3_tokenizer, lambda rid, turn, prompt: cells(prompt)[0])
+    result, rows = run(tmp_path, "textarena:TicTacToe-v0", "--limit", "1", "--max-turns", "2",
+                       "--env-config", '{"opponent": "self"}')
+    assert result.exit_code == 0, result.output
+    first, second = sorted(rows, key=lambda r: r["id"])
+    assert second["parent"]["kind"] == "seat" and first["episode_id"] == second["episode_id"] == first["id"]
+    assert (first["status"], first["termination_reason"]) == ("completed", "max_turns")
+    assert (second["status"], second["termination_reason"]) == ("failed", "env_error")
+    assert "seat 0's trajectory ended before the game did" in second["error"]
+    assert first["turn_rewards"] == [] and "game_rewards" not in first["rollout_infos"]

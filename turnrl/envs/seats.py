@@ -109,9 +109,10 @@ class Table:
     async def move(self, seat: int, reply: str) -> StepResult:
         """Seat `seat`'s step: play its reply, then wait for its next turn (its new observation) or the end."""
         async with self._cond:
-            if self._over() or self._current != seat:
-                raise EnvError(f"{self.name}: seat {seat} moved out of turn"
-                               + (f" ({self._stopped})" if self._stopped else ""))
+            if self._stopped is not None:
+                raise EnvError(f"{self.name}: seat {seat} cannot go on: {self._stopped}")
+            if self.rewards is not None or self._current != seat:
+                raise EnvError(f"{self.name}: seat {seat} moved out of turn")
             info: dict[str, Any] = {}
 
             async def play() -> None:

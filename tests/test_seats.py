@@ -1,0 +1,91 @@
+"""turnrl.envs.seats: a Table's seats take turns, see only what the game shows them, end together; a game that
+fails, or a seat that leaves, stops the others with a message, never a hang."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from turnrl.envs.base import EnvError
+from turnrl.envs.seats import Table
+
+
+class Count(Table):
+    """Two seats say numbers in turn; the game ends when the sum reaches `to`: the seat that reached it wins."""
+
+    def __init__(self, to=5, broken_at=None):
+        super().__init__("count", 2, call_timeout_s=5)
+        self.to, self.broken_at, self.total, self.turn, self.shut = to, broken_at, 0, 0, 0
+
+    def start(self):
+        self.total = 0
+
+    def to_move(self):
+        return self.turn % 2
+
+    def observation(self, seat, first):
+        return [{"role": "user", "content": f"{'seat ' + str(seat) + ': ' if first else ''}total {self.total}"}]
+
+    def play(self, seat, reply):
+        if self.broken_at is not None and self.turn == self.broken_at:
+            raise RuntimeError("the game broke")
+        self.total += int(reply)
+        self.turn += 1
+        return self.total >= self.to, {"said": reply}
+
+    def outcome(self):
+        winner = (self.turn - 1) % 2
+        return {winner: 1.0, 1 - winner: -1.0}, {"total": self.total}
+
+    def shutdown(self):
+        self.shut += 1
+
+
+async def play(table, replies, stop_after=None):
+    async def seat(k):
+        env = table.seats()[k]
+        seen = [await env.reset()]
+        try:
+            for n, reply in enumerate(replies[k], 1):
+                step = await env.step(reply)
+                seen.append(step)
+                if step.done or n == stop_after:
+                    return seen
+            return seen
+        finally:
+            await env.close()
+
+    return await asyncio.wait_for(asyncio.gather(seat(0), seat(1), return_exceptions=True), 10)
+
+
+def test_turns_rewards_and_shutdown():
+    table = Count(to=5)
+    s0, s1 = asyncio.run(play(table, [["1", "1", "1"], ["1", "1", "1"]]))
+    assert s0[0] == [{"role": "user", "content": "seat 0: total 0"}]
+    assert s1[0] == [{"role": "user", "content": "seat 1: total 1"}]
+    assert s0[1].observation == [{"role": "user", "content": "total 2"}] and s0[1].info == {"said": "1"}
+    assert s0[-1].done and s1[-1].done and len(s0) == 4 and len(s1) == 3  # seat 0 said the fifth
+    assert (s0[-1].reward, s1[-1].reward) == (1.0, -1.0)
+    assert s1[-1].rollout_infos == {"total": 5, "seat": 1}
+    assert table.shut == 1
+
+
+def test_a_failing_game_stops_every_seat():
+    table = Count(to=9, broken_at=2)
+    s0, s1 = asyncio.run(play(table, [["1"] * 5, ["1"] * 5]))
+    assert isinstance(s0, RuntimeError) and "the game broke" in str(s0)
+    assert isinstance(s1, EnvError) and "the game failed on seat 0's move" in str(s1)
+    assert table.rewards is None and table.shut == 1
+
+
+def test_a_seat_that_leaves_stops_the_others():
+    table = Count(to=9)
+    s0, s1 = asyncio.run(play(table, [["1"] * 5, ["1"] * 5], stop_after=1))
+    assert not isinstance(s0, BaseException) and len(s0) == 2 and not s0[-1].done
+    assert isinstance(s1, EnvError) and "seat 0's trajectory ended before the game did" in str(s1)
+
+
+def test_a_table_needs_two_seats():
+    with pytest.raises(EnvError, match="at least 2 seats"):
+        Table("solo", 1)
