@@ -12,6 +12,8 @@ from fakes import script_the_cli
 from typer.testing import CliRunner
 
 from turnrl.cli import app
+from turnrl.config import TrainConfig
+from turnrl.train.samples import group_advantages
 from turnrl.types import Trajectory
 
 pytest.importorskip("textarena", reason="pip install 'turnrl[textarena]'")
@@ -174,3 +176,25 @@ def test_self_play_seat_that_stops_early_stops_the_game(tmp_path, monkeypatch, q
     assert (second["status"], second["termination_reason"]) == ("failed", "env_error")
     assert "seat 0's trajectory ended before the game did" in second["error"]
     assert first["turn_rewards"] == [] and "game_rewards" not in first["rollout_infos"]
+
+
+def test_self_play_advantages_count_the_episode_once(tmp_path, monkeypatch, qwen3_tokenizer):
+    """Two games of one row: seat 0 wins the first, seat 1 the second. Each game counts once in the group (with the
+    last seat's reward), each seat is scored against that baseline with its own reward: the winners +, the losers -."""
+    def policy(rid, turn, prompt):
+        moves = cells(prompt)
+        if rid.endswith("-1"):  # game 2, seat 0: cells 1, 3, 5, 7 (no line); seat 1 takes 0, 2, 4, 6 and wins
+            return next(m for m in ("[1]", "[3]", "[5]", "[7]") if m in moves)
+        return moves[0] if ".s1" not in rid else moves[-1]
+
+    script_the_cli(monkeypatch, qwen3_tokenizer, policy)
+    result, rows = run(tmp_path, "textarena:TicTacToe-v0", "--limit", "1", "--n", "2", "--max-turns", "9",
+                       "--env-config", '{"opponent": "self"}')
+    assert result.exit_code == 0, result.output
+    group = sorted((Trajectory.from_json(row) for row in rows), key=lambda t: (t.sample_index, t.id))
+    assert {t.id.split("-")[-1]: t.reward for t in group} == {"0": 1.0, "0.s1": -1.0, "1": -1.0, "1.s1": 1.0}
+    scored, stats = group_advantages([group], TrainConfig(model="tiny-qwen3", train_data="x"))
+    adv = {t.id.split("-")[-1]: a for t, a in scored}
+    # episode rewards (seat 1's): [-1, 1], std 1.414; seat 0 of game 1: -0.7071 + (1 - -1) / 1.414 = +0.7071
+    assert adv == pytest.approx({"0": 0.7071, "0.s1": -0.7071, "1": -0.7071, "1.s1": 0.7071}, abs=1e-4)
+    assert stats["train/trained_trajectories"] == 4.0 and stats["train/mean_group_size"] == 2.0  # 2 games, not 4
