@@ -4,11 +4,13 @@ fails, or a seat that leaves, stops the others with a message, never a hang."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
-from turnrl.envs.base import EnvError
+from turnrl.envs.base import EnvError, EpisodeEnv
 from turnrl.envs.seats import Table
+from turnrl.types import BranchKind, RolloutStatus, TerminationReason
 
 
 class Count(Table):
@@ -89,3 +91,48 @@ def test_a_seat_that_leaves_stops_the_others():
 def test_a_table_needs_two_seats():
     with pytest.raises(EnvError, match="at least 2 seats"):
         Table("solo", 1)
+
+
+def _manager(tok, script, **limits):
+    from fakes import ScriptedEngine
+
+    from turnrl.agents import AGENTS
+    from turnrl.render import ChatRenderer
+    from turnrl.rollout import RolloutLimits, RolloutManager
+
+    return RolloutManager(ScriptedEngine(tok, script), ChatRenderer(tok), agents={"env_agent": AGENTS["env_agent"]},
+                          env_factory=lambda sample, config: Count(to=4), limits=RolloutLimits(max_turns=4, **limits))
+
+
+async def test_env_agent_plays_every_seat_of_a_table_as_one_episode(qwen3_tokenizer):
+    manager = _manager(qwen3_tokenizer, lambda rid, turn, prompt: "1")
+    trajs = {t.id: t for t in [t async for t in manager.stream([{"id": "q"}], n=2)]}
+    assert sorted(trajs) == ["q-0", "q-0.s1", "q-1", "q-1.s1"]
+    for k in (0, 1):
+        first, second = trajs[f"q-{k}"], trajs[f"q-{k}.s1"]
+        assert first.parent is None and first.episode_id == second.episode_id == first.id
+        assert second.parent.id == first.id and second.parent.kind == BranchKind.SEAT
+        assert (first.reward, second.reward) == (-1.0, 1.0)  # 1+1+1+1: seat 1 said the fourth
+        assert first.num_turns == second.num_turns == 2 and first.status == second.status == RolloutStatus.COMPLETED
+        assert first.messages[0]["content"] == "seat 0: total 0" and second.messages[0]["content"] == "seat 1: total 1"
+
+
+async def test_a_trajectory_timeout_keeps_every_seat(qwen3_tokenizer):
+    def slow(rid, turn, prompt):
+        if rid.endswith(".s1") and turn == 2:
+            time.sleep(1.0)
+        return "1"
+
+    manager = _manager(qwen3_tokenizer, slow, trajectory_timeout_s=0.5)
+    trajs = {t.id: t for t in [t async for t in manager.stream([{"id": "q"}])]}
+    assert sorted(trajs) == ["q-0", "q-0.s1"]
+    assert trajs["q-0"].termination_reason == TerminationReason.TIMEOUT
+    assert trajs["q-0.s1"].termination_reason == TerminationReason.CANCELLED
+    assert trajs["q-0.s1"].parent.kind == BranchKind.SEAT and trajs["q-0.s1"].episode_id == "q-0"
+    assert trajs["q-0.s1"].num_turns == 2 and trajs["q-0.s1"].reward is None
+
+
+def test_a_seat_step_is_bounded_by_the_table_not_by_env_timeout_s():
+    assert EpisodeEnv.of(Count().seats()[0], timeout_s=60).timeout_s is None
+    plain = type("Plain", (), {"step": lambda self, text: None})()
+    assert EpisodeEnv.of(plain, timeout_s=60).timeout_s == 60

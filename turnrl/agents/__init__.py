@@ -53,11 +53,25 @@ async def play_table(ctx: RolloutContext, table: Table) -> list[Trajectory]:
     game reward (the episode's reward, for its group, is the last seat's: docs/trees.md)."""
     contexts = [ctx, *(dataclasses.replace(ctx, trajectory_id=f"{ctx.trajectory_id}.s{k}", branches=[], partial=None)
                        for k in range(1, table.num_seats))]
-    results = await asyncio.gather(*(drive(c, seat) for c, seat in zip(contexts, table.seats(), strict=True)))
-    seats = [[*c.branches, traj] for c, traj in zip(contexts, results, strict=True)]
+    try:
+        results = await asyncio.gather(*(drive(c, seat) for c, seat in zip(contexts, table.seats(), strict=True)))
+    except asyncio.CancelledError:  # trajectory_timeout_s: the RolloutManager keeps ctx's partial and branches,
+        seats = [[*c.branches, *([c.partial] if c.partial is not None else [])] for c in contexts]  # the other
+        _link(table, seats)                                                                         # seats' too
+        ctx.branches += [t for seat in seats[1:] for t in seat]
+        raise
+    return _link(table, [[*c.branches, traj] for c, traj in zip(contexts, results, strict=True)])
+
+
+def _link(table: Table, seats: list[list[Trajectory]]) -> list[Trajectory]:
+    """Each seat's trajectories (seat 0's first) into one episode, with the seats' game rewards (`play_table`)."""
+    if not seats or not seats[0]:
+        return []
     root = seats[0][0]
     out = []
     for k, trajectories in enumerate(seats):
+        if not trajectories:  # a seat cancelled before its first turn
+            continue
         if k:
             branch(trajectories[0], root, BranchKind.SEAT)
         reward = table.rewards.get(k) if table.rewards is not None else None
