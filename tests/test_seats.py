@@ -16,9 +16,9 @@ from turnrl.types import BranchKind, RolloutStatus, TerminationReason
 class Count(Table):
     """Two seats say numbers in turn; the game ends when the sum reaches `to`: the seat that reached it wins."""
 
-    def __init__(self, to=5, broken_at=None):
+    def __init__(self, to=5, broken_at=None, pad=0):
         super().__init__("count", 2, call_timeout_s=5)
-        self.to, self.broken_at, self.total, self.turn, self.shut = to, broken_at, 0, 0, 0
+        self.to, self.broken_at, self.pad, self.total, self.turn, self.shut = to, broken_at, pad, 0, 0, 0
 
     def start(self):
         self.total = 0
@@ -27,7 +27,8 @@ class Count(Table):
         return self.turn % 2
 
     def observation(self, seat, first):
-        return [{"role": "user", "content": f"{'seat ' + str(seat) + ': ' if first else ''}total {self.total}"}]
+        return [{"role": "user", "content": f"seat {seat}: total {self.total}" if first
+                 else f"total {self.total}" + " go on" * self.pad}]
 
     def play(self, seat, reply):
         if self.broken_at is not None and self.turn == self.broken_at:
@@ -93,7 +94,7 @@ def test_a_table_needs_two_seats():
         Table("solo", 1)
 
 
-def _manager(tok, script, **limits):
+def _manager(tok, script, to=4, pad=0, **limits):
     from fakes import ScriptedEngine
 
     from turnrl.agents import AGENTS
@@ -101,7 +102,7 @@ def _manager(tok, script, **limits):
     from turnrl.rollout import RolloutLimits, RolloutManager
 
     return RolloutManager(ScriptedEngine(tok, script), ChatRenderer(tok), agents={"env_agent": AGENTS["env_agent"]},
-                          env_factory=lambda sample, config: Count(to=4), limits=RolloutLimits(max_turns=4, **limits))
+                          env_factory=lambda sample, config: Count(to, pad=pad), limits=RolloutLimits(max_turns=4, **limits))
 
 
 async def test_env_agent_plays_every_seat_of_a_table_as_one_episode(qwen3_tokenizer):
@@ -136,3 +137,19 @@ def test_a_seat_step_is_bounded_by_the_table_not_by_env_timeout_s():
     assert EpisodeEnv.of(Count().seats()[0], timeout_s=60).timeout_s is None
     plain = type("Plain", (), {"step": lambda self, text: None})()
     assert EpisodeEnv.of(plain, timeout_s=60).timeout_s == 60
+
+
+async def test_a_seat_that_compacts_stays_in_its_seat_and_the_episode(qwen3_tokenizer):
+    from turnrl.rollout.context import ContextPolicy
+
+    manager = _manager(qwen3_tokenizer, lambda rid, turn, prompt: "1", to=6, pad=30, max_new_tokens=8,
+                       context=ContextPolicy(max_tokens=100, strategy="drop_observations", keep_last_turns=0))
+    trajs = {t.id: t for t in [t async for t in manager.stream([{"id": "q"}])]}
+    compacted = sorted(i for i in trajs if ".c" in i)
+    assert compacted == ["q-0.c1", "q-0.s1.c1"], sorted(trajs)  # each seat compacted once, under its own id
+    for i in compacted:
+        assert trajs[i].parent.kind == BranchKind.COMPACTION and trajs[i].parent.id.split(".c")[0] == i.split(".c")[0]
+    assert {t.episode_id for t in trajs.values()} == {"q-0"}
+    assert trajs["q-0.s1"].parent.kind == BranchKind.SEAT and trajs["q-0.s1"].parent.id == "q-0"
+    for t in trajs.values():  # every branch of a seat has that seat's game reward
+        assert t.reward == (1.0 if t.id.startswith("q-0.s1") else -1.0), (t.id, t.reward, t.error)
