@@ -135,6 +135,8 @@ async def test_a_trajectory_timeout_keeps_every_seat(qwen3_tokenizer):
 
 def test_a_seat_step_is_bounded_by_the_table_not_by_env_timeout_s():
     assert EpisodeEnv.of(Count().seats()[0], timeout_s=60).timeout_s is None
+    with pytest.raises(EnvError, match="the env_agent drives its seats"):
+        EpisodeEnv.of(Count())
     plain = type("Plain", (), {"step": lambda self, text: None})()
     assert EpisodeEnv.of(plain, timeout_s=60).timeout_s == 60
 

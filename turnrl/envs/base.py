@@ -296,6 +296,9 @@ class EpisodeEnv:
            threads: EnvThreads | None = None) -> EpisodeEnv:
         if isinstance(env, EpisodeEnv):
             return env
+        if callable(getattr(env, "seats", None)):
+            raise EnvError(f"{type(env).__name__} is a game the policy plays in every seat (a turnrl.envs.seats Table): "
+                           "the env_agent drives its seats; another agent or a scheduler cannot")
         if env is None or not (callable(getattr(env, "step", None)) or callable(getattr(env, "step_turn", None))):
             raise EnvError(f"an environment needs a step(response_text) method; got {type(env).__name__} (does "
                            "build_env return the env?)")

@@ -18,8 +18,8 @@ Multi-player games need `opponent` in env_config: a callable `observation -> act
 `opponent: self` puts the policy in every seat (`SelfPlay`, a turnrl.envs.seats Table): one episode, each seat's
 turns a trajectory of their own (a `seat` branch of seat 0's), each seat's reward its game reward.
 
-env_config keys: num_players (1, or 2 with an opponent), seat, opponent, opponent_kwargs, env_kwargs (for
-`textarena.make`), system_prompt.
+env_config keys: num_players (1, or 2 or more with an opponent; 2 by default with one), seat (not with `self`),
+opponent, opponent_kwargs, env_kwargs (for `textarena.make`), system_prompt.
 """
 
 from __future__ import annotations
