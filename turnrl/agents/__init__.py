@@ -77,6 +77,7 @@ def _link(table: Table, seats: list[list[Trajectory]]) -> list[Trajectory]:
         reward = table.rewards.get(k) if table.rewards is not None else None
         for traj in trajectories:
             traj.episode_id = root.id
+            traj.rollout_infos["seat"] = k  # each seat has a baseline of its own in training (group_advantages)
             if reward is not None and traj.status != RolloutStatus.FAILED:
                 traj.reward = float(reward)
         out += trajectories

@@ -73,23 +73,27 @@ def group_advantages(groups: list[list[Trajectory]], cfg: TrainConfig) -> tuple[
     one `episode_id`: splits, compactions, forks, sub-agents) count once in their group, with the episode's reward:
     its last branch's (where it ended). A branch whose own reward differs (an env or harness that rewards branches)
     is scored against the same group baseline: its advantage is the episode's plus (its reward − the episode's)
-    over the group's std (GRPO; 1 with normalize_std off, and RLOO); a constant group gives every branch 0."""
+    over the group's std (GRPO; 1 with normalize_std off, and RLOO); a constant group gives every branch 0.
+    In a game the policy plays in every seat (`rollout_infos["seat"]` on each seat's trajectories), each seat is an
+    episode of its own against the group's other games' same seat: in a zero-sum game a shared baseline would push
+    the loser's advantage off centre and give a seat that always loses no signal."""
     train_on = set(cfg.algo.train_on)
     kept: list[Trajectory] = []
-    episode_keys: list[tuple[int, str]] = []
+    episode_keys: list[tuple[int, int, str]] = []  # (group, seat, episode): a seat plays against its own kind
     for g, group in enumerate(groups):
         for traj in group:
             if str(traj.status) in train_on and traj.reward is not None:
                 kept.append(traj)
-                episode_keys.append((g, traj.episode_id or traj.id))
+                episode_keys.append((g, int(traj.rollout_infos.get("seat", 0)), traj.episode_id or traj.id))
     if not kept:
         return [], {"train/trained_trajectories": 0.0}
-    episode_reward: dict[tuple[int, str], float] = {}
+    episode_reward: dict[tuple[int, int, str], float] = {}
     for key, traj in zip(episode_keys, kept, strict=True):
         episode_reward[key] = float(traj.reward)  # type: ignore[arg-type]  # the last branch's wins
     episodes = list(episode_reward)
+    baselines = {b: i for i, b in enumerate(dict.fromkeys(e[:2] for e in episodes))}
     rewards_E = torch.tensor([episode_reward[e] for e in episodes], dtype=torch.float64)
-    groups_E = torch.tensor([e[0] for e in episodes])
+    groups_E = torch.tensor([baselines[e[:2]] for e in episodes])
     if cfg.algo.advantage == "rloo":
         adv_E = algos.rloo_advantages(rewards_E, groups_E)
     else:
@@ -98,7 +102,7 @@ def group_advantages(groups: list[list[Trajectory]], cfg: TrainConfig) -> tuple[
     slope = _reward_slope(rewards_E, groups_E, cfg)
     stats = {f"train/{k}": float(v) for k, v in algos.group_reward_stats(rewards_E, groups_E).items()}
     stats["train/trained_trajectories"] = float(len(kept))
-    return [(traj, adv_of[key] + (float(traj.reward) - episode_reward[key]) * slope[key[0]])  # type: ignore[arg-type]
+    return [(traj, adv_of[key] + (float(traj.reward) - episode_reward[key]) * slope[baselines[key[:2]]])  # type: ignore[arg-type]
             for traj, key in zip(kept, episode_keys, strict=True)], stats
 
 
