@@ -123,6 +123,9 @@ class BranchKind(StrEnum):
     """A harness's sub-agent (its own conversation in the same episode, sharing the episode's reward)."""
     SPLIT = "split"
     """A scheduler rewrote the history (ms-swift's thinking tips, trajectory splitting)."""
+    SEAT = "seat"
+    """Another seat of a game the policy plays against itself: that player's own conversation in the same episode,
+    with that player's own reward (turnrl.envs.seats)."""
 
 
 @dataclass(frozen=True)
