@@ -58,7 +58,9 @@ class Evaluator:
                     path: Path) -> dict[str, float]:
         stats = RolloutStats()
         assert self.rollout is not None  # evaluation runs on rank 0, where the rollout is
-        mode = "greedy" if sampling.temperature == 0 else f"sampled at T={sampling.temperature:g}"
+        mode = "greedy" if sampling.temperature == 0 else f"sampled at T={sampling.temperature:g}" + (
+            f", top_p {sampling.top_p:g}" if sampling.top_p < 1 else "") + (
+            f", top_k {sampling.top_k}" if sampling.top_k > 0 else "")
         with TrajectoryWriter(path) as writer, self._task(f"eval {tag} ({mode})", len(self.rows) * n) as advance:
             async for traj in self.rollout.stream(self.rows, n, id_prefix=f"eval-{tag}-", sampling=sampling):
                 stats.add(traj)
