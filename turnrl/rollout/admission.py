@@ -1,0 +1,215 @@
+"""Admission: how many trajectories a rollout lets run at once (`rollout.concurrency: auto | N`).
+
+A fixed N is a gate of N slots. Too low idles the engines; too high overfills their KV cache, which then
+preempts requests (or evicts the cached prefixes of trajectories between turns) and recomputes them: the same
+work done twice. With `auto` the limit follows the engines' KV cache (`Engine.kv_stats()`: the occupancy and
+the preemptions so far; a Router reports its fullest replica):
+
+- headroom (occupancy under `kv_soft_cap`, no new preemption) and the limit in use: grow. Before the first cut
+  the limit doubles per tick (slow start); after it, it grows by a tenth. Either way never past the
+  capacity estimate in_flight * kv_soft_cap / occupancy (prime-rl's n = kappa * C / G: the KV a trajectory
+  holds on average, C the cache), nor past `max_concurrency`.
+- a new preemption, or occupancy past `kv_hard_cap`: cut by half; past `kv_soft_cap`: cut by a tenth. One cut
+  per round trip: the next cut waits until the trajectories in flight have come down to the cut limit.
+- past `kv_hard_cap` nothing new is admitted at all until the occupancy is back under it.
+
+An engine that reports no KV (an HTTP server without a metrics flag) gives no signal: `auto` then grows to
+`max_concurrency` (said once in the log). A row's agent may declare what one of its trajectories costs
+(`admission_cost`: a harness or a sub-agent fan-out that holds several engine requests at once): it takes that
+many slots. The rollout's staleness bound (turnrl.train.buffer) is applied before this: admission only ever
+holds back groups the buffer admitted, never adds any.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from turnrl.engines.base import kv_stats
+
+log = logging.getLogger(__name__)
+
+Concurrency = int | Literal["auto"]
+
+
+@dataclass
+class AdmissionSettings:
+    """How a rollout admits trajectories (config: rollout.concurrency, kv_soft_cap, kv_hard_cap)."""
+
+    concurrency: Concurrency = 64
+    """Trajectories in flight: a number, or `auto` (follow the engines' KV cache)."""
+    kv_soft_cap: float = 0.85
+    """auto: the KV occupancy it aims under; past it the limit is cut by a tenth."""
+    kv_hard_cap: float = 0.95
+    """auto: past this occupancy nothing new is admitted and the limit is halved."""
+    max_concurrency: int = 4096
+    """auto: the limit never grows past this."""
+    initial: int = 4
+    """auto: the limit it starts from."""
+    interval_s: float = 0.05
+    """auto: how often it reads the engines' KV report while trajectories run or wait."""
+
+    def __post_init__(self) -> None:
+        if self.concurrency != "auto" and (isinstance(self.concurrency, bool) or not isinstance(self.concurrency, int)
+                                           or self.concurrency < 1):
+            raise ValueError(f"rollout.concurrency must be 'auto' or an integer >= 1, got {self.concurrency!r}")
+        if not 0 < self.kv_soft_cap <= self.kv_hard_cap <= 1:
+            raise ValueError(f"rollout.kv_soft_cap and kv_hard_cap must satisfy 0 < soft <= hard <= 1, got "
+                             f"{self.kv_soft_cap} and {self.kv_hard_cap}")
+
+    @property
+    def auto(self) -> bool:
+        return self.concurrency == "auto"
+
+
+class Admission:
+    """One event loop's gate: `async with admission.slot(cost)` around each trajectory. Fixed or auto
+    (module docstring); `stats()` for the metrics."""
+
+    def __init__(self, settings: AdmissionSettings, engine: Any = None):
+        self.settings, self.engine = settings, engine
+        s = settings
+        self.limit = min(s.initial, s.max_concurrency) if s.auto else int(s.concurrency)  # type: ignore[arg-type]
+        self.in_flight = 0
+        self.occupancy: float | None = None
+        self.preemptions = 0
+        self.cuts = 0
+        self._base_preemptions: int | None = None
+        self._blocked = False  # past the hard cap
+        self._cut_pending = False  # a cut waits for in_flight to come down to it before the next
+        self._waiters: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
+        self._ticker: asyncio.Task | None = None
+        self._last_tick = 0.0
+        self._warned = False
+
+    def slot(self, cost: int = 1) -> _Slot:
+        return _Slot(self, max(1, int(cost)))
+
+    async def acquire(self, cost: int = 1) -> None:
+        self._maybe_tick()
+        if not self._waiters and self._fits(cost):
+            self.in_flight += cost
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append((cost, fut))
+        self._ensure_ticker()
+        try:
+            await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled():  # admitted just as we were cancelled: give it back
+                self.release(cost)
+            else:
+                self._waiters = collections.deque(w for w in self._waiters if w[1] is not fut)
+            raise
+
+    def release(self, cost: int = 1) -> None:
+        self.in_flight -= cost
+        self._maybe_tick()
+        self._wake()
+
+    def _fits(self, cost: int) -> bool:
+        if self._blocked:
+            return False
+        # a trajectory that costs more than the whole limit still runs, alone
+        return self.in_flight + cost <= self.limit or self.in_flight == 0
+
+    def _wake(self) -> None:
+        while self._waiters and self._fits(self._waiters[0][0]):
+            cost, fut = self._waiters.popleft()
+            if not fut.done():
+                self.in_flight += cost
+                fut.set_result(None)
+
+    def _ensure_ticker(self) -> None:
+        if self.settings.auto and (self._ticker is None or self._ticker.done()):
+            self._ticker = asyncio.get_running_loop().create_task(self._tick_while_waiting())
+
+    async def _tick_while_waiting(self) -> None:
+        while self._waiters:
+            await asyncio.sleep(self.settings.interval_s)
+            self._maybe_tick()
+            self._wake()
+
+    def _maybe_tick(self) -> None:
+        now = time.monotonic()
+        if now - self._last_tick >= self.settings.interval_s:
+            self._last_tick = now
+            self.tick()
+
+    def tick(self) -> None:
+        """Read the engines' KV report and move the limit (module docstring)."""
+        s = self.settings
+        report = kv_stats(self.engine) if self.engine is not None else None
+        if report is None:
+            if s.auto and not self._warned:
+                self._warned = True
+                log.info("rollout.concurrency auto: the engine reports no KV occupancy; admission grows to %d",
+                         s.max_concurrency)
+            if s.auto:
+                self._grow(s.max_concurrency)
+            return
+        if self._base_preemptions is None:
+            self._base_preemptions = report.preemptions
+        new_preemptions = report.preemptions - self._base_preemptions - self.preemptions
+        self.preemptions += max(new_preemptions, 0)
+        self.occupancy = occ = report.occupancy
+        if not s.auto:  # a fixed limit: the report is only shown (metrics)
+            return
+        self._blocked = occ >= s.kv_hard_cap
+        if self._cut_pending and self.in_flight <= self.limit:
+            self._cut_pending = False
+        if new_preemptions > 0 or occ >= s.kv_hard_cap:
+            self._cut(0.5)
+        elif occ > s.kv_soft_cap:
+            self._cut(0.9)
+        elif self.in_flight >= self.limit or self._waiters:  # the limit is what holds trajectories back
+            target = s.max_concurrency if occ <= 0 or self.in_flight == 0 else \
+                max(self.limit, math.floor(self.in_flight * s.kv_soft_cap / occ))
+            self._grow(target)
+
+    def _grow(self, target: int) -> None:
+        step = self.limit if self.cuts == 0 else max(1, self.limit // 10)
+        self.limit = max(self.limit, min(self.limit + step, target, self.settings.max_concurrency))
+
+    def _cut(self, factor: float) -> None:
+        if self._cut_pending:
+            return
+        self.limit = max(1, math.floor(min(self.limit, max(self.in_flight, 1)) * factor))
+        self.cuts += 1
+        self._cut_pending = self.in_flight > self.limit
+
+    def stats(self) -> dict[str, float]:
+        """Read now: rollout/concurrency (the limit now), rollout/kv_occupancy (when reported), rollout/preemptions (since
+        this gate started)."""
+        self.tick()
+        out = {"concurrency": float(self.limit), "in_flight": float(self.in_flight),
+               "preemptions": float(self.preemptions)}
+        if self.occupancy is not None:
+            out["kv_occupancy"] = self.occupancy
+        return out
+
+
+class _Slot:
+    def __init__(self, admission: Admission, cost: int):
+        self.admission, self.cost = admission, cost
+
+    async def __aenter__(self) -> None:
+        await self.admission.acquire(self.cost)
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.admission.release(self.cost)
+
+
+def admission_cost(agent: Any, row: dict[str, Any]) -> int:
+    """What one trajectory of `agent` on `row` costs in admission slots: the agent's declared
+    `admission_cost` (a number, or a function of the row), else 1."""
+    declared = getattr(agent, "admission_cost", 1)
+    cost = declared(row) if callable(declared) else declared
+    if isinstance(cost, bool) or not isinstance(cost, int) or cost < 1:
+        raise ValueError(f"agent admission_cost must be an integer >= 1, got {cost!r}")
+    return cost
