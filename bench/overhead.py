@@ -54,8 +54,12 @@ def _imports() -> dict[str, Any]:
         from turnrl.serve.sessions import ChatProxy
     except ImportError:  # main 9dd981a: one serve module, the proxy beside it
         from turnrl.proxy import ChatProxy  # type: ignore[no-redef]
+
         from turnrl.serve import create_app  # type: ignore[no-redef,attr-defined]
-    return locals()
+    return {"AGENTS": AGENTS, "load_tokenizer": load_tokenizer, "ChatRenderer": ChatRenderer,
+            "RolloutLimits": RolloutLimits, "RolloutManager": RolloutManager, "FinishReason": FinishReason,
+            "GenerateOutput": GenerateOutput, "SamplingParams": SamplingParams, "create_app": create_app,
+            "ChatProxy": ChatProxy}
 
 
 class ZeroEngine:

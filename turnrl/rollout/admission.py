@@ -74,7 +74,7 @@ class Admission:
     def __init__(self, settings: AdmissionSettings, engine: Any = None):
         self.settings, self.engine = settings, engine
         s = settings
-        self.limit = min(s.initial, s.max_concurrency) if s.auto else int(s.concurrency)  # type: ignore[arg-type]
+        self.limit = min(s.initial, s.max_concurrency) if s.auto else int(s.concurrency)
         self.in_flight = 0
         self.occupancy: float | None = None
         self.preemptions = 0
@@ -167,7 +167,7 @@ class Admission:
             self._cut(0.5)
         elif occ > s.kv_soft_cap:
             self._cut(0.9)
-        elif self.in_flight >= self.limit or self._waiters:  # the limit is what holds trajectories back
+        elif not self._cut_pending and (self.in_flight >= self.limit or self._waiters):  # the limit holds them back
             target = s.max_concurrency if occ <= 0 or self.in_flight == 0 else \
                 max(self.limit, math.floor(self.in_flight * s.kv_soft_cap / occ))
             self._grow(target)
