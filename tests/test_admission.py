@@ -30,38 +30,55 @@ class Reports:
 
 
 async def test_auto_grows_with_headroom_and_cuts_on_preemption_and_the_caps():
-    engine = Reports()
-    gate = Admission(AdmissionSettings("auto", kv_soft_cap=0.8, kv_hard_cap=0.9, initial=2), engine)
-    held = []
+    engine, now = Reports(), [0.0]
+    gate = Admission(AdmissionSettings("auto", kv_soft_cap=0.8, kv_hard_cap=0.9, initial=2), engine,
+                     clock=lambda: now[0])
     for _ in range(2):
         await gate.acquire()
-        held.append(1)
-    assert gate.limit == 2
-    gate.tick()  # 2 in flight at 10% of the cache: grows (slow start doubles)
+    gate.release(1, held_s=1.0)  # a trajectory held its slot 1 s: the round trip
+    await gate.acquire()
+    assert gate.limit == 2 and gate.round_trip(now[0]) == 1.0
+    now[0] = 0.6
+    gate.tick()  # 2 in flight at 10% of the cache: slow start doubles (at most twice per round trip)
     assert gate.limit == 4
+    gate.tick()
+    assert gate.limit == 4  # not again within half a round trip
     for _ in range(2):
         await gate.acquire()
+    now[0] = 1.2
     gate.tick()
     assert gate.limit == 8
-    engine.preemptions = 1  # a preemption halves the limit under what is in flight
+    engine.preemptions = 1  # a preemption cuts to 0.7 of what is in flight
     gate.tick()
-    assert gate.limit == 2 and gate.preemptions == 1
-    gate.tick()  # one cut per round trip: no second cut before in-flight came down
-    assert gate.limit == 2
-    for _ in range(2):
-        gate.release()
+    assert gate.limit == 2 and gate.preemptions == 1  # floor(4 * 0.7)
+    engine.preemptions = 2
+    now[0] = 1.7
+    gate.tick()  # one cut per round trip, and no growth in it
+    assert gate.limit == 2 and gate.preemptions == 2
+    for _ in range(3):
+        gate.release(1, held_s=1.0)
     engine.occupancy = 0.95  # past the hard cap nothing is admitted at all
+    now[0] = 2.3
     gate.tick()
-    assert gate.limit == 1
+    assert gate.limit == 1  # and it halves
     waiter = asyncio.ensure_future(gate.acquire())
     await asyncio.sleep(0.01)
     assert not waiter.done()
     engine.occupancy = 0.2
-    gate.release()
-    gate.release()
+    gate.release(1, held_s=1.0)
+    now[0] = 2.4
+    gate._maybe_tick()
+    gate._wake()
     await asyncio.wait_for(waiter, 1)  # back under the cap: admitted
     stats = gate.stats()
-    assert stats["concurrency"] >= 1 and stats["kv_occupancy"] == pytest.approx(0.2) and stats["preemptions"] == 1
+    assert stats["concurrency"] >= 1 and stats["kv_occupancy"] == pytest.approx(0.2) and stats["preemptions"] == 2
+    gate.limit = 10
+    for _ in range(9):
+        await gate.acquire()
+    engine.occupancy = 0.85  # past the soft cap: cut by a tenth
+    now[0] = 4.0
+    gate.tick()
+    assert gate.limit == 9
 
 
 async def test_a_fixed_limit_is_a_gate_of_that_many_slots_and_costs_count():

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from turnrl.engines.base import EngineError, InvalidRequest, NamedTensors, check_pause
+from turnrl.engines.base import EngineError, InvalidRequest, KVStats, NamedTensors, check_pause
 from turnrl.moe import RoutingRecorder, router_top_k
 from turnrl.types import (
     SAMPLING_RULES,
@@ -337,7 +337,7 @@ class EmbeddedEngine:
         self._updating = False  # between the first and the final bucket of a streamed weight update
         self._deferred: list[tuple] = []  # commands held until the running requests finish (pause=wait)
         self.stats = {"decode_steps": 0, "prefill_forwards": 0, "prefill_tokens": 0, "cached_prompt_tokens": 0,
-                      "generated_tokens": 0, "requests": 0, "busy_s": 0.0}
+                      "generated_tokens": 0, "requests": 0, "busy_s": 0.0, "evicted_prefixes": 0}
         self._thread = threading.Thread(target=self._run, name="turnrl-engine", daemon=True)
         self._thread.start()
 
@@ -406,6 +406,14 @@ class EmbeddedEngine:
 
     async def release(self, request_id: str) -> None:
         await self._call(("release", request_id))
+
+    def kv_stats(self) -> KVStats | None:
+        """Its cache of trajectories' KV between turns (`prefix_cache_tokens`): the share in use, and the parked
+        prefixes of live trajectories evicted to make room (each recomputed at that trajectory's next turn, as a
+        server recomputes a preempted request). None without a prefix cache."""
+        if not self.prefix_cache_tokens:
+            return None
+        return KVStats(min(self._parked_tokens / self.prefix_cache_tokens, 1.0), self.stats["evicted_prefixes"])
 
     async def sleep(self) -> None:
         await self._call(("sleep",))
@@ -571,6 +579,7 @@ class EmbeddedEngine:
         self._parked_tokens += len(tokens)
         while self._parked_tokens > self.prefix_cache_tokens:
             self._unpark(next(iter(self._parked)))
+            self.stats["evicted_prefixes"] += 1  # a live trajectory's KV: its next turn recomputes it
 
     def _unpark(self, request_id: str):
         entry = self._parked.pop(request_id, None)

@@ -6,11 +6,13 @@ work done twice. With `auto` the limit follows the engines' KV cache (`Engine.kv
 the preemptions so far; a Router reports its fullest replica):
 
 - headroom (occupancy under `kv_soft_cap`, no new preemption) and the limit in use: grow. Before the first cut
-  the limit doubles per tick (slow start); after it, it grows by a tenth. Either way never past the
-  capacity estimate in_flight * kv_soft_cap / occupancy (prime-rl's n = kappa * C / G: the KV a trajectory
-  holds on average, C the cache), nor past `max_concurrency`.
-- a new preemption, or occupancy past `kv_hard_cap`: cut by half; past `kv_soft_cap`: cut by a tenth. One cut
-  per round trip: the next cut waits until the trajectories in flight have come down to the cut limit.
+  the limit doubles twice per round trip (slow start: a round trip is how long a trajectory holds its slot);
+  after it, it grows by a twentieth per quarter round trip. Either way never past the capacity estimate
+  in_flight * kv_soft_cap / occupancy (prime-rl's n = kappa * C / G: G the KV a trajectory holds on average,
+  C the cache), nor past `max_concurrency`.
+- a new preemption: cut to 0.7 of what is in flight; occupancy past `kv_hard_cap`: by half; past `kv_soft_cap`:
+  by a tenth. One cut per round trip (what a cut does shows only once the trajectories it held back would have
+  finished), and no growth in the round trip after a cut.
 - past `kv_hard_cap` nothing new is admitted at all until the occupancy is back under it.
 
 An engine that reports no KV (an HTTP server without a metrics flag) gives no signal: `auto` then grows to
@@ -28,6 +30,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, Literal
 
 from turnrl.engines.base import kv_stats
@@ -71,8 +74,8 @@ class Admission:
     """One event loop's gate: `async with admission.slot(cost)` around each trajectory. Fixed or auto
     (module docstring); `stats()` for the metrics."""
 
-    def __init__(self, settings: AdmissionSettings, engine: Any = None):
-        self.settings, self.engine = settings, engine
+    def __init__(self, settings: AdmissionSettings, engine: Any = None, clock: Callable[[], float] = time.monotonic):
+        self.settings, self.engine, self.clock = settings, engine, clock
         s = settings
         self.limit = min(s.initial, s.max_concurrency) if s.auto else int(s.concurrency)
         self.in_flight = 0
@@ -81,7 +84,9 @@ class Admission:
         self.cuts = 0
         self._base_preemptions: int | None = None
         self._blocked = False  # past the hard cap
-        self._cut_pending = False  # a cut waits for in_flight to come down to it before the next
+        self._rtt: float | None = None  # how long a trajectory holds its slot (moving average)
+        self._t_first: float | None = None
+        self._last_grow = self._last_cut = -math.inf
         self._waiters: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
         self._ticker: asyncio.Task | None = None
         self._last_tick = 0.0
@@ -91,6 +96,8 @@ class Admission:
         return _Slot(self, max(1, int(cost)))
 
     async def acquire(self, cost: int = 1) -> None:
+        if self._t_first is None:
+            self._t_first = self.clock()
         self._maybe_tick()
         if not self._waiters and self._fits(cost):
             self.in_flight += cost
@@ -107,8 +114,10 @@ class Admission:
                 self._waiters = collections.deque(w for w in self._waiters if w[1] is not fut)
             raise
 
-    def release(self, cost: int = 1) -> None:
+    def release(self, cost: int = 1, held_s: float | None = None) -> None:
         self.in_flight -= cost
+        if held_s is not None:
+            self._rtt = held_s if self._rtt is None else 0.8 * self._rtt + 0.2 * held_s
         self._maybe_tick()
         self._wake()
 
@@ -136,7 +145,7 @@ class Admission:
             self._wake()
 
     def _maybe_tick(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         if now - self._last_tick >= self.settings.interval_s:
             self._last_tick = now
             self.tick()
@@ -161,27 +170,43 @@ class Admission:
         if not s.auto:  # a fixed limit: the report is only shown (metrics)
             return
         self._blocked = occ >= s.kv_hard_cap
-        if self._cut_pending and self.in_flight <= self.limit:
-            self._cut_pending = False
+        now = self.clock()
+        rtt = self.round_trip(now)
         if new_preemptions > 0 or occ >= s.kv_hard_cap:
-            self._cut(0.5)
+            self._cut(0.5 if occ >= s.kv_hard_cap else 0.7, now, rtt)
         elif occ > s.kv_soft_cap:
-            self._cut(0.9)
-        elif not self._cut_pending and (self.in_flight >= self.limit or self._waiters):  # the limit holds them back
+            self._cut(0.9, now, rtt)
+        elif (self.in_flight >= self.limit or self._waiters) and now - self._last_cut >= rtt:  # the limit binds
             target = s.max_concurrency if occ <= 0 or self.in_flight == 0 else \
                 max(self.limit, math.floor(self.in_flight * s.kv_soft_cap / occ))
-            self._grow(target)
+            self._grow(target, now, rtt)
 
-    def _grow(self, target: int) -> None:
-        step = self.limit if self.cuts == 0 else max(1, self.limit // 10)
+    def round_trip(self, now: float) -> float:
+        """How long a trajectory holds its slot: the moving average of those finished, else (none yet) the time
+        since the first was admitted, a lower bound."""
+        if self._rtt is not None:
+            return max(self._rtt, self.settings.interval_s)
+        return max(now - (self._t_first if self._t_first is not None else now), self.settings.interval_s)
+
+    def _grow(self, target: int, now: float | None = None, rtt: float = 0.0) -> None:
+        """Slow start (double, twice per round trip) until the first cut, then a twentieth per quarter round trip:
+        never past `target` or max_concurrency."""
+        slow = self.cuts == 0
+        if now is not None:
+            if now - self._last_grow < rtt / (2 if slow else 4):
+                return
+            self._last_grow = now
+        step = self.limit if slow else max(1, self.limit // 20)
         self.limit = max(self.limit, min(self.limit + step, target, self.settings.max_concurrency))
 
-    def _cut(self, factor: float) -> None:
-        if self._cut_pending:
+    def _cut(self, factor: float, now: float, rtt: float) -> None:
+        """At most one cut per round trip: what the last cut did shows only once the trajectories it held back
+        would have finished."""
+        if now - self._last_cut < rtt:
             return
         self.limit = max(1, math.floor(min(self.limit, max(self.in_flight, 1)) * factor))
         self.cuts += 1
-        self._cut_pending = self.in_flight > self.limit
+        self._last_cut = now
 
     def stats(self) -> dict[str, float]:
         """Read now: rollout/concurrency (the limit now), rollout/kv_occupancy (when reported), rollout/preemptions (since
@@ -200,9 +225,10 @@ class _Slot:
 
     async def __aenter__(self) -> None:
         await self.admission.acquire(self.cost)
+        self.t0 = self.admission.clock()
 
     async def __aexit__(self, *exc: Any) -> None:
-        self.admission.release(self.cost)
+        self.admission.release(self.cost, self.admission.clock() - self.t0)
 
 
 def admission_cost(agent: Any, row: dict[str, Any]) -> int:

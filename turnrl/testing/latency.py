@@ -64,8 +64,8 @@ class LatencyEngine:
     when the running requests grow past the budget, the one admitted last is preempted: it loses its KV, waits
     again and recomputes prompt and tokens when it rejoins. Recomputing (any prompt token not cached) costs
     `prefill_per_token_s` per token in that step. `kv_stats()` reports the occupancy (KV held by running
-    requests over the budget) and the preemptions so far (evictions of a live trajectory's cached prefix count
-    too: it is recomputed the same way).
+    requests and cached for live trajectories, over the budget) and the preemptions so far (evictions of a live
+    trajectory's cached prefix count too: it is recomputed the same way).
     """
 
     def __init__(self, reply_ids: Sequence[int], *, per_token_s: float = 0.01, max_batch: int = 64,
@@ -158,7 +158,7 @@ class LatencyEngine:
     def kv_stats(self) -> KVStats | None:
         if self.kv_tokens is None:
             return None
-        held = sum(p.kv for p in self._queue)
+        held = sum(p.kv for p in self._queue) + sum(self._cached.values())
         return KVStats(min(held / self.kv_tokens, 1.0), self.stats["preemptions"])
 
     def _finish(self, pending: _Pending, *, preempted: bool) -> None:
