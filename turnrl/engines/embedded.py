@@ -413,7 +413,7 @@ class EmbeddedEngine:
         server recomputes a preempted request). None without a prefix cache."""
         if not self.prefix_cache_tokens:
             return None
-        return KVStats(min(self._parked_tokens / self.prefix_cache_tokens, 1.0), self.stats["evicted_prefixes"])
+        return KVStats(min(self._parked_tokens / self.prefix_cache_tokens, 1.0), int(self.stats["evicted_prefixes"]))
 
     async def sleep(self) -> None:
         await self._call(("sleep",))

@@ -5,9 +5,9 @@ preempts requests (or evicts the cached prefixes of trajectories between turns) 
 work done twice. With `auto` the limit follows the engines' KV cache (`Engine.kv_stats()`: the occupancy and
 the preemptions so far; a Router reports its fullest replica):
 
-- headroom (occupancy under `kv_soft_cap`, no new preemption) and the limit in use: grow. Before the first cut
-  the limit doubles twice per round trip (slow start: a round trip is how long a trajectory holds its slot);
-  after it, it grows by a twentieth per quarter round trip. Either way never past the capacity estimate
+- headroom (occupancy under `kv_soft_cap`, no new preemption) and the limit in use: grow. Until the first cut
+  and while the occupancy is under half the soft cap, the limit doubles twice per round trip (slow start: a
+  round trip is how long a trajectory holds its slot); else it grows by a twentieth per quarter round trip. Either way never past the capacity estimate
   in_flight * kv_soft_cap / occupancy (prime-rl's n = kappa * C / G: G the KV a trajectory holds on average,
   C the cache), nor past `max_concurrency`.
 - a new preemption: cut to 0.7 of what is in flight; occupancy past `kv_hard_cap`: by half; past `kv_soft_cap`:
@@ -29,8 +29,8 @@ import collections
 import logging
 import math
 import time
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from turnrl.engines.base import kv_stats
@@ -91,6 +91,8 @@ class Admission:
         self._ticker: asyncio.Task | None = None
         self._last_tick = 0.0
         self._warned = False
+        self.admitted_past_hard_cap = 0
+        """Trajectories admitted while the last KV report was past kv_hard_cap (auto: none, by construction)."""
 
     def slot(self, cost: int = 1) -> _Slot:
         return _Slot(self, max(1, int(cost)))
@@ -100,7 +102,7 @@ class Admission:
             self._t_first = self.clock()
         self._maybe_tick()
         if not self._waiters and self._fits(cost):
-            self.in_flight += cost
+            self._admit(cost)
             return
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append((cost, fut))
@@ -131,8 +133,13 @@ class Admission:
         while self._waiters and self._fits(self._waiters[0][0]):
             cost, fut = self._waiters.popleft()
             if not fut.done():
-                self.in_flight += cost
+                self._admit(cost)
                 fut.set_result(None)
+
+    def _admit(self, cost: int) -> None:
+        self.in_flight += cost
+        if self.occupancy is not None and self.occupancy >= self.settings.kv_hard_cap:
+            self.admitted_past_hard_cap += 1
 
     def _ensure_ticker(self) -> None:
         if self.settings.auto and (self._ticker is None or self._ticker.done()):
@@ -179,7 +186,7 @@ class Admission:
         elif (self.in_flight >= self.limit or self._waiters) and now - self._last_cut >= rtt:  # the limit binds
             target = s.max_concurrency if occ <= 0 or self.in_flight == 0 else \
                 max(self.limit, math.floor(self.in_flight * s.kv_soft_cap / occ))
-            self._grow(target, now, rtt)
+            self._grow(target, now, rtt, slow=self.cuts == 0 and occ < s.kv_soft_cap / 2)
 
     def round_trip(self, now: float) -> float:
         """How long a trajectory holds its slot: the moving average of those finished, else (none yet) the time
@@ -188,10 +195,9 @@ class Admission:
             return max(self._rtt, self.settings.interval_s)
         return max(now - (self._t_first if self._t_first is not None else now), self.settings.interval_s)
 
-    def _grow(self, target: int, now: float | None = None, rtt: float = 0.0) -> None:
-        """Slow start (double, twice per round trip) until the first cut, then a twentieth per quarter round trip:
-        never past `target` or max_concurrency."""
-        slow = self.cuts == 0
+    def _grow(self, target: int, now: float | None = None, rtt: float = 0.0, slow: bool = True) -> None:
+        """Slow start (double, twice per round trip), else a twentieth per quarter round trip: never past `target`
+        or max_concurrency."""
         if now is not None:
             if now - self._last_grow < rtt / (2 if slow else 4):
                 return
