@@ -108,6 +108,13 @@ def workers(args: argparse.Namespace, console: Console) -> None:
         handles = [RolloutWorker.remote(functools.partial(_zero_manager, 4), []) for _ in range(w)]  # type: ignore[attr-defined]
         ray.get([h.ready.remote() for h in handles])
         pools[w] = RayRollout(handles, None, None, None)  # type: ignore[arg-type]  # stream only
+
+    async def warm(rollout: RayRollout) -> None:  # first calls in a worker compile templates, import lazily
+        async for _ in rollout.stream(rows[: 50 * len(rollout.workers)], 1):
+            pass
+
+    for rollout in pools.values():
+        asyncio.run(warm(rollout))
     for _ in range(args.rounds):
         for w in args.workers:
             async def run(rollout: RayRollout) -> float:
