@@ -12,7 +12,8 @@ the preemptions so far; a Router reports its fullest replica):
   C the cache), nor past `max_concurrency`.
 - a new preemption: cut to 0.7 of what is in flight; occupancy past `kv_hard_cap`: by half; past `kv_soft_cap`:
   by a tenth. One cut per round trip (what a cut does shows only once the trajectories it held back would have
-  finished), and no growth in the round trip after a cut.
+  finished), and no growth in the round trip after a cut or a preemption (a preempted request holds no KV:
+  the occupancy reads low while the cache thrashes).
 - past `kv_hard_cap` nothing new is admitted at all until the occupancy is back under it.
 
 An engine that reports no KV (an HTTP server without a metrics flag) gives no signal: `auto` then grows to
@@ -86,7 +87,7 @@ class Admission:
         self._blocked = False  # past the hard cap
         self._rtt: float | None = None  # how long a trajectory holds its slot (moving average)
         self._t_first: float | None = None
-        self._last_grow = self._last_cut = -math.inf
+        self._last_grow = self._last_cut = self._last_preemption = -math.inf
         self._waiters: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
         self._ticker: asyncio.Task | None = None
         self._last_tick = 0.0
@@ -179,11 +180,14 @@ class Admission:
         self._blocked = occ >= s.kv_hard_cap
         now = self.clock()
         rtt = self.round_trip(now)
+        if new_preemptions > 0:
+            self._last_preemption = now
         if new_preemptions > 0 or occ >= s.kv_hard_cap:
             self._cut(0.5 if occ >= s.kv_hard_cap else 0.7, now, rtt)
         elif occ > s.kv_soft_cap:
             self._cut(0.9, now, rtt)
-        elif (self.in_flight >= self.limit or self._waiters) and now - self._last_cut >= rtt:  # the limit binds
+        elif ((self.in_flight >= self.limit or self._waiters) and now - self._last_cut >= rtt
+              and now - self._last_preemption >= rtt):  # the limit binds, and a round trip went by without trouble
             target = s.max_concurrency if occ <= 0 or self.in_flight == 0 else \
                 max(self.limit, math.floor(self.in_flight * s.kv_soft_cap / occ))
             self._grow(target, now, rtt, slow=self.cuts == 0 and occ < s.kv_soft_cap / 2)
