@@ -35,27 +35,28 @@ async def test_auto_grows_with_headroom_and_cuts_on_preemption_and_the_caps():
                      clock=lambda: now[0])
     for _ in range(2):
         await gate.acquire()
-    gate.release(1, held_s=1.0)  # a trajectory held its slot 1 s: the round trip
-    await gate.acquire()
-    assert gate.limit == 2 and gate.round_trip(now[0]) == 1.0
-    now[0] = 0.6
-    gate.tick()  # 2 in flight at 10% of the cache: slow start doubles (at most twice per round trip)
-    assert gate.limit == 4
-    gate.tick()
-    assert gate.limit == 4  # not again within half a round trip
+    gate.tick()  # reads 10% occupancy
+    assert gate.limit == 2
+    gate.release(1, held_s=1.0)  # slow start: each finished trajectory adds a slot (clocked by completions)
+    assert gate.limit == 3 and gate.round_trip(now[0]) == 1.0
     for _ in range(2):
         await gate.acquire()
-    now[0] = 1.2
-    gate.tick()
-    assert gate.limit == 8
+    gate.release(1, held_s=1.0)
+    assert gate.limit == 4
+    for _ in range(2):
+        await gate.acquire()
+    assert gate.in_flight == 4
     engine.preemptions = 1  # a preemption cuts to 0.7 of what is in flight
+    now[0] = 0.5
     gate.tick()
     assert gate.limit == 2 and gate.preemptions == 1  # floor(4 * 0.7)
     engine.preemptions = 2
-    now[0] = 1.7
-    gate.tick()  # one cut per round trip, and no growth in it
+    now[0] = 1.0
+    gate.tick()  # one cut per round trip
     assert gate.limit == 2 and gate.preemptions == 2
-    for _ in range(3):
+    gate.release(1, held_s=1.0)
+    assert gate.limit == 2  # and no growth within a round trip of a preemption
+    for _ in range(2):
         gate.release(1, held_s=1.0)
     engine.occupancy = 0.95  # past the hard cap nothing is admitted at all
     now[0] = 2.3

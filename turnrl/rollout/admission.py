@@ -5,9 +5,11 @@ preempts requests (or evicts the cached prefixes of trajectories between turns) 
 work done twice. With `auto` the limit follows the engines' KV cache (`Engine.kv_stats()`: the occupancy and
 the preemptions so far; a Router reports its fullest replica):
 
-- headroom (occupancy under `kv_soft_cap`, no new preemption) and the limit in use: grow. Until the first cut
-  and while the occupancy is under half the soft cap, the limit doubles twice per round trip (slow start: a
-  round trip is how long a trajectory holds its slot); else it grows by a twentieth per quarter round trip. Either way never past the capacity estimate
+- headroom (occupancy under `kv_soft_cap`, no preemption or cut in the last round trip: how long a trajectory
+  holds its slot) and the limit in use: grow, clocked by finished trajectories (as TCP's window is by
+  acknowledgements: a slow engine or a loaded machine slows the growth too). Until the first cut and while the
+  occupancy is under half the soft cap each finished trajectory adds one slot (doubling per round trip: slow
+  start); after, a twentieth of the limit per round trip. Either way never past the capacity estimate
   in_flight * kv_soft_cap / occupancy (prime-rl's n = kappa * C / G: G the KV a trajectory holds on average,
   C the cache), nor past `max_concurrency`.
 - a new preemption: cut to 0.7 of what is in flight; occupancy past `kv_hard_cap`: by half; past `kv_soft_cap`:
@@ -87,7 +89,8 @@ class Admission:
         self._blocked = False  # past the hard cap
         self._rtt: float | None = None  # how long a trajectory holds its slot (moving average)
         self._t_first: float | None = None
-        self._last_grow = self._last_cut = self._last_preemption = -math.inf
+        self._last_cut = self._last_preemption = -math.inf
+        self._credit = 0.0
         self._waiters: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
         self._ticker: asyncio.Task | None = None
         self._last_tick = 0.0
@@ -118,11 +121,35 @@ class Admission:
             raise
 
     def release(self, cost: int = 1, held_s: float | None = None) -> None:
+        binding = self.in_flight >= self.limit or bool(self._waiters)
         self.in_flight -= cost
         if held_s is not None:
             self._rtt = held_s if self._rtt is None else 0.8 * self._rtt + 0.2 * held_s
         self._maybe_tick()
+        if self.settings.auto and held_s is not None and binding:
+            self._on_finished(cost)
         self._wake()
+
+    def _on_finished(self, cost: int) -> None:
+        """Growth, clocked by finished trajectories (as TCP's window is by acknowledgements, so a slow machine or
+        engine slows it too): in slow start (no cut yet, occupancy under half the soft cap) each one adds its
+        cost, doubling the limit per round trip; after, each adds cost / 20, a twentieth per round trip. Only
+        with a KV report under the soft cap, a round trip after the last cut or preemption, and never past the
+        capacity estimate in_flight * kv_soft_cap / occupancy or max_concurrency."""
+        s, occ = self.settings, self.occupancy
+        now = self.clock()
+        rtt = self.round_trip(now)
+        if occ is None or occ > s.kv_soft_cap or now - self._last_cut < rtt or now - self._last_preemption < rtt:
+            return
+        slow = self.cuts == 0 and occ < s.kv_soft_cap / 2
+        self._credit += cost if slow else cost * max(1, self.limit // 20) / self.limit
+        step = math.floor(self._credit)
+        if step < 1:
+            return
+        self._credit -= step
+        busy = self.in_flight + cost
+        target = s.max_concurrency if occ <= 0 or busy == 0 else math.floor(busy * s.kv_soft_cap / occ)
+        self.limit = max(self.limit, min(self.limit + step, target, s.max_concurrency))
 
     def _fits(self, cost: int) -> bool:
         if self._blocked:
@@ -186,11 +213,6 @@ class Admission:
             self._cut(0.5 if occ >= s.kv_hard_cap else 0.7, now, rtt)
         elif occ > s.kv_soft_cap:
             self._cut(0.9, now, rtt)
-        elif ((self.in_flight >= self.limit or self._waiters) and now - self._last_cut >= rtt
-              and now - self._last_preemption >= rtt):  # the limit binds, and a round trip went by without trouble
-            target = s.max_concurrency if occ <= 0 or self.in_flight == 0 else \
-                max(self.limit, math.floor(self.in_flight * s.kv_soft_cap / occ))
-            self._grow(target, now, rtt, slow=self.cuts == 0 and occ < s.kv_soft_cap / 2)
 
     def round_trip(self, now: float) -> float:
         """How long a trajectory holds its slot: the moving average of those finished, else (none yet) the time
@@ -199,15 +221,9 @@ class Admission:
             return max(self._rtt, self.settings.interval_s)
         return max(now - (self._t_first if self._t_first is not None else now), self.settings.interval_s)
 
-    def _grow(self, target: int, now: float | None = None, rtt: float = 0.0, slow: bool = True) -> None:
-        """Slow start (double, twice per round trip), else a twentieth per quarter round trip: never past `target`
-        or max_concurrency."""
-        if now is not None:
-            if now - self._last_grow < rtt / (2 if slow else 4):
-                return
-            self._last_grow = now
-        step = self.limit if slow else max(1, self.limit // 20)
-        self.limit = max(self.limit, min(self.limit + step, target, self.settings.max_concurrency))
+    def _grow(self, target: int) -> None:
+        """No KV report: double toward `target` (max_concurrency) per tick."""
+        self.limit = max(self.limit, min(2 * self.limit, target, self.settings.max_concurrency))
 
     def _cut(self, factor: float, now: float, rtt: float) -> None:
         """At most one cut per round trip: what the last cut did shows only once the trajectories it held back
