@@ -48,9 +48,12 @@ def test_group_advantages_drop_failed_and_share_split_episodes():
     assert adv["e1"] == adv["e2"] == pytest.approx(0.70710, abs=1e-4)
     assert stats["train/trained_trajectories"] == 6.0
 
-    groups[2][1].reward = 0.0
-    with pytest.raises(ValueError, match="unequal rewards"):
-        group_advantages(groups, cfg)
+    # a per-branch reward: the episode counts once with its last branch's reward (1.0: baseline unchanged), and the
+    # branch rewarded 0.5 is scored against the same baseline: 0.7071 + (0.5 - 1) / 0.7071 = 0
+    groups[2][0].reward = 0.5
+    adv = {t.id: a for t, a in group_advantages(groups, cfg)[0]}
+    assert adv["e2"] == pytest.approx(0.70710, abs=1e-4) and adv["f"] == pytest.approx(-0.70710, abs=1e-4)
+    assert adv["e1"] == pytest.approx(0.0, abs=1e-4)
 
 
 def test_prompt_sampler_is_resumable():

@@ -34,6 +34,7 @@ from turnrl.engines.base import Engine, Recording
 from turnrl.observe.tracing import TrajectoryTracer
 from turnrl.render import ChatRenderer
 from turnrl.rollout.admission import AdmissionSettings
+from turnrl.rollout.context import DEFAULT_INSTRUCTION, ContextPolicy, Strategy
 from turnrl.rollout.episode import RolloutLimits
 from turnrl.rollout.manager import RewardFn, Rollout, RolloutManager
 from turnrl.types import SamplingParams
@@ -59,9 +60,13 @@ def sampling_params(cfg: RolloutConfig) -> SamplingParams:
 
 
 def rollout_limits(cfg: RolloutConfig) -> RolloutLimits:
+    c = cfg.context
+    context = ContextPolicy(c.max_tokens, Strategy(c.strategy), c.keep_last_turns,
+                            c.instruction if c.instruction is not None else DEFAULT_INSTRUCTION)
     return RolloutLimits(
         max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens, token_budget=cfg.token_budget,
         env_timeout_s=cfg.env_timeout_s, env_retries=cfg.env_retries, trajectory_timeout_s=cfg.trajectory_timeout_s,
+        context=context,
     )
 
 
@@ -108,7 +113,8 @@ def build_engine(model: torch.nn.Module | None, cfg: EngineConfig, eos_token_ids
     def one(weights: Any) -> EmbeddedEngine:  # a transformers PreTrainedModel
         return EmbeddedEngine(weights, eos_token_ids=eos_token_ids, max_batch_size=cfg.max_batch_size,
                               prefix_cache_tokens=cfg.prefix_cache_tokens, image_processor=image_processor,
-                              record_sampling_mask=record.sampling_mask, record_routing=record.routing)
+                              record_sampling_mask=record.sampling_mask, record_routing=record.routing,
+                              share_prefixes=cfg.share_prefixes)
 
     if cfg.replicas == 1:
         return one(model)

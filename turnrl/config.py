@@ -40,7 +40,11 @@ class EngineConfig(Strict):
     max_batch_size: int = Field(16, ge=1)
     """Rows decoded together by the embedded engine."""
     prefix_cache_tokens: int = Field(32_768, ge=0)
-    """KV tokens the embedded engine keeps per finished turn for the trajectory's next turn (0 = off)."""
+    """KV tokens the embedded engine keeps of finished requests (least recently used out first), for a trajectory's
+    next turn and any request whose prompt shares a prefix with them (0 = off; docs/engines.md)."""
+    share_prefixes: bool = True
+    """Embedded engine: a request copies the KV of the longest prefix it shares with any parked, running or
+    same-step request (a group's prompt is prefilled once); false: only its own trajectory's (docs/engines.md)."""
     replicas: int = Field(1, ge=1)
     """Engine replicas behind the router (each a separate engine)."""
     urls: list[str] = []
@@ -114,6 +118,22 @@ class HarnessConfig(Strict):
         return self
 
 
+class ContextConfig(Strict):
+    """The context window of one branch of an episode and what the turn loop does when it is full (docs/trees.md)."""
+
+    max_tokens: int | None = Field(None, ge=1)
+    """Tokens one branch's stream (prompt + response) may hold: when the next observation and a whole turn
+    (max_new_tokens) would not fit, the episode is compacted into a new branch; None = no limit."""
+    strategy: Literal["summarize", "drop_observations", "none"] = "summarize"
+    """summarize: the policy writes a summary (a trained model turn) and the episode goes on from the system prompt,
+    the task and the summary; drop_observations: older tool/env outputs are replaced by a stub; none: never compacted
+    (the episode ends truncated/token_budget when full)."""
+    keep_last_turns: int = Field(1, ge=0)
+    """drop_observations: the outputs of this many last turns are kept whole."""
+    instruction: str | None = None
+    """summarize: the user message asking for the summary (None: turnrl's, turnrl.rollout.context.DEFAULT_INSTRUCTION)."""
+
+
 class RolloutConfig(Strict):
     env: str | None = None
     """Environment: a built-in name (arithmetic, geo3k, single_turn), a dotted module or a .py file with build_env."""
@@ -148,6 +168,9 @@ class RolloutConfig(Strict):
     """Tokens per model turn."""
     token_budget: int | None = Field(None, ge=1)
     """Tokens after the prompt for the whole trajectory (model + observations); None = unlimited."""
+    context: ContextConfig = ContextConfig()
+    """Context compaction: `{max_tokens, strategy: summarize | drop_observations | none, keep_last_turns, instruction}`
+    (docs/trees.md)."""
     env_timeout_s: float | None = Field(60.0, gt=0)
     """Time limit of one env step."""
     env_retries: int = Field(0, ge=0)

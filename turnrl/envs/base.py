@@ -344,12 +344,17 @@ class EpisodeEnv:
         self.opens_episode = bool(getattr(env, "opens_episode", False))
         """Its `reset()` gives the episode's first message (rows need no prompt)."""
         self.timeout_s, self.retries, self.threads = timeout_s, retries, threads
+        if getattr(env, "waits_for_others", False):  # a seat of a game (turnrl.envs.seats): its step holds the other
+            self.timeout_s = None                    # seats' model turns; the table bounds its own game calls
 
     @classmethod
     def of(cls, env: Any, timeout_s: float | None = None, retries: int = 0,
            threads: EnvThreads | None = None) -> EpisodeEnv:
         if isinstance(env, EpisodeEnv):
             return env
+        if callable(getattr(env, "seats", None)):
+            raise EnvError(f"{type(env).__name__} is a game the policy plays in every seat (a turnrl.envs.seats Table): "
+                           "the env_agent drives its seats; another agent or a scheduler cannot")
         if env is None or not (callable(getattr(env, "step", None)) or callable(getattr(env, "step_turn", None))):
             raise EnvError(f"an environment needs a step(response_text) method; got {type(env).__name__} (does "
                            "build_env return the env?)")

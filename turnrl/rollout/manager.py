@@ -20,6 +20,7 @@ from turnrl.observe.watchdog import Watchdog
 from turnrl.render import ChatRenderer, SanityMode
 from turnrl.rollout.admission import Admission, AdmissionSettings, admission_cost
 from turnrl.rollout.episode import RolloutContext, RolloutLimits
+from turnrl.rollout.tree import episodes
 from turnrl.types import (
     RolloutStatus,
     SamplingParams,
@@ -152,9 +153,11 @@ class RolloutManager:
             except Exception as e:  # a broken agent fails its trajectory, never the batch
                 log.info("agent %s raised on %s", ctx.agent_name, ctx.trajectory_id, exc_info=True)  # -v
                 trajs = [ctx.failed(TerminationReason.ENV_ERROR, e)]
+            returned = {id(t) for t in trajs}
+            trajs = [*(b for b in ctx.branches if id(b) not in returned), *trajs]  # compacted branches first
+            await score_episodes(trajs, self.reward_fn)
             for traj in trajs:
                 self._turns += traj.num_turns
-                await score(traj, self.reward_fn)
                 if traj.status == RolloutStatus.FAILED:  # one line each; tracebacks at -v (INFO)
                     log.warning("trajectory %s failed (%s): %.300s", traj.id, traj.termination_reason,
                                 " ".join(str(traj.error).split()))
@@ -198,6 +201,18 @@ async def run_groups(
         if on_trajectory is not None:
             on_trajectory(traj)
     return [sorted(groups.get(g, []), key=lambda t: (t.sample_index, t.id)) for g in group_ids(rows, id_prefix)]
+
+
+async def score_episodes(trajs: list[Trajectory], reward_fn: RewardFn | None) -> None:
+    """`score` each episode once: a trajectory alone, or the last branch of an episode with several (where it ended,
+    its final answer); the episode's other branches take its reward (or its reward error) unless their agent gave
+    them one of their own (docs/trees.md)."""
+    for episode in episodes(trajs).values():
+        last = episode[-1]
+        await score(last, reward_fn)
+        for traj in episode[:-1]:
+            if traj.reward is None and traj.reward_error is None and traj.status != RolloutStatus.FAILED:
+                traj.reward, traj.reward_error = last.reward, last.reward_error
 
 
 async def score(traj: Trajectory, reward_fn: RewardFn | None) -> None:
