@@ -156,3 +156,24 @@ async def test_auto_keeps_the_staleness_bound_and_the_ledger(qwen3_tokenizer, st
     assert sorted(g.index for _, groups in run.steps for g in groups) == list(range(24))
     stats = manager.stats()
     assert stats["concurrency"] >= 1 and 0 <= stats["kv_occupancy"] <= 1
+
+
+async def test_the_embedded_engine_reports_its_prefix_cache(tiny_qwen3):
+    from turnrl.engines.embedded import EmbeddedEngine
+    from turnrl.types import SamplingParams
+
+    engine = EmbeddedEngine(tiny_qwen3, prefix_cache_tokens=64)
+    try:
+        for i in range(4):  # four live trajectories of ~33 KV tokens each into a cache of 64
+            await engine.generate(list(range(10, 40)), SamplingParams(max_new_tokens=4), request_id=f"r{i}")
+        report = engine.kv_stats()
+        assert report is not None and 0 < report.occupancy <= 1 and report.preemptions == 3  # three pushed out
+        await engine.release("r3")
+        assert engine.kv_stats() == KVStats(0.0, 3)  # released: freed, not counted as a preemption
+    finally:
+        engine.close()
+    no_cache = EmbeddedEngine(tiny_qwen3, prefix_cache_tokens=0)
+    try:
+        assert no_cache.kv_stats() is None
+    finally:
+        no_cache.close()
