@@ -180,8 +180,16 @@ class RolloutConfig(Strict):
     watchdog_s: float | None = Field(600.0, gt=0)
     """The run fails (naming what was stuck, stacks in the log) when no trajectory, engine call or env call makes
     progress for this long; a training run also watches its update and weight sync. None = off."""
-    concurrency: int = Field(64, ge=1)
-    """Trajectories in flight at once."""
+    concurrency: int | Literal["auto"] = 64
+    """Trajectories in flight at once (per rollout worker): a number, or `auto`: admission grows while the engines
+    have KV headroom and cuts multiplicatively on a preemption or past `kv_soft_cap` (docs/rollout.md)."""
+    kv_soft_cap: float = Field(0.85, gt=0, le=1)
+    """concurrency auto: the engines' KV occupancy admission aims under (past it the limit is cut by a tenth)."""
+    kv_hard_cap: float = Field(0.95, gt=0, le=1)
+    """concurrency auto: past this KV occupancy nothing new is admitted and the limit is halved."""
+    workers: int = Field(1, ge=1)
+    """Rollout processes: N > 1 runs N Ray rollout workers (turnrl.rollout.ray), each with its share of the groups,
+    the engine replicas Ray actors (engine.distributed ray; engine.ray_workers is the older spelling)."""
     sanity_check: Literal["strict", "ignore_strippable", "disable"] = "strict"
     """Compare each token stream with a full chat-template re-render (render.py)."""
     chat_template_kwargs: dict[str, Any] = {}
@@ -202,6 +210,15 @@ class RolloutConfig(Strict):
     router_replay: Literal["none", "record"] = "none"
     """record (MoE policies): the engine records the experts each MoE layer's router chose for every token, and the
     trajectory stores them (routed_experts), for the trainer to force the same routing (algo.router_replay)."""
+
+    @model_validator(mode="after")
+    def _admission(self) -> RolloutConfig:
+        if self.concurrency != "auto" and self.concurrency < 1:
+            raise ValueError(f"rollout.concurrency must be auto or an integer >= 1, got {self.concurrency}")
+        if self.kv_soft_cap > self.kv_hard_cap:
+            raise ValueError(f"rollout.kv_soft_cap ({self.kv_soft_cap}) must not exceed rollout.kv_hard_cap "
+                             f"({self.kv_hard_cap})")
+        return self
 
     @property
     def records_sampling_mask(self) -> bool:

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from turnrl.engines.base import EngineError, InvalidRequest, NamedTensors, check_pause
+from turnrl.engines.base import EngineError, InvalidRequest, KVStats, NamedTensors, check_pause
 from turnrl.engines.prefix import Parked, ParkedKV, Source, choose_sources
 from turnrl.moe import RoutingRecorder, router_top_k
 from turnrl.types import (
@@ -420,6 +420,14 @@ class EmbeddedEngine:
 
     async def release(self, request_id: str) -> None:
         await self._call(("release", request_id))
+
+    def kv_stats(self) -> KVStats | None:
+        """Its cache of trajectories' KV between turns (`prefix_cache_tokens`): the share in use, and the parked
+        prefixes of live trajectories evicted to make room (each recomputed at that trajectory's next turn, as a
+        server recomputes a preempted request). None without a prefix cache."""
+        if not self.prefix_cache_tokens:
+            return None
+        return KVStats(min(self._parked.tokens / self.prefix_cache_tokens, 1.0), self._parked.evicted)
 
     async def sleep(self) -> None:
         await self._call(("sleep",))

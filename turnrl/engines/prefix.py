@@ -65,6 +65,8 @@ class ParkedKV:
     def __init__(self, max_tokens: int):
         self.max_tokens = max_tokens
         self.tokens = 0
+        self.evicted = 0
+        """Entries pushed out to make room (a live trajectory's KV: its next turn recomputes it)."""
         self._entries: OrderedDict[str, Parked] = OrderedDict()
 
     def park(self, request_id: str, entry: Parked) -> None:
@@ -75,6 +77,7 @@ class ParkedKV:
         self.tokens += len(entry.tokens)
         while self.tokens > self.max_tokens:
             self.pop(next(iter(self._entries)))
+            self.evicted += 1
 
     def fits(self, n_tokens: int) -> bool:
         """Whether an entry of n tokens would be kept (checked before exporting its KV)."""

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import math
 import numbers
+import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol
@@ -17,6 +18,7 @@ from turnrl.engines.base import Engine
 from turnrl.envs.base import EnvFactory, EnvThreads, maybe_await
 from turnrl.observe.watchdog import Watchdog
 from turnrl.render import ChatRenderer, SanityMode
+from turnrl.rollout.admission import Admission, AdmissionSettings, admission_cost
 from turnrl.rollout.episode import RolloutContext, RolloutLimits
 from turnrl.rollout.tree import episodes
 from turnrl.types import (
@@ -58,10 +60,11 @@ class RolloutManager:
         env_factory: EnvFactory | None = None,
         env_config: dict[str, Any] | None = None,
         tools: Any = None,
-        concurrency: int = 64,
+        concurrency: int | str = 64,
         sanity_mode: SanityMode | str = SanityMode.STRICT,
         reward_fn: RewardFn | None = None,
         watchdog_s: float | None = None,
+        admission: AdmissionSettings | None = None,
     ):
         if default_agent not in agents:
             raise ValueError(f"unknown default agent {default_agent!r}; registered: {sorted(agents)}")
@@ -69,10 +72,16 @@ class RolloutManager:
         self.sampling = sampling or SamplingParams()
         self.limits = limits or RolloutLimits()
         self.env_factory, self.env_config, self.tools = env_factory, dict(env_config or {}), tools
-        self.concurrency, self.sanity_mode, self.reward_fn = concurrency, SanityMode(sanity_mode), reward_fn
-        self.env_threads = EnvThreads(concurrency)
-        self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
-            weakref.WeakKeyDictionary())  # `concurrency` across every stream of this manager (one per event loop)
+        self.sanity_mode, self.reward_fn = SanityMode(sanity_mode), reward_fn
+        self.admission = admission or AdmissionSettings(concurrency)  # type: ignore[arg-type]
+        """`concurrency` (a number or auto) and the KV caps of auto (turnrl.rollout.admission)."""
+        self.concurrency = self.admission.concurrency
+        self.env_threads = EnvThreads(self.admission.max_concurrency if self.admission.auto
+                                      else int(self.admission.concurrency))
+        self._gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Admission] = (
+            weakref.WeakKeyDictionary())  # across every stream of this manager (one per event loop)
+        self._turns = 0
+        self._t_turns = time.monotonic()
         self.watchdog = Watchdog(watchdog_s)
         """Fails `stream` (Stalled) when no trajectory, engine call or env call progresses for `watchdog_s`."""
 
@@ -95,13 +104,13 @@ class RolloutManager:
         """Yield trajectories as they finish (rewards already computed). `row_group_ids` replaces the ids
         derived from the rows: a Ray rollout worker gets its shard's ids from the driver, so trajectory ids
         (and the sampling seeds derived from them) are those of a single-process run."""
-        semaphore = self._slots.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(self.concurrency))
+        gate = self._gate()
         groups = group_ids(rows, id_prefix) if row_group_ids is None else list(row_group_ids)
         contexts = [
             self.context(row, f"{group}-{k}", group, k, sampling)
             for row, group in zip(rows, groups, strict=True) for k in range(n)
         ]
-        tasks = [asyncio.create_task(self._run_one(ctx, semaphore)) for ctx in contexts]
+        tasks = [asyncio.create_task(self._run_one(ctx, gate)) for ctx in contexts]
         try:
             for next_done in asyncio.as_completed(tasks):
                 for traj in await self.watchdog.wait(next_done):
@@ -111,9 +120,31 @@ class RolloutManager:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _run_one(self, ctx: RolloutContext, semaphore: asyncio.Semaphore) -> list[Trajectory]:
-        async with semaphore, self.watchdog.busy("trajectory", ctx.agent_name):
-            agent = self.agents[ctx.agent_name]
+    def _gate(self) -> Admission:
+        loop = asyncio.get_running_loop()
+        gate = self._gates.get(loop)
+        if gate is None:
+            gate = self._gates[loop] = Admission(self.admission, self.engine)
+        return gate
+
+    def stats(self) -> dict[str, float]:
+        """rollout/turns_per_s (model turns of finished trajectories per second since the last call), and this
+        event loop's admission: rollout/concurrency, rollout/kv_occupancy, rollout/preemptions."""
+        now = time.monotonic()
+        out = {"turns_per_s": self._turns / max(now - self._t_turns, 1e-9)}
+        self._turns, self._t_turns = 0, now
+        gates = list(self._gates.values())
+        if gates:
+            out.update(gates[-1].stats())
+        return out
+
+    async def _run_one(self, ctx: RolloutContext, gate: Admission) -> list[Trajectory]:
+        agent = self.agents[ctx.agent_name]
+        try:
+            cost = admission_cost(agent, ctx.sample)
+        except ValueError as e:
+            return [ctx.failed(TerminationReason.ENV_ERROR, f"{ctx.agent_name}: {e}")]
+        async with gate.slot(cost), self.watchdog.busy("trajectory", ctx.agent_name):
             try:
                 result = await asyncio.wait_for(agent(ctx, ctx.sample), ctx.limits.trajectory_timeout_s)
                 trajs = result if isinstance(result, list) else [result]
@@ -126,6 +157,7 @@ class RolloutManager:
             trajs = [*(b for b in ctx.branches if id(b) not in returned), *trajs]  # compacted branches first
             await score_episodes(trajs, self.reward_fn)
             for traj in trajs:
+                self._turns += traj.num_turns
                 if traj.status == RolloutStatus.FAILED:  # one line each; tracebacks at -v (INFO)
                     log.warning("trajectory %s failed (%s): %.300s", traj.id, traj.termination_reason,
                                 " ".join(str(traj.error).split()))

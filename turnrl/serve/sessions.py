@@ -327,8 +327,7 @@ class ChatProxy:
         _check_callable(session)
         session.last_active = time.time()
         # tokenising a long conversation takes a while: off the event loop, which serves every other request
-        prompt_ids, base_len, delta_sources = await asyncio.to_thread(self._prompt, session, chat)
-        params, notes = await asyncio.to_thread(self._sampling, session, chat.sampling)
+        (prompt_ids, base_len, delta_sources), (params, notes) = await asyncio.to_thread(self._prepare, session, chat)
         stop_strings = chat.sampling.get("stop") or []
         stops = StopWatch(self.renderer, stop_strings)
         stream = ReplyStream(self.renderer, chat.tools, chat.tool_choice, on_delta, stop_strings) if on_delta else None
@@ -452,6 +451,11 @@ class ChatProxy:
                                                            on_token=on_token))
         await asyncio.sleep(0)  # the pushes scheduled before the output arrived run first
         return out
+
+    def _prepare(self, session: Session, chat: ChatCall) -> tuple[tuple[list[int], int | None, list[tuple[SegmentSource, int]]],
+                                                              tuple[SamplingParams, dict[str, Any]]]:
+        """The call's prompt and its sampling, in one hand-over to a worker thread (not one each)."""
+        return self._prompt(session, chat), self._sampling(session, chat.sampling)
 
     def _prompt(self, session: Session, chat: ChatCall) -> tuple[list[int], int | None, list[tuple[SegmentSource, int]]]:
         """(prompt ids, base_len, delta_sources): continue a recorded call when the messages do (module doc); a
