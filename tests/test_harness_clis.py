@@ -128,6 +128,7 @@ async def test_codex_with_its_namespace_and_hosted_tools_spawns_a_sub_agent(qwen
     assert '"name": "multi_agent_v1__spawn_agent"' in prompt and '"web_search"' not in prompt
     assert all(turn.extra.get("tools_not_offered") == ["web_search"] for turn in main.turns)
     assert "SUBAGENT" in qwen3_tokenizer.decode(sub.prompt_ids)
+    assert main.parent is None and (sub.parent.id, sub.parent.kind) == (main.id, "subagent")  # the episode's tree
     for traj in episode:
         assert_token_exact(traj, engine)
 
@@ -165,6 +166,8 @@ async def test_claude_codes_agent_tool_runs_a_sub_agent_whose_calls_join_the_epi
     assert {t.episode_id for t in episode} == {episode[0].id}
     sub = next(t for t in episode if is_subagent(qwen3_tokenizer.decode(t.prompt_ids)))
     assert any(s.source == SegmentSource.TOOL for s in sub.segments)  # its Write ran
+    main = next(t for t in episode if t is not sub)
+    assert main.parent is None and (sub.parent.id, sub.parent.kind) == (main.id, "subagent")  # the episode's tree
     for traj in episode:
         assert_token_exact(traj, engine)
 
