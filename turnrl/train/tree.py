@@ -457,16 +457,15 @@ def _unique_logits(model: torch.nn.Module, row: TreeRow, temperature: float) -> 
 def tree_token_logprobs(model: torch.nn.Module, row: TreeRow, temperature: float = 1.0) -> torch.Tensor:
     """Logprob of each target token of `row` under `model` at `temperature`. [N], as packed_token_logprobs."""
     logits_U_V, inverse = _unique_logits(model, row, temperature)
-    return logits_U_V.log_softmax(-1)[inverse].gather(1, row.targets[:, None])[:, 0]
+    return logits_U_V.log_softmax(-1)[inverse, row.targets]  # [N]: no [N, V] copy of the logits
 
 
 def tree_kept_logprobs(model: torch.nn.Module, row: TreeRow, kept_N: torch.Tensor,
                        temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(renormalised over the kept set, full) logprob of each target, as packing.packed_kept_logprobs."""
     logits_U_V, inverse = _unique_logits(model, row, temperature)
-    logits_N_V = logits_U_V[inverse]
-    full_N = logits_N_V.log_softmax(-1).gather(1, row.targets[:, None])[:, 0]
-    return kept_token_logprobs(logits_N_V, row.targets, kept_N), full_N
+    full_N = logits_U_V.log_softmax(-1)[inverse, row.targets]
+    return kept_token_logprobs(logits_U_V[inverse], row.targets, kept_N), full_N
 
 
 def _vl_inputs(model: torch.nn.Module, row: TreeRow) -> dict[str, torch.Tensor]:
