@@ -480,7 +480,7 @@ def _vl_inputs(model: torch.nn.Module, row: TreeRow) -> dict[str, torch.Tensor]:
         return {"position_ids": row.position_ids, **pixels}
     ids = row.input_ids[0].tolist()
     paths: dict[int, list[int]] = {}
-    for k, (s, d) in enumerate(row.witness):  # a sample's ids from its nodes: the witness path of each token
+    for k, (s, _) in enumerate(row.witness):  # a sample's ids from its nodes: the witness path of each token
         paths.setdefault(s, []).append(k)
     per_sample = {}
     for s, nodes in paths.items():
