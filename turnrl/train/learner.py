@@ -44,7 +44,14 @@ from turnrl.train.packing import (
 )
 from turnrl.train.parallel import Parallel, balanced_split
 from turnrl.train.samples import TrainSample
-from turnrl.train.tree import TreeRow, families, pack_tree, tree_token_logprobs, unique_tokens, use_tree_attention
+from turnrl.train.tree import (
+    TreeRow,
+    families,
+    pack_tree,
+    tree_token_logprobs,
+    unique_tokens,
+    use_tree_attention,
+)
 from turnrl.train.weights import push_weights
 
 

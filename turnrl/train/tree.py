@@ -70,8 +70,9 @@ class TreeRow(PackedRow):
 
     def to(self, device: torch.device | str) -> TreeRow:
         moved = PackedRow.to(self, device)
-        assert self.tree is not None
-        return dataclasses.replace(moved, tree=self.tree.to(device))  # type: ignore[arg-type]
+        assert isinstance(moved, TreeRow) and self.tree is not None
+        moved.tree = self.tree.to(device)
+        return moved
 
 
 # ---- placement -------------------------------------------------------------------------------------------------
@@ -474,7 +475,7 @@ def _vl_inputs(model: torch.nn.Module, row: TreeRow) -> dict[str, torch.Tensor]:
     from turnrl.multimodal import uses_mrope, vl_positions
 
     mms = row.mm_inputs or [None] * len(row.sequence_index)
-    with_images = [mms[s] for s in row.mm_tries]
+    with_images = [mm for mm in (mms[s] for s in row.mm_tries) if mm]
     pixels = {key: torch.cat([mm[key] for mm in with_images]) for key in with_images[0]} if with_images else {}
     if not uses_mrope(model.config):
         return {"position_ids": row.position_ids, **pixels}
