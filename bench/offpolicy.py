@@ -8,8 +8,9 @@ forward, with the correction and without it. Columns:
   the kept set it is `train/mismatch_kl_k3_unmasked`);
 - IS weights: ρ = π_trainer / π_engine per token, the token-level TIS/MIS input: their mean (the bias: 1 when
   unbiased), spread (std of log ρ) and effective sample size ((Σρ)² / (n·Σρ²));
-- update: one forward + backward over the batch (the trainer's share of the cost), fastest of `--repeats`, with and
-  without the correction interleaved;
+- update: one `Learner.update` over the batch (packing, forward, GRPO's loss, backward, AdamW step: what a training
+  step pays), fastest of `--repeats`, with the correction and without it (the same trajectories with the recorded
+  field removed, as a run without recording trains them) interleaved;
 - JSONL: bytes per trajectory row, with the recorded field and without it.
 
 Cases: tiny-qwen3 and SmolLM2-135M-Instruct sampled at top_p 0.9 on the trainer's own weights (the only
@@ -25,8 +26,10 @@ import argparse
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import json
 import math
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,12 +39,15 @@ from rich.console import Console
 from rich.table import Table
 
 from turnrl.agents import AGENTS
+from turnrl.build import build_learner
+from turnrl.config import TrainConfig
 from turnrl.engines.embedded import EmbeddedEngine
 from turnrl.models import load_model, load_tokenizer
 from turnrl.moe import moe_routers, replay_routing
 from turnrl.render import ChatRenderer
 from turnrl.rollout import RolloutLimits, RolloutManager
 from turnrl.testing.latency import build_env
+from turnrl.train.loop import PolicyLoss
 from turnrl.train.packing import (
     PackedRow,
     pack_sequences,
@@ -51,6 +57,7 @@ from turnrl.train.packing import (
     row_routing,
     use_varlen_attention,
 )
+from turnrl.train.samples import to_sample
 from turnrl.types import SamplingParams, Trajectory
 
 
@@ -132,17 +139,27 @@ def measure(case: Case, trainer: torch.nn.Module, trajs: list[Trajectory], corre
 
 
 def update_times(case: Case, trainer: torch.nn.Module, trajs: list[Trajectory], repeats: int) -> dict[bool, float]:
-    """The trainer's cost, forward + backward of every row, without and with the correction: the fastest of
-    `repeats`, the two interleaved so that a change in the machine's load hits both alike."""
-    rows = pack_sequences([(t.prompt_ids, t.response_ids, t.loss_mask) for t in trajs], max_tokens=2048)
+    """One `Learner.update` (GRPO's PolicyLoss, TIS, AdamW) over the batch, configured as a run with the correction
+    on trains: with the recorded field (corrected) and without it (the same trajectories as an unrecorded run gives
+    them). The fastest of `repeats`, the two interleaved so that a change in the machine's load hits both alike."""
+    replay = case.correction == "router replay"
+    s = case.sampling
+    with tempfile.TemporaryDirectory() as out:
+        cfg = TrainConfig.model_validate({
+            "model": case.model, "train_data": "unused", "output_dir": out,
+            "rollout": {"sampling": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k},
+                        "router_replay": "record" if replay else "none"},
+            "algo": {"router_replay": replay, "is_mode": "truncate"},
+            "optim": {"lr": 1e-7, "micro_batch_tokens": 2048}})
+        learner = build_learner(cfg, copy.deepcopy(trainer))
+    samples = {True: [to_sample(t, 1.0 if k % 2 else -1.0) for k, t in enumerate(trajs)]}
+    samples[False] = [dataclasses.replace(x, kept_counts=None, routed_experts=None) for x in samples[True]]
+    loss_fn = PolicyLoss(cfg.algo, version=0)
     best = {False: math.inf, True: math.inf}
     for _ in range(repeats):
         for corrected in (False, True):
-            score = scorer(case, trainer, trajs, corrected)
-            trainer.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
-            for row in rows:  # (without activation checkpointing the backward needs no replay scope of its own)
-                score(row).sum().backward()
+            learner.update(samples[corrected], loss_fn)
             best[corrected] = min(best[corrected], time.perf_counter() - t0)
     return best
 
@@ -177,7 +194,7 @@ def run_case(case: Case, rows: int, max_new: int, repeats: int) -> list[Row]:
 def report(rows: list[Row], args: argparse.Namespace) -> Table:
     table = Table(title=f"engine/trainer mismatch, {args.rows} three-turn trajectories of ≤{args.max_new_tokens} "
                         "tokens per turn, per case")
-    for column in ("case", "scored", "mismatch KL (k3)", "mean ρ", "std log ρ", "IS ESS", "update (fwd+bwd)",
+    for column in ("case", "scored", "mismatch KL (k3)", "mean ρ", "std log ρ", "IS ESS", "Learner.update",
                    "vs without", "JSONL bytes/traj", "vs without"):
         table.add_column(column, justify="left" if column in ("case", "scored") else "right")
     for without, with_ in zip(rows[::2], rows[1::2], strict=True):

@@ -49,6 +49,16 @@ UPDATES = {  # name -> overrides of BASE (each also run in one process by the te
 }
 LORA = {"trainer": {"lora": {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}},
         "algo": {"kl_coef": 0.1}, "optim": {"lr": 1e-2}}
+# the off-policy corrections (samples with kept sets and routing: `fixed_samples(offpolicy=True)`): an MoE policy
+# sampled at top_k 20, its routing replayed through checkpointed backwards, with old logprobs (2 mini-batches)
+OFFPOLICY = {"model": "tiny-qwen3-moe", "rollout": {"router_replay": "record", "sampling": {"top_k": 20}},
+             "algo": {"router_replay": True, "kl_coef": 0.05},
+             "optim": {"gradient_checkpointing": True, "mini_batches": 2}}
+UPDATES.update({
+    "offpolicy": OFFPOLICY,
+    "offpolicy_lora": {**OFFPOLICY, "trainer": LORA["trainer"]},
+    "offpolicy_off": {**OFFPOLICY, "algo": {"router_replay": False, "sampling_mask": "ignore", "kl_coef": 0.05}},
+})
 
 
 def config(out: str | Path, world_size: int, **overrides) -> TrainConfig:
@@ -60,9 +70,11 @@ def config(out: str | Path, world_size: int, **overrides) -> TrainConfig:
     return TrainConfig.model_validate(data)
 
 
-def fixed_samples(step: int, vocab: int = 49_152) -> list[TrainSample]:
+def fixed_samples(step: int, vocab: int = 49_152, offpolicy: bool = False) -> list[TrainSample]:
     """Nine samples of uneven lengths (so the token balance across ranks is not trivial), some tokens masked,
-    rollout logprobs on all but one, advantages of both signs. Token ids fit SmolLM2's and Qwen3's vocab."""
+    rollout logprobs on all but one, advantages of both signs. Token ids fit SmolLM2's and Qwen3's vocab.
+    `offpolicy`: with kept sets (20 tokens; none on one sample) and a routing of tiny-qwen3-moe's 2 layers x 2 of
+    8 experts for every token but the last (none on another sample)."""
     g = torch.Generator().manual_seed(100 + step)
     samples = []
     for k in range(9):
@@ -70,7 +82,13 @@ def fixed_samples(step: int, vocab: int = 49_152) -> list[TrainSample]:
         response = torch.randint(0, vocab, (4 + (5 * k) % 11,), generator=g).tolist()
         mask = [0 if (k + t) % 5 == 0 else 1 for t in range(len(response))]
         logprobs = None if k == 4 else [-12.0 + 0.1 * t if m else 0.0 for t, m in enumerate(mask)]
-        samples.append(TrainSample(prompt, response, mask, logprobs, [1.0, -0.5, 0.25][k % 3]))
+        sample = TrainSample(prompt, response, mask, logprobs, [1.0, -0.5, 0.25][k % 3])
+        if offpolicy:
+            fed = torch.arange(len(prompt) + len(response) - 1)
+            sample.kept_counts = None if k == 5 else [20 if m else None for m in mask]
+            sample.routed_experts = None if k == 6 else torch.stack(
+                [torch.stack([(fed + 3 * layer) % 8, (fed + 3 * layer + 5) % 8], 1) for layer in (0, 1)], 1).short()
+        samples.append(sample)
     return samples
 
 
@@ -112,9 +130,12 @@ def whole_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 
 def run_update(out: Path, name: str, world_size: int) -> dict:
-    trainer = make_trainer(config(out / name, world_size, **UPDATES[name]))
+    cfg = config(out / name, world_size, **UPDATES[name])
+    torch.manual_seed(cfg.seed)  # LoRA's A matrices start random: the same in every run, whatever ran before
+    trainer = make_trainer(cfg)
     trainer.step = 1
-    metrics = trainer.update(SAMPLES.get(name, fixed_samples)(1))
+    metrics = trainer.update(SAMPLES[name](1) if name in SAMPLES else
+                             fixed_samples(1, offpolicy=name.startswith("offpolicy")))
     return {"metrics": metrics, "params": whole_params(trainer), "grads": whole_grads(trainer),
             "dtypes": sorted({str(p.dtype) for p in trainer.learner.policy.parameters()}),
             "recomputes": any(getattr(m, "gradient_checkpointing", False) for m in trainer.learner.policy.modules())}

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from turnrl.agents import AGENTS
+from turnrl.build import build_learner
 from turnrl.config import AlgoConfig, ConfigError, RolloutConfig, SamplingConfig, TrainConfig, load_config
 from turnrl.engines.embedded import EmbeddedEngine, sample_tokens
 from turnrl.models import load_model
@@ -22,6 +23,8 @@ from turnrl.render import ChatRenderer
 from turnrl.rollout import RolloutLimits, RolloutManager
 from turnrl.testing.latency import build_env
 from turnrl.train import algos
+from turnrl.train.learner import Learner, MicroBatch
+from turnrl.train.loop import PolicyLoss
 from turnrl.train.packing import (
     pack_sequences,
     packed_kept_logprobs,
@@ -29,6 +32,7 @@ from turnrl.train.packing import (
     row_routing,
     unpack_to_padded,
 )
+from turnrl.train.samples import to_sample
 from turnrl.types import SamplingParams, Segment, SegmentSource, Trajectory
 
 ROWS = [{"id": i, "prompt": f"Look up item {i} with the tool.", "latencies_s": [0.0, 0.0, 0.0]} for i in range(6)]
@@ -386,3 +390,141 @@ def test_token_edits_keep_kept_counts_and_routing_only_for_the_engines_own_token
     own = builder_after_one_turn()  # tokens with logprobs of the scheduler's own: their kept sets are unknown
     own.apply_edit(TokenEdit(token_ids=[5, 6], loss_mask=[1, 1], logprobs=[-0.3, -0.4]), [5, 6, 7, 8], [-0.1] * 4)
     assert own.trajectory.kept_counts is None
+
+
+# ---- through the Learner: the seam the update scores with ------------------------------------------------
+def _learner(policy, out, **overrides) -> tuple[TrainConfig, Learner]:
+    data = {"model": "tiny-qwen3", "train_data": "x", "output_dir": str(out),
+            "optim": {"lr": 1e-3, "micro_batch_tokens": 512}}
+    for key, value in overrides.items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+    cfg = TrainConfig.model_validate(data)
+    return cfg, build_learner(cfg, copy.deepcopy(policy))
+
+
+def _update(learner: Learner, cfg: TrainConfig, trajs: list[Trajectory]) -> tuple[dict[str, float], list[MicroBatch]]:
+    """One Learner.update with GRPO's PolicyLoss on `trajs`, and every micro-batch its loss saw."""
+    seen: list[MicroBatch] = []
+    policy_loss = PolicyLoss(cfg.algo, version=0)
+
+    def probe(batch: MicroBatch):
+        seen.append(batch)
+        return policy_loss(batch)
+
+    return learner.update([to_sample(t, 1.0 if k % 2 else -1.0) for k, t in enumerate(trajs)], probe), seen
+
+
+@pytest.fixture(scope="module")
+def truncated_trajs(qwen3_tokenizer, tiny_qwen3):
+    return record(qwen3_tokenizer, tiny_qwen3, SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=3),
+                  record_sampling_mask=True)
+
+
+@pytest.mark.parametrize(("sampling_mask", "mini_batches"), [("renormalize", 1), ("ignore", 1), ("renormalize", 2)])
+def test_the_learner_scores_each_sampled_token_over_the_engines_kept_set(truncated_trajs, tiny_qwen3, tmp_path,
+                                                                         sampling_mask, mini_batches):
+    trajs = truncated_trajs
+    cfg, learner = _learner(tiny_qwen3, tmp_path, rollout={"sampling": {"temperature": 0.7, "top_p": 0.9, "top_k": 20}},
+                            algo={"sampling_mask": sampling_mask}, optim={"mini_batches": mini_batches})
+    metrics, seen = _update(learner, cfg, trajs)
+    kept, full, engine = [], [], []
+    for batch in seen:
+        mask_B_T = batch.mask_B_T.bool()
+        engine += [lp for s in batch.samples for lp, m in zip(s.rollout_logprobs, s.loss_mask, strict=True) if m]
+        kept += batch.old_kept_B_T[mask_B_T].tolist()
+        full += batch.old_full_B_T[mask_B_T].tolist()
+        scored = batch.old_kept_B_T if sampling_mask == "renormalize" else batch.old_full_B_T
+        assert torch.equal(batch.old_B_T, scored)  # what the ratio and the IS weights use
+        if mini_batches == 1:  # one step: the loss's logprobs are the old ones, with gradients
+            assert torch.equal(batch.logp_B_T.detach(), scored)
+    assert len(engine) == sum(t.num_model_tokens for t in trajs) > 100
+    assert max(abs(a - b) for a, b in zip(kept, engine, strict=True)) < 1e-5  # every token, before the update
+    assert min(abs(a - b) for a, b in zip(full, engine, strict=True)) > 0.05  # the cut mass, on every token
+    assert metrics["train/mismatch_kl_k3"] < 1e-9 < 1e-3 < metrics["train/mismatch_kl_k3_unmasked"]
+
+
+class _RoutingProbe:
+    """Checks every MoE layer's experts, in every forward of the learner's policy and every recompute of one in the
+    backward, against the engine's record for the row being trained (found by its sequences' tokens)."""
+
+    def __init__(self, policy: torch.nn.Module, trajs: list[Trajectory]):
+        self.routing = {tuple(t.prompt_ids + t.response_ids): t.routed_experts.long() for t in trajs}
+        self.expected: torch.Tensor | None = None
+        self.calls = self.checked = self.differed = 0
+        experts = [m for name, m in policy.named_modules() if name.endswith("mlp.experts")]
+        self.handles = [policy.register_forward_pre_hook(self._row, with_kwargs=True)]
+        self.handles += [m.register_forward_pre_hook(self._layer(i)) for i, m in enumerate(experts)]
+
+    def _row(self, module, args, kwargs):
+        ids, cu = kwargs["input_ids"][0].tolist(), kwargs["turnrl_cu_seqlens"]
+        rows = [self.routing[tuple(ids[a:b])] for a, b in zip(cu[:-1], cu[1:], strict=True)]
+        # the last token of each sequence was never fed to the engine: the trainer routes it itself
+        self.expected = torch.cat([torch.cat([r, r.new_full((1, *r.shape[1:]), UNROUTED)]) for r in rows])
+
+    def _layer(self, layer: int):
+        def hook(module, args):
+            self.calls += 1
+            expected_N_K, got_N_K = self.expected[:, layer], args[1].cpu()
+            fed = expected_N_K[:, 0] != UNROUTED
+            self.checked += int(fed.sum())
+            self.differed += int((got_N_K[fed].sort(-1).values != expected_N_K[fed].sort(-1).values).any(-1).sum())
+        return hook
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+@pytest.mark.parametrize("setting", ["plain", "checkpointing", "lora"])
+def test_the_learner_replays_the_engines_routing_for_every_token_and_layer(tiny_moe, moe_trajs, tmp_path, setting):
+    trainer = copy.deepcopy(tiny_moe)
+    _perturb_routers(trainer, 0.01)  # router logits that differ slightly from the engine's
+    extra = {"optim": {"gradient_checkpointing": setting == "checkpointing"}}
+    if setting == "lora":
+        extra["trainer"] = {"lora": {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}}
+    results = {}
+    for replay in (False, True):
+        cfg, learner = _learner(trainer, tmp_path / str(replay), model="tiny-qwen3-moe",
+                                rollout={"router_replay": "record"}, algo={"router_replay": replay}, **extra)
+        probe = _RoutingProbe(learner.policy, moe_trajs)
+        try:
+            metrics, seen = _update(learner, cfg, moe_trajs)
+        finally:
+            probe.close()
+        forwards = len(seen) * (2 if setting == "checkpointing" else 1)  # checkpointing: again in the backward
+        assert probe.calls == 2 * forwards and probe.checked == 2 * sum(
+            len(t.prompt_ids) + len(t.response_ids) - 1 for t in moe_trajs) * (forwards // len(seen))
+        results[replay] = (probe.differed, metrics["train/mismatch_kl_k3"])
+        if replay and setting != "lora":  # the forced experts' gates come from the router: it still trains
+            assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0
+                       for r in moe_routers(learner.policy))
+    assert results[True][0] == 0 < results[False][0]  # every token and layer as the engine; not so on its own
+    assert results[True][1] < 0.1 * results[False][1], results
+
+
+def test_trajectories_without_the_recorded_corrections_are_warned_about_once(caplog):
+    from types import SimpleNamespace
+
+    from turnrl.train.loop import Trainer
+    from turnrl.train.samples import TrainSample
+
+    def trainer(**overrides):
+        cfg = TrainConfig.model_validate({"model": "tiny-qwen3-moe", "train_data": "x", **overrides})
+        return SimpleNamespace(cfg=cfg, step=2, _unrecorded_said=set())
+
+    recorded = TrainSample([1], [2, 3], [1, 1], [-0.1, -0.2], 1.0, kept_counts=[4, 5],
+                           routed_experts=torch.zeros(2, 2, 2, dtype=torch.int16))
+    bare = TrainSample([1], [2, 3], [1, 1], [-0.1, -0.2], 1.0)
+    truncated = trainer(rollout={"sampling": {"top_p": 0.9}, "router_replay": "record"}, algo={"router_replay": True})
+    with caplog.at_level("WARNING", logger="turnrl.train.loop"):
+        Trainer._warn_unrecorded(truncated, [recorded, recorded])
+        assert not caplog.records
+        for _ in range(2):
+            Trainer._warn_unrecorded(truncated, [recorded, bare, bare])
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and "2 of 3 trajectories carry no kept sets" in said[0] and "no routing" in said[1]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="turnrl.train.loop"):  # nothing was cut, or the full softmax is asked for
+        Trainer._warn_unrecorded(trainer(), [bare])
+        Trainer._warn_unrecorded(trainer(rollout={"sampling": {"top_k": 20}}, algo={"sampling_mask": "ignore"}), [bare])
+    assert not caplog.records

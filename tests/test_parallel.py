@@ -47,7 +47,7 @@ def _ok(proc: subprocess.CompletedProcess) -> None:
 def two_ranks(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fsdp")
     _ok(torchrun(out, "update-token_mean", "update-seq_mean", "update-sum_norm", "update-vlm", "update-ckpt_offload",
-                 "update-bf16", "update-tree", "sync", "lora", "run"))
+                 "update-bf16", "update-offpolicy", "update-offpolicy_lora", "update-tree", "sync", "lora", "run"))
     return out
 
 
@@ -93,6 +93,24 @@ def test_a_two_rank_step_equals_the_one_process_step(two_ranks, tmp_path, two_ra
     if "kl_coef" in worker.UPDATES[two_rank].get("algo", {}):
         assert two["metrics"]["train/kl"] == pytest.approx(one["metrics"]["train/kl"], rel=1e-4)
     _assert_same_update(one, two)
+
+
+def test_off_policy_corrections_two_rank_steps_equal_the_one_process_steps(two_ranks, tmp_path):
+    """Kept sets and router replay on tiny-qwen3-moe, through checkpointed backwards, with old logprobs and a KL
+    reference, without and with LoRA: FSDP2 over 2 ranks gives the one-process update."""
+    for name in ("offpolicy", "offpolicy_lora"):
+        two, one = _result(two_ranks, f"update-{name}"), worker.run_update(tmp_path, name, world_size=1)
+        for key in ("train/loss", "train/grad_norm", "train/mismatch_kl_k3", "train/mismatch_kl_k3_unmasked",
+                    "train/kl"):
+            assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5), (name, key)
+        assert two["recomputes"]
+        _assert_same_update(one, two)
+    # the corrections acted: the kept set changes the mismatch, the replayed routing and kept sets the update
+    m = two["metrics"]
+    assert m["train/mismatch_kl_k3"] != pytest.approx(m["train/mismatch_kl_k3_unmasked"], rel=1e-3)
+    off = worker.run_update(tmp_path, "offpolicy_off", world_size=1)
+    assert off["metrics"]["train/loss"] != pytest.approx(_result(two_ranks, "update-offpolicy")["metrics"]["train/loss"],
+                                                         rel=1e-3)
 
 
 @pytest.mark.slow

@@ -34,11 +34,14 @@ import torch
 from torch import nn
 
 from turnrl.models import freeze
+from turnrl.moe import replay_routing
 from turnrl.train import algos
 from turnrl.train.packing import (
     PackedRow,
     pack_sequences,
-    packed_token_logprobs,
+    packed_kept_logprobs,
+    row_kept_counts,
+    row_routing,
     unpack_to_padded,
     use_varlen_attention,
 )
@@ -48,7 +51,8 @@ from turnrl.train.tree import (
     TreeRow,
     families,
     pack_tree,
-    tree_token_logprobs,
+    tree_kept_logprobs,
+    tree_row_routing,
     unique_tokens,
     use_tree_attention,
 )
@@ -95,6 +99,11 @@ class LearnerOptions:
     lora: Callable[[nn.Module], nn.Module] | None = None
     """Wraps the policy in LoRA adapters that alone train (turnrl.train.lora.apply_lora); the KL reference is
     then the policy with its adapters off. None: every weight trains."""
+    sampling_mask: Literal["renormalize", "ignore"] = "renormalize"
+    """The logprobs the loss gets for tokens sampled from a kept set (`TrainSample.kept_counts`, top-k / top-p):
+    renormalised over that set, as the engine sampled them, or under the full softmax (docs/off-policy.md)."""
+    router_replay: bool = False
+    """Force each sample's recorded MoE routing (`TrainSample.routed_experts`) in every forward and its backward."""
     packing: Literal["tree", "flat"] = "tree"
     """tree: each micro-batch a prefix trie, shared tokens forwarded once (turnrl.train.tree); flat: each sample
     packed separately (turnrl.train.packing). `micro_batch_tokens` bounds the tokens a row forwards either way."""
@@ -116,6 +125,12 @@ class MicroBatch:
     """Logprobs before this update (the proximal policy): `logp_B_T` detached when an update takes one step."""
     ref_B_T: torch.Tensor | None
     """The KL reference's logprobs (`LearnerOptions.kl_reference`), else None."""
+    old_kept_B_T: torch.Tensor
+    """`old_B_T` renormalised over each token's kept set (the full softmax for tokens without one): the engine's
+    distribution where it sampled with top-k / top-p, for `train/mismatch_kl_k3`."""
+    old_full_B_T: torch.Tensor
+    """`old_B_T` under the full softmax, for `train/mismatch_kl_k3_unmasked`. `old_B_T` is one of the two, as
+    `LearnerOptions.sampling_mask` says."""
 
 
 LossFn = Callable[[MicroBatch], tuple[torch.Tensor, dict[str, float]]]
@@ -129,7 +144,12 @@ class Learner:
 
     def __init__(self, policy: nn.Module, parallel: Parallel, options: LearnerOptions):
         self.parallel, self.options = parallel, options
+        self.vocab_size = int(policy.get_output_embeddings().weight.shape[0])  # type: ignore[operator]  # a transformers model
+        """Logits per position: a kept set of this size is the whole vocabulary (`TrainSample.kept_counts`)."""
         self.policy, self.reference = self._prepare(policy)
+        self._through_backward = contextlib.ExitStack()
+        """What a forward with gradients holds until its row's backward has run (router replay: activation
+        checkpointing recomputes the forward there); `_optimizer_step` closes it after each row."""
         self.device = parallel.device
         if self.device.type == "cpu":
             map_large_allocations()
@@ -190,14 +210,16 @@ class Learner:
         rows = self.pack(samples, mine)
         for k in range(self.parallel.all_max(len(rows))):  # FSDP: every rank runs as many forwards
             if k >= len(rows):  # a padding row: the collectives of a forward and backward, zero gradient
-                loss, _ = self._row_loss(_padding_row().to(self.device), [_PADDING], [], None, loss_fn, denominator)
-                (loss * 0.0).backward()
+                with self._through_backward:
+                    loss, _ = self._row_loss(_padding_row().to(self.device), [_PADDING], None, loss_fn, denominator)
+                    (loss * 0.0).backward()
                 continue
             row = rows[k].to(self.device)
-            batch = [samples[i] for i in row.sequence_index]
-            loss, metrics = self._row_loss(row, batch, row.sequence_index, old, loss_fn, denominator)
-            loss.backward()
-            tally.add_row(metrics, trained=sum(sum(s.loss_mask) for s in batch), tokens=row.input_ids.shape[1],
+            with self._through_backward:
+                loss, metrics = self._row_loss(row, samples, old, loss_fn, denominator)
+                loss.backward()
+            trained = sum(sum(samples[i].loss_mask) for i in row.sequence_index)
+            tally.add_row(metrics, trained=trained, tokens=row.input_ids.shape[1],
                           raw=row.tokens_raw if isinstance(row, TreeRow) else row.input_ids.shape[1])
         if o.grad_clip:
             tally.grad_norms.append(self.parallel.clip_grad_norm(
@@ -238,51 +260,74 @@ class Learner:
         config = self.policy.config
         return getattr(config, "image_token_id", None) or getattr(config, "image_token_index", None)
 
-    def _logprobs(self, model: nn.Module, row: PackedRow) -> torch.Tensor:
-        """Logprobs under `model` of the tokens `row` trains [N], at `temperature`: with `pack`, the one place
-        that knows how samples are packed (flat: turnrl.train.packing)."""
-        if isinstance(row, TreeRow):
-            return tree_token_logprobs(model, row, self.options.temperature)
-        return packed_token_logprobs(model, row, self.options.temperature)
-
-    def _row_loss(self, row: PackedRow, batch: list[TrainSample], members: list[int],
-                  old: dict[int, torch.Tensor] | None, loss_fn: LossFn,
-                  denominator: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        """`loss_fn` on one packed row, aggregated into its share of the mini-batch's loss."""
+    def _logprobs(self, model: nn.Module, row: PackedRow,
+                  samples: list[TrainSample] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Logprobs under `model` of the tokens `row` trains, at `temperature`, as the loss uses them
+        (`sampling_mask`), renormalised over each token's kept set, and under the full softmax: [N] each, the first
+        one of the other two. Under `router_replay` the forward takes the experts its samples record (held through
+        the row's backward when it has gradients). With `pack`, the one place that knows how samples are packed
+        (flat: turnrl.train.packing); `row.sequence_index` indexes `samples` (None: samples without kept sets or
+        routing)."""
         o = self.options
+        kept = [None] * (max(row.sequence_index) + 1) if samples is None else [s.kept_counts for s in samples]
+        kept_N = row_kept_counts(row, kept, self.vocab_size)
+        routing = None
+        if o.router_replay and samples:
+            experts = [s.routed_experts for s in samples]
+            routing = tree_row_routing(row, experts) if isinstance(row, TreeRow) else row_routing(row, experts)
+        with contextlib.ExitStack() as forward_only:
+            if routing is not None:
+                held = self._through_backward if torch.is_grad_enabled() else forward_only
+                held.enter_context(replay_routing(model, routing.to(self.device)))
+            kept_logp_N, full_logp_N = (tree_kept_logprobs(model, row, kept_N, o.temperature)
+                                        if isinstance(row, TreeRow) else
+                                        packed_kept_logprobs(model, row, kept_N, o.temperature))
+        return (kept_logp_N if o.sampling_mask == "renormalize" else full_logp_N), kept_logp_N, full_logp_N
+
+    def _row_loss(self, row: PackedRow, samples: list[TrainSample], old: dict[int, torch.Tensor] | None,
+                  loss_fn: LossFn, denominator: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """`loss_fn` on one packed row of `samples`, aggregated into its share of the mini-batch's loss."""
+        o = self.options
+        batch = [samples[i] for i in row.sequence_index]
         lengths = [len(s.response_ids) for s in batch]
-        logp_N = self._logprobs(self.policy, row)
-        logp_B_T = unpack_to_padded(logp_N, row, lengths)
+        logp_N, kept_N, full_N = self._logprobs(self.policy, row, samples)
+        if old is not None:  # before this update
+            kept_N, full_N = torch.cat([old[i] for i in row.sequence_index], dim=1)
         mask_B_T = unpack_to_padded(torch.ones_like(logp_N), row, lengths)
-        old_B_T = logp_B_T.detach() if old is None else unpack_to_padded(
-            torch.cat([old[i] for i in members]), row, lengths)
-        ref_B_T = unpack_to_padded(self.reference_logprobs(row), row, lengths) if o.kl_reference else None
-        loss_B_T, metrics = loss_fn(MicroBatch(batch, logp_B_T, mask_B_T, old_B_T, ref_B_T))
+        kept_B_T, full_B_T = (unpack_to_padded(x.detach(), row, lengths) for x in (kept_N, full_N))
+        ref_B_T = unpack_to_padded(self.reference_logprobs(row, samples), row, lengths) if o.kl_reference else None
+        old_B_T = kept_B_T if o.sampling_mask == "renormalize" else full_B_T
+        loss_B_T, metrics = loss_fn(MicroBatch(batch, unpack_to_padded(logp_N, row, lengths), mask_B_T, old_B_T,
+                                               ref_B_T, kept_B_T, full_B_T))
         loss = algos.aggregate_loss(loss_B_T, mask_B_T, o.loss_agg, norm_constant=o.norm_constant,
                                     denominator=denominator)
         metrics["train/loss"] = float(loss.detach())
         return loss, metrics
 
     @torch.no_grad()
-    def reference_logprobs(self, row: PackedRow) -> torch.Tensor:
-        """Logprobs under the KL reference: the frozen copy, or with LoRA the policy with its adapters off. [N]"""
+    def reference_logprobs(self, row: PackedRow, samples: list[TrainSample] | None = None) -> torch.Tensor:
+        """Logprobs under the KL reference, scored as the policy's are (`_logprobs`; `row.sequence_index` indexes
+        `samples`, None: without kept sets or routing): the frozen copy, or with LoRA the policy with its adapters
+        off. [N]"""
         if self.reference is not None:
-            return self._logprobs(self.reference, row)
+            return self._logprobs(self.reference, row, samples)[0]
         with self.policy.disable_adapter():
-            return self._logprobs(self.policy, row)
+            return self._logprobs(self.policy, row, samples)[0]
 
     @torch.no_grad()
     def _old_logprobs(self, samples: list[TrainSample]) -> dict[int, torch.Tensor]:
-        """Logprobs of the policy before this update, per sample (needed when it takes more than one step).
-        Each rank computes its token-balanced share; every rank gets all of them."""
+        """Logprobs of the policy before this update, per sample: [2, its trained tokens], renormalised over the kept
+        sets and under the full softmax (`_logprobs`; needed when the update takes more than one step). Each rank
+        computes its token-balanced share; every rank gets all of them."""
         rows = self.pack(samples, self._my_share(samples, list(range(len(samples)))))
         old: dict[int, torch.Tensor] = {}
         for k in range(self.parallel.all_max(len(rows))):
-            row = (rows[k] if k < len(rows) else _padding_row()).to(self.device)
-            logp_N = self._logprobs(self.policy, row)
+            row, row_samples = (rows[k], samples) if k < len(rows) else (_padding_row(), [_PADDING])
+            row = row.to(self.device)
+            logp_2_N = torch.stack(self._logprobs(self.policy, row, row_samples)[1:])
             if k < len(rows):
                 for j, i in enumerate(row.sequence_index):
-                    old[i] = logp_N[row.target_seq == j].cpu()
+                    old[i] = logp_2_N[:, row.target_seq == j].cpu()
         if self.parallel.sharded:
             old = {i: t for part in self.parallel.all_gather_object(old) for i, t in part.items()}
         return {i: t.to(self.device) for i, t in old.items()}

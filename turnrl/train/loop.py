@@ -92,6 +92,8 @@ class Trainer:
         self.engine_version = 0
         """The policy version the engines sample with (the step whose weights were last pushed)."""
         self._reissue: list[Group] = []
+        self._unrecorded_said: set[str] = set()
+        """The off-policy corrections already warned about missing from trajectories (`_warn_unrecorded`): once."""
         self._started = self._last_step_end = time.perf_counter()
         self.step = 0
         self.history: list[dict[str, float]] = []
@@ -188,7 +190,24 @@ class Trainer:
         if fallback:
             log.warning("step %d: %d trajectories have no usable rollout logprobs; trained without IS correction",
                         self.step, fallback)
+        self._warn_unrecorded(samples)
         return samples, {**stats.summary(), **adv_stats}
+
+    def _warn_unrecorded(self, samples: list[TrainSample]) -> None:
+        """Once per run and correction: trajectories that lack the kept sets (top-k / top-p) or the routing the
+        config has the engine record (an engine that cannot report them, tokens a scheduler replaced, an older
+        file) are scored under the full softmax / the trainer's own routing (docs/off-policy.md)."""
+        a, r = self.cfg.algo, self.cfg.rollout
+        trained = [s for s in samples if any(s.loss_mask)]
+        missing = {"kept sets": sum(s.kept_counts is None for s in trained)
+                   if a.sampling_mask == "renormalize" and r.records_sampling_mask else 0,
+                   "routing": sum(s.routed_experts is None for s in trained) if a.router_replay else 0}
+        instead = {"kept sets": "the full softmax", "routing": "the trainer's own routing"}
+        for what, n in missing.items():
+            if n and what not in self._unrecorded_said:
+                self._unrecorded_said.add(what)
+                log.warning("step %d: %d of %d trajectories carry no %s (the engine did not report them); their "
+                            "tokens are scored under %s (said once)", self.step, n, len(samples), what, instead[what])
 
     def _record_groups(self, groups: list[Group]) -> None:
         """groups.jsonl: one line per trained group (its admission index, row, versions, whether it was re-issued
@@ -318,6 +337,10 @@ class PolicyLoss:
                                                         mode=a.is_mode, level=a.is_level, threshold=a.is_threshold)
             loss_B_T = loss_B_T * weights_B_T
             metrics.update({f"train/{k}": float(v) for k, v in ism.items()})
+        # the mismatch with the engine's distribution over each token's kept set, and with the full softmax
+        metrics["train/mismatch_kl_k3"] = float(algos.mismatch_kl_k3(batch.old_kept_B_T, rollout_B_T, mask_B_T, valid_B))
+        metrics["train/mismatch_kl_k3_unmasked"] = float(
+            algos.mismatch_kl_k3(batch.old_full_B_T, rollout_B_T, mask_B_T, valid_B))
         if a.kl_coef > 0:
             assert batch.ref_B_T is not None  # the learner keeps a reference when kl_coef > 0 (build.learner_options)
             kl_B_T = algos.kl_penalty(logp_B_T, batch.ref_B_T, a.kl_type)

@@ -155,6 +155,8 @@ def packed_kept_logprobs(model: torch.nn.Module, row: PackedRow, kept_N: torch.T
     forward. [N] each."""
     logits_N_V = _packed_logits(model, row, temperature)
     full_N = logits_N_V.log_softmax(-1).gather(1, row.targets[:, None])[:, 0]
+    if bool((kept_N >= logits_N_V.shape[1]).all()):  # nothing was cut (or nothing recorded): the full softmax
+        return full_N, full_N
     return kept_token_logprobs(logits_N_V, row.targets, kept_N), full_N
 
 

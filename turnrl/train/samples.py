@@ -60,6 +60,12 @@ class TrainSample:
     advantage: float
     mm_inputs: dict[str, torch.Tensor] | None = None  # VLM processor tensors (pixel_values, image_grid_thw)
     versions: list[int] | None = None  # the policy version that sampled each response token (-1 at mask 0)
+    kept_counts: list[int | None] | None = None
+    """Aligned with response_ids: the size of the kept set each sampled token was drawn from (top-k / top-p; None at
+    mask 0); None: not recorded, the trainer scores under the full softmax (Trajectory.kept_counts)."""
+    routed_experts: torch.Tensor | None = None
+    """[tokens, MoE layers, top_k] experts the engine routed prompt + response through (Trajectory.routed_experts),
+    forced in the trainer's forward under algo.router_replay; None: not recorded."""
 
 
 def group_advantages(groups: list[list[Trajectory]], cfg: TrainConfig) -> tuple[list[tuple[Trajectory, float]], dict]:
@@ -103,5 +109,5 @@ def to_sample(traj: Trajectory, advantage: float) -> TrainSample:
         behaviour = [0.0 if lp is None else lp for lp in logprobs]
     versions = [-1 if s.policy_version is None or not m else s.policy_version
                 for s in traj.segments for m in s.loss_mask]
-    return TrainSample(traj.prompt_ids, traj.response_ids, traj.loss_mask,
-                       behaviour, advantage, traj.mm_train_inputs or None, versions)
+    return TrainSample(traj.prompt_ids, traj.response_ids, traj.loss_mask, behaviour, advantage,
+                       traj.mm_train_inputs or None, versions, traj.kept_counts, traj.routed_experts)

@@ -25,6 +25,7 @@ its `model`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import operator
@@ -302,7 +303,8 @@ def load_sft_samples(path: str | Path, renderer: ChatRenderer, *, filter_expr: s
             resolve_image_paths(row, path.parent)
     kept = filter_rows(rows, filter_expr, str(path))
     trajs, skipped = asyncio.run(sft_trajectories(kept, renderer, toolset=toolset, sanity=sanity, where=str(path)))
-    samples = [to_sample(t, 1.0) for t in trajs]
+    # SFT's NLL is under the full softmax, through the policy's own routing: what a sampler recorded does not enter
+    samples = [dataclasses.replace(to_sample(t, 1.0), kept_counts=None, routed_experts=None) for t in trajs]
     if max_tokens is not None:
         long = sum(len(s.prompt_ids) + len(s.response_ids) > max_tokens for s in samples)
         samples = [s for s in samples if len(s.prompt_ids) + len(s.response_ids) <= max_tokens]
