@@ -180,8 +180,10 @@ def test_routing_of_a_tree_row_comes_from_the_samples_through_each_node():
     routing[2] = None
     out = tree_row_routing(row, routing)
     assert out is not None and out.shape == (row.input_ids.shape[1], 2, 1)
-    for k, (s, _) in enumerate(row.witness):  # each node from the first sample through it
-        assert int(out[k, 0, 0]) == (s if s < 2 else -1)
+    for k, (_, d) in enumerate(row.witness):  # each node from the first sample through it that has routing
+        through = [j for j, path in enumerate(row.paths) if k in path.tolist() and routing[j] is not None]
+        assert int(out[k, 0, 0]) == (through[0] if through else -1)
+        assert row.position_ids[0, k] == d
 
 
 # ---- tree update == flat update ------------------------------------------------------------------------------

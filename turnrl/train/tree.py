@@ -64,6 +64,7 @@ class TreeRow(PackedRow):
 
     parent: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # [T] (-1: a root)
     witness: list[tuple[int, int]] = field(default_factory=list)  # per token: (packed sample, its index there)
+    paths: list[torch.Tensor] = field(default_factory=list)  # per packed sample: the row position of each token
     tree: TreeAttention | None = None
     tokens_raw: int = 0  # the members' prompt + response tokens: what a flat row would forward
     mm_tries: list[int] = field(default_factory=list)  # packed samples whose images the row encodes, in row order
@@ -345,7 +346,8 @@ def build_tree_row(sequences: Sequence[Triple], members: list[int], keys: Sequen
         parent=torch.tensor(parent_T, dtype=torch.long), witness=[witness[n] for n in order],
         tree=TreeAttention(seg_lengths, torch.tensor(key_index, dtype=torch.long), key_lengths, masks,
                            torch.tensor(end, dtype=torch.long)),
-        tokens_raw=sum(len(sequences[i][0]) + len(sequences[i][1]) for i in members), mm_tries=mm_tries)
+        tokens_raw=sum(len(sequences[i][0]) + len(sequences[i][1]) for i in members), mm_tries=mm_tries,
+        paths=[torch.tensor([new[n] for n in path], dtype=torch.long) for path in paths])
     if mm_inputs is not None:
         row.mm_inputs = [mm_inputs[i] for i in members]
     return row
@@ -504,17 +506,19 @@ def _sample_ids(row: TreeRow, s: int, nodes: list[int], ids: list[int]) -> list[
 
 
 def tree_row_routing(row: TreeRow, routing: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
-    """[T, layers, top_k] routing of the row's tokens for `turnrl.moe.replay_routing`, each node's from a sample it
-    belongs to (a shared prefix routes the same in every sample passing through); UNROUTED where that sample has
-    none. As packing.row_routing, `routing[i]` is indexed like `row.sequence_index`."""
+    """[T, layers, top_k] routing of the row's tokens for `turnrl.moe.replay_routing`, each node's from the first
+    sample through it that has one for it (a shared prefix routes the same in every sample passing through; the
+    engine never fed a sample's last token); UNROUTED where none has. As packing.row_routing, `routing[i]` is
+    indexed like `row.sequence_index`."""
     known = [r for r in (routing[i] for i in row.sequence_index) if r is not None]
     if not known:
         return None
     out = known[0].new_full((row.input_ids.shape[1], *known[0].shape[1:]), UNROUTED)
-    for k, (s, d) in enumerate(row.witness):
+    for s in reversed(range(len(row.sequence_index))):  # earlier samples overwrite later ones
         experts = routing[row.sequence_index[s]]
-        if experts is not None and d < experts.shape[0]:
-            out[k] = experts[d]
+        if experts is not None:
+            n = min(experts.shape[0], len(row.paths[s]))
+            out[row.paths[s][:n]] = experts[:n]
     return out
 
 
