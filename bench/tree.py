@@ -17,7 +17,8 @@ Batches (GRPO, n = 8 samples per prompt; token ids random but shaped like the re
 Each update is one `Learner.update` (pack, forward, loss, backward, clip, AdamW step) with GRPO's loss
 (`PolicyLoss`, token-mean), timed wall clock; flat and tree alternate (`--rounds` each, the first round of
 each batch is a warm-up and dropped when there are more than one) on a machine shared with other sessions:
-compare the ratios, not the absolute times. TRL: its `trl/experimental/async_grpo/packing.py` from the wheel
+compare the ratios, not the absolute times. The process's CPU time (all its threads) is shown beside the wall
+time: on a loaded machine it is the steadier of the two. TRL: its `trl/experimental/async_grpo/packing.py` from the wheel
 (`pip download trl==1.16.* --no-deps -d /tmp/trl116`; plain Python, its attention needs a GPU), each of our
 tree rows' samples added to one `TreeRow`, its unique node count summed.
 
@@ -159,21 +160,25 @@ def run(name: str, model, samples: list[TrainSample], micro: int, rounds: int, t
     learners = {p: build_learner(config(p, micro), copy.deepcopy(model)) for p in ("flat", "tree")}
     loss = PolicyLoss(config("tree", micro).algo, version=0)
     times: dict[str, list[float]] = {"flat": [], "tree": []}
+    cpu: dict[str, list[float]] = {"flat": [], "tree": []}
     metrics: dict[str, dict] = {}
     for r in range(rounds):
         for packing in ("flat", "tree") if r % 2 == 0 else ("tree", "flat"):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             metrics[packing] = learners[packing].update(samples, loss, step=r)
             times[packing].append(time.perf_counter() - t0)
-            console.print(f"  {name} round {r} {packing}: {times[packing][-1]:.2f} s, "
+            cpu[packing].append(time.process_time() - c0)
+            console.print(f"  {name} round {r} {packing}: {times[packing][-1]:.2f} s ({cpu[packing][-1]:.2f} CPU s), "
                           f"{metrics[packing]['train/tokens_forwarded']:.0f} tokens forwarded")
     timed = {p: t[1:] if len(t) > 1 else t for p, t in times.items()}
+    timed_cpu = {p: t[1:] if len(t) > 1 else t for p, t in cpu.items()}
     tree_rows = learners["tree"].pack(samples, list(range(len(samples))))
     return {"name": name, "samples": len(samples), "raw": metrics["flat"]["train/tokens_raw"],
             "flat_tokens": metrics["flat"]["train/tokens_forwarded"],
             "tree_tokens": metrics["tree"]["train/tokens_forwarded"],
             "trl_tokens": trl_tokens(trl, samples, tree_rows) if trl is not None else None,
             "flat_s": statistics.median(timed["flat"]), "tree_s": statistics.median(timed["tree"]),
+            "flat_cpu": statistics.median(timed_cpu["flat"]), "tree_cpu": statistics.median(timed_cpu["tree"]),
             "loss": (metrics["flat"]["train/loss"], metrics["tree"]["train/loss"])}
 
 
@@ -186,8 +191,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--long-prompt", type=int, default=20_000)
-    ap.add_argument("--long-hidden", type=int, default=64, help="(b)'s model width")
-    ap.add_argument("--long-layers", type=int, default=2, help="(b)'s model depth")
+    ap.add_argument("--long-hidden", type=int, default=32, help="(b)'s model width (heads of 32)")
+    ap.add_argument("--long-layers", type=int, default=1, help="(b)'s model depth")
     ap.add_argument("--long-rounds", type=int, default=1, help="(b)'s updates of each packing (no warm-up)")
     ap.add_argument("--only", default="abc", help="which batches: any of a, b, c")
     args = ap.parse_args()
@@ -212,13 +217,14 @@ def main() -> None:
                         f"{args.threads} threads; Qwen3 of vocabulary {args.vocab}, (a) hidden {args.hidden} × {args.layers} "
                         f"layers, (b) {args.long_hidden} × {args.long_layers}; (c) SmolLM2-135M)")
     for col in ("batch", "samples", "raw tokens", "flat fwd", "tree fwd", "TRL TreeRow", "token ratio",
-                "flat s", "tree s", "speed-up", "loss flat / tree"):
+                "flat s", "tree s", "speed-up", "flat CPU s", "tree CPU s", "CPU ratio", "loss flat / tree"):
         table.add_column(col, justify="right" if col != "batch" else "left")
     for r in results:
         table.add_row(r["name"], str(r["samples"]), f"{r['raw']:.0f}", f"{r['flat_tokens']:.0f}",
                       f"{r['tree_tokens']:.0f}", "-" if r["trl_tokens"] is None else str(r["trl_tokens"]),
                       f"{r['flat_tokens'] / r['tree_tokens']:.2f}", f"{r['flat_s']:.2f}", f"{r['tree_s']:.2f}",
-                      f"{r['flat_s'] / r['tree_s']:.2f}x", f"{r['loss'][0]:.6f} / {r['loss'][1]:.6f}")
+                      f"{r['flat_s'] / r['tree_s']:.2f}x", f"{r['flat_cpu']:.1f}", f"{r['tree_cpu']:.1f}",
+                      f"{r['flat_cpu'] / r['tree_cpu']:.2f}x", f"{r['loss'][0]:.6f} / {r['loss'][1]:.6f}")
     console.print(table)
     print(f"python {' '.join(sys.argv)}")
 
