@@ -262,3 +262,27 @@ def test_vlm_samples_with_different_images_or_an_unshared_image_do_not_merge(vl_
     other = [7] + a.prompt_ids
     (row,) = pack_tree([(a.prompt_ids, [5], [1]), (other, [5], [1])], 4096, [a.mm_inputs, a.mm_inputs], pad)
     assert row.mm_tries == [0, 1] and row.input_ids.shape[1] == len(a.prompt_ids) + len(other) + 2
+
+
+def test_a_llava_group_shares_its_image_too():
+    """LLaVA (1-D positions, a fixed run of image tokens): tree logprobs equal flat ones, the image encoded once."""
+    from PIL import Image
+
+    from turnrl.models import load_model, resolve_model
+    from turnrl.multimodal import VisionRenderer, build_processor
+    from turnrl.train.tree import use_tree_attention
+
+    renderer = VisionRenderer(build_processor(resolve_model("tiny-llava")))
+    rendered = renderer.initial([{"role": "user", "content": [
+        {"type": "image", "image": Image.new("RGB", (64, 64), "red")}, {"type": "text", "text": "Colour?"}]}])
+    responses = [torch.randint(0, 49_000, (4 + k,), generator=G).tolist() for k in range(3)]
+    seqs = [(rendered.ids, r, [1] * len(r)) for r in responses]
+    model = load_model("tiny-llava")
+    pad = model.config.image_token_index
+    (row,) = pack_tree(seqs, 4096, [rendered.mm_inputs] * 3, pad)
+    assert row.mm_tries == [0] and row.input_ids[0].tolist().count(pad) == rendered.ids.count(pad)
+    flat = pack_sequences(seqs, 4096, [rendered.mm_inputs] * 3)[0]
+    use_tree_attention(model)
+    with torch.no_grad():
+        torch.testing.assert_close(tree_token_logprobs(model, row), packed_token_logprobs(model, flat),
+                                   atol=1e-5, rtol=1e-5)
