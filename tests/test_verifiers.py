@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from turnrl.agents.verifiers import trajectories_from_trace
+from turnrl.agents.verifiers import episode_trajectories, trajectories_from_trace
+from turnrl.types import Trajectory
 
 DUMP = Path(__file__).resolve().parent / "data" / "verifiers_trace.json"
 HAS_VERIFIERS = importlib.util.find_spec("verifiers") is not None
@@ -100,6 +101,133 @@ def test_a_failed_rollout_and_bad_nodes():
     broken["nodes"][2]["logprobs"] = broken["nodes"][2]["logprobs"][:-1]
     with pytest.raises(ValueError, match=r"sampled tokens but \d+ logprobs"):
         trajectories_from_trace(broken, group_id="g")
+
+
+def _ctx():
+    from types import SimpleNamespace
+
+    def failed(reason, error):
+        traj = Trajectory(id="q-0", group_id="q", sample_index=0, prompt_ids=[])
+        traj.finish(reason, error)
+        return traj
+
+    return SimpleNamespace(trajectory_id="q-0", group_id="q", sample_index=0, agent_name="verifiers", failed=failed)
+
+
+def _recorded(dumped, version=3):
+    """What turnrl's session recorded for the dump's sampled nodes (their masked tokens), with the engine's own
+    logprobs (shifted here, so the test sees which ones the trajectory took)."""
+    from types import SimpleNamespace
+
+    calls = []
+    for node in dumped["nodes"]:
+        ids = [t for t, m in zip(node["token_ids"], node["mask"], strict=True) if m]
+        if ids:
+            calls.append(SimpleNamespace(completion_ids=ids, logprobs=[lp - 0.5 for lp in node["logprobs"]],
+                                         policy_version=version))
+    return calls
+
+
+def test_an_episode_becomes_trajectories_checked_against_the_recorded_calls():
+    dumped = json.loads(DUMP.read_text())
+    episode = {"id": "ep-1", "traces": [dumped]}
+    trajs = episode_trajectories(_ctx(), {"idx": 0}, episode, _recorded(dumped))
+    assert [t.id for t in trajs] == ["q-0", "q-0.1"] and {t.episode_id for t in trajs} == {"q-0"}
+    for traj in trajs:
+        traj.validate()
+        assert traj.status.value == "completed" and traj.agent == "verifiers"
+        assert traj.rollout_infos["verifiers_episode_id"] == "ep-1"
+        model = [s for s in traj.segments if s.source.value == "model"]
+        assert {s.policy_version for s in model} == {3}  # the engine's version, from the recorded call
+        recorded = {tuple(c.completion_ids): c.logprobs for c in _recorded(dumped)}
+        assert [s.logprobs for s in model] == [recorded[tuple(s.token_ids)] for s in model]  # the engine's
+    # a trace claiming tokens the engine never returned to the session fails that trajectory
+    forged = _recorded(dumped)[:-1]
+    bad = episode_trajectories(_ctx(), {}, episode, forged)
+    assert bad[0].status.value == "completed"
+    assert bad[1].status.value == "failed" and "not what turnrl's engine returned" in bad[1].error
+    # a harness that failed because the session refused a call past max_turns ends as max_turns
+    failed = {**dumped, "ok": False, "errors": [{"type": "ProviderError", "message": "turn_limit"}]}
+    capped = episode_trajectories(_ctx(), {}, {"id": "e", "traces": [failed]}, _recorded(dumped), max_turns_hit=True)
+    assert {t.termination_reason.value for t in capped} == {"max_turns"} and capped[0].error is None
+    assert "rollout.max_turns" in capped[0].warnings[0]
+    # an episode without a trace (its setup failed) is one failed trajectory with its error
+    [none] = episode_trajectories(_ctx(), {}, {"id": "e", "traces": [], "errors": [
+        {"type": "SandboxError", "message": "uv sync failed"}]}, [])
+    assert none.status.value == "failed" and none.error == "verifiers: SandboxError: uv sync failed"
+
+
+# ---- verifiers' own client code against turnrl's side of the protocol (its venv: make verifiers-test) --------
+@pytest.mark.skipif(not HAS_VERIFIERS, reason="verifiers is not installed here (its own venv: pins mcp==2.0.0)")
+async def test_the_renderers_train_client_generates_through_turnrl(qwen3_tokenizer):
+    """What a verifiers env server's train client does each turn (`renderers.client.generate`: render with its own
+    Qwen3 renderer, POST the ids, parse the answer), against turnrl's /inference/v1/generate."""
+    from fakes import ScriptedEngine
+    from openai import AsyncOpenAI
+    from renderers import Qwen3RendererConfig, create_renderer
+    from renderers.base import load_tokenizer
+    from renderers.client import generate
+
+    from turnrl.render import ChatRenderer
+    from turnrl.serve.app import ServerThread, create_app
+    from turnrl.serve.sessions import ChatProxy
+
+    engine = ScriptedEngine(qwen3_tokenizer, lambda rid, turn, text: "<reversed_text>olleh</reversed_text>")
+    proxy = ChatProxy(engine, ChatRenderer(qwen3_tokenizer))
+    server = ServerThread(create_app(engine, proxy, model_name="pol"))
+    url = server.start()
+    try:
+        renderer = create_renderer(load_tokenizer(qwen3_tokenizer.name_or_path), Qwen3RendererConfig())
+        client = AsyncOpenAI(base_url=f"{url}/sessions/trace-7/v1", api_key="none")
+        messages = [{"role": "system", "content": "Reverse it."}, {"role": "user", "content": "hello"}]
+        result = await generate(client=client, renderer=renderer, messages=messages, model="pol",
+                                sampling_params={"temperature": 0.8, "top_p": 0.95, "max_tokens": 40})
+        await client.close()
+    finally:
+        server.stop()
+    im_end = qwen3_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    reply = qwen3_tokenizer.encode("<reversed_text>olleh</reversed_text>", add_special_tokens=False) + [im_end]
+    assert result["completion_ids"] == reply and result["finish_reason"] == "stop"
+    assert result["completion_logprobs"] == [-(k + 1) / 100 for k in range(len(reply))]
+    assert result["content"] == "<reversed_text>olleh</reversed_text>"
+    [call] = proxy.session("trace-7").calls  # recorded in the session the base_url names, exactly as sent
+    assert call.prompt_ids == result["prompt_ids"] and call.completion_ids == reply
+    params = engine.calls[0].params
+    assert (params.temperature, params.top_p, params.max_new_tokens) == (0.8, 0.95, 40)
+    assert im_end in params.stop_token_ids
+
+
+@pytest.mark.skipif(not HAS_VERIFIERS, reason="verifiers is not installed here (its own venv: pins mcp==2.0.0)")
+async def test_turnrls_episode_assembly_matches_verifiers(qwen3_tokenizer):
+    """A trace growing turn by turn, streamed by verifiers' own DeltaStreamer: turnrl's assembly of the deltas
+    (turnrl.agents.verifiers_wire, no verifiers needed) is verifiers' EpisodeAssembly's."""
+    from verifiers.v1.serve.delta import DeltaStreamer, TraceSummary, pack
+    from verifiers.v1.serve.delta import EpisodeAssembly as Theirs
+
+    from turnrl.agents.verifiers_wire import EpisodeAssembly, unpack
+
+    full = build_trace(qwen3_tokenizer)
+    nodes, rewards = list(full.nodes), dict(full.rewards)
+    trace = full.model_copy(update={"nodes": [], "rewards": {}})
+    frames: list[bytes] = []
+
+    async def send(delta):
+        frames.append(pack(delta))
+
+    streamer = DeltaStreamer(lambda: [trace], send)
+    for node in nodes:  # one turn at a time, as the rollout appends them
+        trace.nodes.append(node)
+        await streamer.flush()
+    trace.rewards = rewards
+    await streamer.flush()
+    ours, theirs = EpisodeAssembly(), Theirs()
+    for frame in frames:
+        ours.apply(unpack(frame))
+        theirs.apply(unpack(frame))
+    summary = [TraceSummary(id=trace.id, nodes=len(nodes), calls=0)]
+    head = {"id": "ep", "errors": []}
+    assert ours.finish(head, [s.model_dump() for s in summary]) == theirs.finish(head, summary)
+    assert len(frames) == len(nodes) + 1
 
 
 if __name__ == "__main__":  # writes the JSON dump (in a venv with verifiers)

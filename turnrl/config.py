@@ -123,8 +123,8 @@ class RolloutConfig(Strict):
     """A YAML file whose mapping becomes the env config (slime's --custom-config-path). Its `max_turns` is also the
     turn limit and its `rollout_interaction_env_path` the env, unless those are set (effective_rollout_config)."""
     agent: str = "env_agent"
-    """Default agent for rows without `agent_name` (single_turn, env_agent, tool_agent, harness, or one from
-    `agents`)."""
+    """Default agent for rows without `agent_name` (single_turn, env_agent, tool_agent, openai_agent, harness,
+    verifiers: a verifiers v1 env server at `env_config.env_server`, docs/ecosystems.md; or one from `agents`)."""
     harness: HarnessConfig | None = None
     """The coding-agent CLI of the `harness` agent (a built-in name or {command, env, api}); setting it makes
     `harness` the default agent unless `agent` is set."""

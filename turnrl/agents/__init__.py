@@ -50,12 +50,19 @@ def _openai_agent(ctx: RolloutContext, sample: dict[str, Any]):
     return openai_agent(ctx, sample)
 
 
+def _verifiers_agent(ctx: RolloutContext, sample: dict[str, Any]):
+    from turnrl.agents.verifiers import verifiers_agent
+
+    return verifiers_agent(ctx, sample)
+
+
 AGENTS: dict[str, Agent] = {
     "single_turn": single_turn,
     "single_turn_agent": single_turn,  # verl's name, as rows from its preprocessing scripts say it
     "env_agent": env_agent,
     "tool_agent": _tool_agent,
     "openai_agent": _openai_agent,
+    "verifiers": _verifiers_agent,
 }
 """The built-in agents. Copy this dict (see `agent_registry`) rather than mutating it."""
 

@@ -19,21 +19,37 @@ branches verifiers marks untrainable (a compaction attempt the harness did not r
 function takes a `verifiers.v1.trace.Trace` or its JSON (what verifiers' env servers send and dump); a JSON trace
 gives a branch per leaf with no compaction rules.
 
-What is not here: the endpoint verifiers' env servers call to generate (`/inference/v1/generate`, rendered by the
-`renderers` package) and the ZMQ client that sends them `RunRequest`s; see docs/ecosystems.md.
+`verifiers_agent` (`agent: verifiers`) runs a row's task on a verifiers env server with turnrl as the policy: it
+opens a session on the in-process gateway (turnrl.agents.openai_agent.gateway: the rollout's engine behind a random
+token on 127.0.0.1), sends the server a RunRequest (turnrl.agents.verifiers_wire) whose client is a verifiers
+`TrainClientConfig` pointing at that session, so every model call of the episode comes to the session's
+`/inference/v1/generate` (turnrl/serve/inference.py) and is recorded there, on the rollout's event loop as
+`drive`'s calls are; the episode's traces come back and become trajectories (above), each model segment checked
+against the tokens the session recorded (a trace claiming tokens this engine did not sample fails its trajectory)
+and given the recorded logprobs and policy version. docs/ecosystems.md has the settings.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
+from turnrl.observe.watchdog import abandon_after
 from turnrl.types import (
     Message,
+    RolloutStatus,
     Segment,
     SegmentSource,
     TerminationReason,
     Trajectory,
 )
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 1800.0
+"""An episode's bound on the env server when `env_config.timeout_s` does not set one."""
+_TURNRL_COLUMNS = ("agent_name", "env_config")
 
 
 def trajectories_from_trace(trace: Any, group_id: str, sample_index: int = 0,
@@ -132,3 +148,100 @@ def _finish(traj: Trajectory, data: dict[str, Any]) -> None:
                                                  f"{first.get('message', 'the rollout did not finish ok')}")
         return
     traj.finish(TerminationReason.ENV_DONE)
+
+
+# ---- the agent: an episode on a verifiers env server -------------------------------------------------------
+async def verifiers_agent(ctx: Any, sample: dict[str, Any]) -> list[Trajectory]:
+    """Run the row's task on the env server named by `env_config.env_server` (module docstring)."""
+    from turnrl.agents.openai_agent import gateway
+    from turnrl.agents.verifiers_wire import EnvServer, EpisodeTimeout
+
+    config = {**ctx.env_config, **(sample.get("env_config") or {})}
+    address = config.get("env_server")
+    if not isinstance(address, str) or not address.startswith(("tcp://", "ipc://")):
+        raise ValueError("agent 'verifiers' needs its env server: set env_config.env_server to the address it binds "
+                         f"(tcp://127.0.0.1:5000), got {address!r}")
+    gw = gateway(ctx.engine, ctx.renderer)
+    session = gw.proxy.open_session(ctx.trajectory_id, loop=asyncio.get_running_loop(), sampling=ctx.sampling,
+                                    max_new_tokens=ctx.limits.max_new_tokens, max_calls=ctx.limits.max_turns)
+    try:
+        request = run_request(ctx, sample, config, gw.session_url(session.id), gw.token)
+        health_timeout_s = float(config.get("health_timeout_s") or 30.0)
+        try:
+            episode = await EnvServer.on_loop(address).run(
+                request, timeout_s=float(config.get("timeout_s") or DEFAULT_TIMEOUT_S),
+                health_interval_s=min(5.0, health_timeout_s / 2), health_timeout_s=health_timeout_s)
+        except EpisodeTimeout as e:
+            return [ctx.failed(TerminationReason.TIMEOUT, str(e))]
+        return episode_trajectories(ctx, sample, episode, session.calls, max_turns_hit=session.limit_reached)
+    finally:
+        gw.proxy.close_session(session.id)
+        try:
+            await abandon_after(ctx.engine.release(ctx.trajectory_id), ctx.limits.cleanup_timeout_s, "engine.release")
+        except Exception as e:  # a cache entry that was not dropped must not fail the episode
+            log.warning("trajectory %s: engine.release raised %r", ctx.trajectory_id, e)
+
+
+def run_request(ctx: Any, sample: dict[str, Any], config: dict[str, Any], base_url: str, token: str) -> dict[str, Any]:
+    """verifiers' RunRequest: the row's task data (its `task` column, else the row less turnrl's own columns), a
+    train client on this session (`renderer`, `renderer_model`: what the env server renders prompts with), the
+    policy's sampling."""
+    task = sample.get("task") if isinstance(sample.get("task"), dict) else {
+        k: v for k, v in sample.items() if k not in _TURNRL_COLUMNS}
+    renderer = config.get("renderer")
+    if isinstance(renderer, str):
+        renderer = {"name": renderer}
+    tokenizer = getattr(ctx.renderer, "tokenizer", None)
+    client = {"type": "train", "base_url": base_url, "api_key_var": "TURNRL_GATEWAY_TOKEN_UNSET",
+              "headers": {"X-Api-Key": token}, "renderer": renderer,
+              "renderer_model_name": config.get("renderer_model") or getattr(tokenizer, "name_or_path", None)}
+    params = ctx.sampling
+    sampling = {"temperature": params.temperature, "top_p": params.top_p, "max_tokens": ctx.limits.max_new_tokens}
+    if params.top_k > 0:
+        sampling["top_k"] = params.top_k
+    return {"task_data": task, "client": client, "model": str(config.get("model") or "turnrl-policy"),
+            "sampling": sampling}
+
+
+def episode_trajectories(ctx: Any, sample: dict[str, Any], episode: dict[str, Any], calls: list[Any],
+                         max_turns_hit: bool = False) -> list[Trajectory]:
+    """The episode's traces as trajectories (ids `<trajectory id>`, `<trajectory id>.<k>`, one `episode_id`), their
+    model segments checked against the session's recorded `calls`; an episode with no trace is one failed
+    trajectory with the episode's first error. `max_turns_hit`: the session refused a call past
+    `rollout.max_turns`, so a trace that failed on it ends as max_turns (its error kept as a warning)."""
+    trajectories = [t for trace in episode.get("traces") or []
+                    for t in trajectories_from_trace(trace, ctx.group_id, ctx.sample_index, sample)]
+    if not trajectories:
+        errors = episode.get("errors") or [{}]
+        message = f"{errors[0].get('type', 'error')}: {errors[0].get('message', 'the episode has no trace')}"
+        return [ctx.failed(TerminationReason.ENV_ERROR, f"verifiers: {message}")]
+    recorded = {tuple(c.completion_ids): c for c in calls}
+    for k, traj in enumerate(trajectories):
+        traj.id = ctx.trajectory_id if k == 0 else f"{ctx.trajectory_id}.{k}"
+        traj.episode_id = ctx.trajectory_id if len(trajectories) > 1 else None
+        traj.agent = ctx.agent_name
+        traj.rollout_infos["verifiers_episode_id"] = episode.get("id")
+        if max_turns_hit and traj.termination_reason == TerminationReason.ENV_ERROR:
+            refused, traj.error = traj.error, None
+            traj.finish(TerminationReason.MAX_TURNS)
+            traj.warnings.append(f"{refused} (a call past rollout.max_turns was refused)")
+        _check_against(traj, recorded)
+    return trajectories
+
+
+def _check_against(traj: Trajectory, recorded: dict[tuple[int, ...], Any]) -> None:
+    """Give each model segment the logprobs and policy version its recorded call has; fail the trajectory when
+    the trace holds sampled tokens no call of the session returned."""
+    for segment in traj.segments:
+        if segment.source != SegmentSource.MODEL:
+            continue
+        call = recorded.get(tuple(segment.token_ids))
+        if call is None:
+            if traj.status != RolloutStatus.FAILED:
+                traj.finish(TerminationReason.ENV_ERROR, (
+                    f"verifiers trace: turn {segment.turn}'s {len(segment.token_ids)} sampled tokens are not what "
+                    "turnrl's engine returned to this session (the env server used another endpoint, or rewrote "
+                    "the completion)"))
+            continue
+        segment.logprobs = list(call.logprobs)
+        segment.policy_version = call.policy_version

@@ -96,7 +96,7 @@ def create_app(engine: Engine, proxy: ChatProxy | None = None, *, token: str | N
 
     @app.get("/v1/models")
     async def models():
-        return models_list(model_name)
+        return models_list(model_name, getattr(engine, "max_context", None))
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):

@@ -18,8 +18,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 from urllib.parse import quote
 
-from turnrl.engines.base import Engine
-from turnrl.serve import anthropic, openai, responses
+from turnrl.engines.base import Engine, InvalidRequest
+from turnrl.serve import anthropic, inference, openai, responses
 from turnrl.serve.http import classify, json_body, model_object, models_list, stream_flag
 from turnrl.serve.sessions import (
     ChatCall,
@@ -127,14 +127,15 @@ _COUNT_TOKENS = "/v1" + anthropic.COUNT_PATH
 _MODEL_FORM = "/v1/models/<model>"
 _API_FORMS = {"/v1" + api.PATH: name for name, api in APIS.items()}
 _SESSION_FORMS = {**{form: "POST" for form in _API_FORMS}, _COUNT_TOKENS: "POST", "/v1/models": "GET",
-                  _MODEL_FORM: "GET", "/trajectories": "GET", "/reward": "POST", "": "GET, DELETE"}
+                  _MODEL_FORM: "GET", "/trajectories": "GET", "/reward": "POST", inference.PATH: "POST",
+                  "": "GET, DELETE"}
 """URL form after /sessions/<id> -> its method (GET and DELETE on the session itself)."""
 
 FORMS = [*(f"POST {form}" for form in _API_FORMS), f"POST {_COUNT_TOKENS}", f"POST /v1{openai.COMPLETIONS_PATH}",
          *(f"POST /sessions/<id>{form}" for form in _API_FORMS), f"POST /sessions/<id>{_COUNT_TOKENS}",
          "GET /sessions/<id>/v1/models", "GET /sessions/<id>/v1/models/<model>", "GET /sessions",
          "GET /sessions/<id>", "DELETE /sessions/<id>", "GET /sessions/<id>/trajectories",
-         "POST /sessions/<id>/reward"]
+         "POST /sessions/<id>/reward", f"POST {inference.PATH}", f"POST /sessions/<id>{inference.PATH}"]
 """The URL forms of the chat APIs, for 404s."""
 
 
@@ -153,6 +154,11 @@ def add_chat_routes(app: Any, engine: Engine, proxy: ChatProxy, model_name: str,
     @app.post("/v1" + openai.COMPLETIONS_PATH)
     async def completions(request: Request):
         return await _text_completion(proxy, model_name, request)
+
+    @app.post(inference.PATH)
+    async def generate_tokens(request: Request):
+        await _reap(proxy, engine)
+        return await _generate_tokens(proxy, request, None)
 
     @app.get("/sessions")
     async def sessions():
@@ -254,7 +260,7 @@ def _session_actions(proxy: ChatProxy, engine: Engine, model_name: str) -> dict[
         return await anthropic.count_tokens(proxy, await json_body(request))  # no session is opened or used
 
     async def models(request: Any, session_id: str) -> dict[str, Any]:
-        return models_list(model_name)
+        return models_list(model_name, getattr(engine, "max_context", None))
 
     async def model(request: Any, session_id: str) -> dict[str, Any]:
         return model_object(request.path_params["rest"].partition("/v1/models/")[2])
@@ -274,8 +280,30 @@ def _session_actions(proxy: ChatProxy, engine: Engine, model_name: str) -> dict[
         await engine.release(session_id)
         return {"ok": True, "calls": len(closed.calls)}
 
+    async def generate_tokens(request: Any, session_id: str) -> Any:
+        return await _generate_tokens(proxy, request, session_id)
+
     return {_COUNT_TOKENS: count_tokens, "/v1/models": models, _MODEL_FORM: model, "/trajectories": trajectories,
-            "/reward": reward, "": session}
+            "/reward": reward, inference.PATH: generate_tokens, "": session}
+
+
+async def _generate_tokens(proxy: ChatProxy, request: Any, session_id: str | None) -> Any:
+    """`POST [/sessions/<id>]/inference/v1/generate` (turnrl/serve/inference.py): token ids in, recorded in the
+    session, token ids and logprobs out."""
+    body = await json_body(request)
+    prompt_ids, sampling, stop_token_ids = inference.parse(body)
+    named, rule = (session_id, "path") if session_id else (request.headers.get(SESSION_HEADER), "header")
+    if named:
+        check_session_id(named, rule)
+    session = proxy.resolve_tokens(named, rule, prompt_ids)
+    try:
+        call = await proxy.complete_tokens(session, prompt_ids, sampling, stop_token_ids)
+    except InvalidRequest as e:  # a token id outside the vocabulary, a prompt longer than the context
+        param = "token_ids" if e.param == "prompt_ids" else e.param
+        raise ChatRequestError(str(e), param=param) from None
+    given = body.get("request_id")
+    request_id = given if isinstance(given, str) and given else f"gen-{session.id}-{call.index}"
+    return _json(inference.answer(call, request_id, session.id), {SESSION_HEADER: session_header(session.id)})
 
 
 async def _post_reward(proxy: ChatProxy, engine: Engine, session_id: str, body: dict[str, Any]) -> dict[str, Any]:

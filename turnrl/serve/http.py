@@ -110,9 +110,13 @@ def model_object(name: str) -> dict[str, Any]:
             "type": "model", "display_name": name, "created_at": "1970-01-01T00:00:00Z"}
 
 
-def models_list(model_name: str) -> dict[str, Any]:
-    return {"object": "list", "data": [model_object(model_name)], "has_more": False, "first_id": model_name,
-            "last_id": model_name}
+def models_list(model_name: str, max_model_len: Any = None) -> dict[str, Any]:
+    """The model list; with the engine's context length as vLLM's `max_model_len` (clients such as `renderers`
+    refuse an over-long prompt before sending it)."""
+    card = model_object(model_name)
+    if isinstance(max_model_len, int) and max_model_len > 0:
+        card["max_model_len"] = max_model_len
+    return {"object": "list", "data": [card], "has_more": False, "first_id": model_name, "last_id": model_name}
 
 
 def new_id(prefix: str) -> str:

@@ -316,13 +316,7 @@ class ChatProxy:
         With `on_delta(kind, value)` the reply is streamed as it is generated: ("start", prompt token count), then
         ("reasoning" | "content", text) decoded incrementally from the sampled token ids (ReplyStream); tool calls
         come whole in the recorded reply at the end."""
-        if session.status != SessionStatus.OPEN:
-            raise ChatRequestError(f"session {session.id!r} is {session.status} ({session.end_reason}); "
-                                   "use a new session id", code="session_closed", status=409)
-        if session.max_calls is not None and len(session.calls) >= session.max_calls:
-            session.limit_reached = True
-            raise ChatRequestError(f"session {session.id!r} reached its limit of {session.max_calls} model calls "
-                                   "(rollout.max_turns)", code="turn_limit")
+        _check_callable(session)
         session.last_active = time.time()
         # tokenising a long conversation takes a while: off the event loop, which serves every other request
         prompt_ids, base_len, delta_sources = await asyncio.to_thread(self._prompt, session, chat)
@@ -357,6 +351,49 @@ class ChatProxy:
         if chat.reward is not None:
             self.set_reward(session.id, chat.reward)
         return call, finish
+
+    async def complete_tokens(self, session: Session, prompt_ids: list[int], sampling: dict[str, Any],
+                              stop_token_ids: tuple[int, ...] = ()) -> RecordedCall:
+        """One token-level call of `session` (vLLM's `/inference/v1/generate`, turnrl/serve/inference.py): the
+        prompt ids as given, nothing rendered; recorded as a chat call is (its exact prompt, completion and
+        logprobs), with no messages and the completion's text as the reply. `sampling` as `complete` takes it;
+        `stop_token_ids` are added to the end-of-turn tokens."""
+        _check_callable(session)
+        session.last_active = time.time()
+        params, notes = await asyncio.to_thread(self._sampling, session, sampling)
+        if stop_token_ids:
+            params = dataclasses.replace(params, stop_token_ids=tuple(sorted({*params.stop_token_ids,
+                                                                              *stop_token_ids})))
+        t0, start_ns = time.perf_counter(), time.time_ns()
+        out = await _on_loop(session.loop, self.engine.generate(prompt_ids, params, request_id=session.id))
+        text = self.renderer.assistant_text(out.token_ids)
+        call = RecordedCall(
+            index=len(session.calls), prompt_ids=list(prompt_ids), completion_ids=list(out.token_ids),
+            logprobs=list(out.logprobs), finish_reason=out.finish_reason, policy_version=out.policy_version,
+            messages=[], tools=None, reply={"role": "assistant", "content": text},
+            cached_prompt_tokens=out.cached_prompt_tokens, gen_time_s=time.perf_counter() - t0, start_ns=start_ns,
+            notes={**notes, "api": "generate"},
+        )
+        session.calls.append(call)
+        session.last_active = time.time()
+        return call
+
+    def resolve_tokens(self, named: str | None, rule: str, prompt_ids: list[int]) -> Session:
+        """The session of a token-level call: `named` (the path or X-Session-Id), else the open session one of
+        whose calls (its prompt and completion) this prompt extends, else a new one (the session rule on tokens)."""
+        if named or not self.create_sessions:
+            return self.resolve(named, rule, [])
+        with self._lock:
+            candidates = sorted((s for s in self._sessions.values() if s.status == SessionStatus.OPEN),
+                                key=lambda s: s.last_active, reverse=True)
+        for session in candidates:
+            for call in reversed(session.calls):
+                n, m = len(call.prompt_ids), len(call.completion_ids)
+                if n + m <= len(prompt_ids) and prompt_ids[:n] == call.prompt_ids and \
+                        prompt_ids[n:n + m] == call.completion_ids:
+                    log.info("session %s continued (its token stream is extended by the request)", session.id)
+                    return session
+        return self.session(f"ep-{uuid.uuid4().hex[:16]}", create=True, rule="new")
 
     async def text_completion(self, prompt_ids: list[int], sampling: dict[str, Any],
                               on_text: Callable[[str], None] | None = None) -> tuple[GenerateOutput, str, StopMatch | None]:
@@ -492,6 +529,17 @@ class ChatProxy:
         if reasoning:
             message["reasoning_content"] = reasoning
         return message, finish, notes
+
+
+def _check_callable(session: Session) -> None:
+    """Refuse a call to a closed session, or one past its `max_calls` (setting `limit_reached`)."""
+    if session.status != SessionStatus.OPEN:
+        raise ChatRequestError(f"session {session.id!r} is {session.status} ({session.end_reason}); "
+                               "use a new session id", code="session_closed", status=409)
+    if session.max_calls is not None and len(session.calls) >= session.max_calls:
+        session.limit_reached = True
+        raise ChatRequestError(f"session {session.id!r} reached its limit of {session.max_calls} model calls "
+                               "(rollout.max_turns)", code="turn_limit")
 
 
 def _warn_not_offered(session: Session, names: list[str]) -> None:
@@ -689,7 +737,8 @@ def _add_call(builder: TrajectoryBuilder, call: RecordedCall) -> None:
     if call.completion_ids:
         builder.add_model(out, traj.num_turns + 1)
     traj.num_turns += 1
-    traj.messages = [*call.messages, call.reply]
+    # a token-level call has no messages: its reply follows the trajectory's earlier ones
+    traj.messages = [*(call.messages if call.messages or not traj.messages else traj.messages), call.reply]
     traj.turns.append(TurnRecord(traj.num_turns, GenerateSpan(
         call.start_ns, call.start_ns + int(call.gen_time_s * 1e9), prompt_tokens=len(call.prompt_ids),
         cached_prompt_tokens=call.cached_prompt_tokens, tokens=len(call.completion_ids),
