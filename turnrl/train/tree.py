@@ -50,10 +50,19 @@ class TreeAttention:
     subtree_end: torch.Tensor  # [T] one past the last row position in each token's subtree (the ancestor relation)
     kernel: str = "sdpa"  # "sdpa" or "flex"
     block_mask: Any = None  # FlexAttention's BlockMask, made on the device per forward
+    _additive: dict[torch.dtype, list[torch.Tensor | None]] = field(default_factory=dict, repr=False)
+
+    def additive_masks(self, dtype: torch.dtype) -> list[torch.Tensor | None]:
+        """`masks` as SDPA's additive float masks (0 / -inf) in `dtype`: made once per row, not per layer and call."""
+        if dtype not in self._additive:
+            self._additive[dtype] = [None if m is None else torch.zeros(m.shape, dtype=dtype, device=m.device)
+                                     .masked_fill_(~m, float("-inf")) for m in self.masks]
+        return self._additive[dtype]
 
     def to(self, device: torch.device | str) -> TreeAttention:
         return dataclasses.replace(self, key_index=self.key_index.to(device), subtree_end=self.subtree_end.to(device),
-                                   masks=[None if m is None else m.to(device) for m in self.masks], block_mask=None)
+                                   masks=[None if m is None else m.to(device) for m in self.masks], block_mask=None,
+                                   _additive={})
 
 
 @dataclass
@@ -387,8 +396,9 @@ def tree_attention(module, query, key, value, attention_mask, dropout=0.0, scali
         gathered_k = key.index_select(2, tree.key_index).split(tree.key_lengths, 2)
         gathered_v = value.index_select(2, tree.key_index).split(tree.key_lengths, 2)
     outputs, g = [], 0
+    masks = tree.additive_masks(query.dtype)
     for s, q in enumerate(queries):
-        mask = tree.masks[s]
+        mask = masks[s]
         if mask is None:
             o = F.scaled_dot_product_attention(q, own_k[s], own_v[s], is_causal=True, scale=scaling, **gqa)
         else:
