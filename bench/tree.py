@@ -20,7 +20,8 @@ each batch is a warm-up and dropped when there are more than one) on a machine s
 compare the ratios, not the absolute times. The process's CPU time (all its threads) is shown beside the wall
 time: on a loaded machine it is the steadier of the two. TRL: its `trl/experimental/async_grpo/packing.py` from the wheel
 (`pip download trl==1.16.* --no-deps -d /tmp/trl116`; plain Python, its attention needs a GPU), each of our
-tree rows' samples added to one `TreeRow`, its unique node count summed.
+tree rows' samples (the rows of the batch in its given order) added to one `TreeRow`, its unique node count summed,
+beside our count on the same rows (the update's own rows follow its shuffle and can differ).
 
     python bench/tree.py --trl-wheel /tmp/trl116/trl-1.16.0-py3-none-any.whl
 """
@@ -172,11 +173,12 @@ def run(name: str, model, samples: list[TrainSample], micro: int, rounds: int, t
                           f"{metrics[packing]['train/tokens_forwarded']:.0f} tokens forwarded")
     timed = {p: t[1:] if len(t) > 1 else t for p, t in times.items()}
     timed_cpu = {p: t[1:] if len(t) > 1 else t for p, t in cpu.items()}
-    tree_rows = learners["tree"].pack(samples, list(range(len(samples))))
+    tree_rows = learners["tree"].pack(samples, list(range(len(samples))))  # TRL's packer on these rows
+    same_rows = sum(int(r.input_ids.shape[1]) for r in tree_rows)
     return {"name": name, "samples": len(samples), "raw": metrics["flat"]["train/tokens_raw"],
             "flat_tokens": metrics["flat"]["train/tokens_forwarded"],
             "tree_tokens": metrics["tree"]["train/tokens_forwarded"],
-            "trl_tokens": trl_tokens(trl, samples, tree_rows) if trl is not None else None,
+            "trl_tokens": trl_tokens(trl, samples, tree_rows) if trl is not None else None, "same_rows": same_rows,
             "flat_s": statistics.median(timed["flat"]), "tree_s": statistics.median(timed["tree"]),
             "flat_cpu": statistics.median(timed_cpu["flat"]), "tree_cpu": statistics.median(timed_cpu["tree"]),
             "loss": (metrics["flat"]["train/loss"], metrics["tree"]["train/loss"])}
@@ -216,12 +218,13 @@ def main() -> None:
     table = Table(title=f"tree vs flat packing, one Learner.update each (torch {torch.__version__}, "
                         f"{args.threads} threads; Qwen3 of vocabulary {args.vocab}, (a) hidden {args.hidden} × {args.layers} "
                         f"layers, (b) {args.long_hidden} × {args.long_layers}; (c) SmolLM2-135M)")
-    for col in ("batch", "samples", "raw tokens", "flat fwd", "tree fwd", "TRL TreeRow", "token ratio",
+    for col in ("batch", "samples", "raw tokens", "flat fwd", "tree fwd", "TRL TreeRow (tree, same rows)", "token ratio",
                 "flat s", "tree s", "speed-up", "flat CPU s", "tree CPU s", "CPU ratio", "loss flat / tree"):
         table.add_column(col, justify="right" if col != "batch" else "left")
     for r in results:
         table.add_row(r["name"], str(r["samples"]), f"{r['raw']:.0f}", f"{r['flat_tokens']:.0f}",
-                      f"{r['tree_tokens']:.0f}", "-" if r["trl_tokens"] is None else str(r["trl_tokens"]),
+                      f"{r['tree_tokens']:.0f}", "-" if r["trl_tokens"] is None else
+                      f"{r['trl_tokens']} (tree {r['same_rows']})",
                       f"{r['flat_tokens'] / r['tree_tokens']:.2f}", f"{r['flat_s']:.2f}", f"{r['tree_s']:.2f}",
                       f"{r['flat_s'] / r['tree_s']:.2f}x", f"{r['flat_cpu']:.1f}", f"{r['tree_cpu']:.1f}",
                       f"{r['flat_cpu'] / r['tree_cpu']:.2f}x", f"{r['loss'][0]:.6f} / {r['loss'][1]:.6f}")

@@ -151,8 +151,8 @@ def _mm_keys(sequences: Sequence[Triple], mm_inputs: Sequence[dict[str, torch.Te
 
 def families(sequences: Sequence[Triple], keys: Sequence[Any] | None = None) -> list[list[int]]:
     """Samples that belong together, in order of first appearance: a sample joins the family of the earlier
-    sample it shares the longest prefix with when that prefix is at least half its tokens (a group's samples,
-    the branches of an episode)."""
+    sample it shares the longest prefix with when that prefix holds its whole prompt or at least half its tokens
+    (a group's samples, the branches of an episode)."""
     keys = keys if keys is not None else [None] * len(sequences)
     family_of: list[int] = []
     out: list[list[int]] = []
@@ -166,7 +166,7 @@ def families(sequences: Sequence[Triple], keys: Sequence[Any] | None = None) -> 
             if nxt is None:
                 break
             node, n = nxt, n + 1
-        if n and 2 * n >= len(ids):
+        if n and (n >= len(prompt) or 2 * n >= len(ids)):
             family_of.append(family_of[owner[node]])
             out[family_of[-1]].append(i)
         else:
@@ -192,9 +192,10 @@ def unique_tokens(sequences: Sequence[Triple], members: Sequence[int], keys: Seq
 
 
 def place(sequences: Sequence[Triple], max_tokens: int, keys: Sequence[Any] | None = None) -> list[list[int]]:
-    """Rows of at most `max_tokens` unique tokens: each family (`families`) whole into the first row it fits,
-    in order; a family that fits no row sample by sample into the row where it adds the fewest tokens, a new row
-    when it fits none. A sample longer than `max_tokens` gets a row of its own (never truncated)."""
+    """Rows of at most `max_tokens` unique tokens: each family (`families`), in order, whole into the row where it
+    fits adding the fewest tokens (sharing the most; ties: the first row, so samples that share nothing pack first
+    fit, as flat packing does); a family that fits no row sample by sample the same way, a new row when it fits
+    none. A sample longer than `max_tokens` gets a row of its own (never truncated)."""
     keys = keys if keys is not None else [None] * len(sequences)
     rows: list[list[int]] = []
     tries: list[dict[Any, _Trie]] = []
@@ -214,8 +215,9 @@ def place(sequences: Sequence[Triple], max_tokens: int, keys: Sequence[Any] | No
         sizes[r] += tries[r].setdefault(keys[i], _Trie()).insert(sequences[i][0] + sequences[i][1])
 
     for fam in families(sequences, keys):
-        whole = next((r for r in range(len(rows)) if sizes[r] + _added(tries[r], sequences, fam, keys) <= max_tokens),
-                     None)
+        fits = [(added, r) for r in range(len(rows))
+                if sizes[r] + (added := _added(tries[r], sequences, fam, keys)) <= max_tokens]
+        whole = min(fits)[1] if fits else None  # the row it adds the fewest tokens to (ties: the first)
         if whole is None and unique_tokens(sequences, fam, keys) <= max_tokens:
             whole = len(rows)
         if whole is not None:
