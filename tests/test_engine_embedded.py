@@ -239,7 +239,10 @@ async def test_seeded_sampling_is_independent_of_the_batch(engine, prompts):
 
 
 # ---- per-trajectory prefix reuse -----------------------------------------------------------------
-async def test_prefix_reuse_is_exact_and_released(engine, fresh_engine, model, prompts, qwen3_tokenizer):
+async def test_prefix_reuse_is_exact_and_released(fresh_engine, model, prompts, qwen3_tokenizer):
+    """A trajectory's own parked KV (share_prefixes off: no other request's KV is copied; tests/test_engine_prefix.py
+    covers sharing)."""
+    engine = fresh_engine(share_prefixes=False)
     observation = qwen3_tokenizer.encode("\nObservation: the tool says 42.\n")
     turn1 = await engine.generate(prompts[1], GREEDY, request_id="traj")
     await engine.generate(prompts[2], GREEDY, request_id="in-between")  # overwrites the slot turn 1 used
@@ -266,11 +269,12 @@ async def test_prefix_reuse_is_exact_and_released(engine, fresh_engine, model, p
     assert turn4.token_ids == greedy_reference(model, diverged + observation, 16)
 
 
-async def test_prefix_is_not_reused_across_request_ids(engine, prompts):
-    first = await engine.generate(prompts[3], GREEDY, request_id="traj-a")
-    other = await engine.generate(prompts[3] + first.token_ids, GREEDY, request_id="traj-b")
-    assert other.cached_prompt_tokens == 0
-    await engine.release("traj-a")
+async def test_prefix_is_reused_across_request_ids_only_when_sharing(fresh_engine, prompts):
+    for share, expected in ((False, 0), (True, len(prompts[3]) + 15)):
+        engine = fresh_engine(share_prefixes=share)
+        first = await engine.generate(prompts[3], GREEDY, request_id="traj-a")
+        other = await engine.generate(prompts[3] + first.token_ids, GREEDY, request_id="traj-b")
+        assert other.cached_prompt_tokens == expected
 
 
 # ---- weight updates ------------------------------------------------------------------------------
@@ -290,9 +294,11 @@ async def test_update_weights_serves_the_new_policy(fresh_engine, model, prompts
         assert_logprobs_match(out, full_logprobs(perturbed, prompt, out.token_ids))
         assert out.policy_version == 1
     assert outs[1].token_ids != before.token_ids
-    # KV parked before the update was computed by the old weights: it must not be reused
+    # KV parked before the update was computed by the old weights: it must not be reused (the prompt KV of "r1",
+    # computed by the new weights, is)
     again = await eng.generate(prompts[1] + before.token_ids, GREEDY, request_id="traj")
-    assert again.cached_prompt_tokens == 0
+    assert again.cached_prompt_tokens == len(prompts[1])
+    assert again.token_ids == hf_greedy(perturbed, prompts[1] + before.token_ids, 16)
 
     assert await eng.update_weights(perturbed.named_parameters(), version=7) == 7
     out = await eng.generate(prompts[0], GREEDY, request_id="v7")
@@ -327,7 +333,8 @@ async def test_update_weights_rejects_bad_tensors_and_changes_nothing(fresh_engi
         await eng.update_weights(bad_shape)
 
     after = await eng.generate(prompts[1], GREEDY, request_id="b")
-    assert after.token_ids == before.token_ids and after.logprobs == before.logprobs
+    assert after.cached_prompt_tokens == len(prompts[1]) - 1  # "a"'s KV survived: the weights did not change
+    assert after.token_ids == before.token_ids and after.logprobs == pytest.approx(before.logprobs, abs=1e-5)
     assert after.policy_version == 0
 
 

@@ -130,3 +130,19 @@ async def test_build_env_returning_none_fails_at_once_with_a_clear_error(qwen3_t
     mgr = manager(qwen3_tokenizer, lambda sample, config: None)
     [traj] = [t async for t in mgr.stream([{"prompt": "What is 2+2?"}])]
     assert traj.status == RolloutStatus.FAILED and "returned None; it must return the environment" in traj.error
+
+
+async def test_env_threads_are_reused_and_a_hung_call_gives_its_slot_to_a_new_thread():
+    threads = EnvThreads(2)
+    assert await asyncio.gather(*(threads.run(abs, -k) for k in range(200))) == list(range(200))
+    assert threads.threads_started <= 2  # not one thread per call
+    release = threading.Event()
+    with pytest.raises(TimeoutError):
+        await threads.run(release.wait, 30, timeout_s=0.2)  # its thread stays busy, abandoned
+    # both slots still serve: the hung call's thread no longer counts, a new one is started for the freed slot
+    assert await asyncio.gather(threads.run(time.sleep, 0.05), threads.run(time.sleep, 0.05)) == [None, None]
+    release.set()
+    assert threads.threads_started == 3
+    with pytest.raises(ValueError, match="boom"):  # an env that raises keeps its thread
+        await threads.run(int, "boom")
+    assert await threads.run(abs, -1) == 1 and threads.threads_started == 3

@@ -276,3 +276,27 @@ def test_trainer_actors_join_one_process_group(cluster):
     assert [r for r, _ in ranks] == [0, 1] and total == [3.0]
     pids = {pid for _, pid in ranks}
     assert len(pids) == 2 and os.getpid() not in pids  # two actor processes, one group
+
+
+def test_a_killed_worker_has_its_groups_reissued_and_the_rollout_goes_on(engines, renderer):
+    rollout = start_rollout(engines, renderer, ENV_CFG, workers=2)
+    victim = rollout.workers[1]
+    rows = latency_rows(6, LatencyDraw(mean_s=0.4, min_turns=3, max_turns=3, seed=2))  # ~1 s of tool time each
+
+    async def run():
+        got = []
+        async for traj in rollout.stream(rows, n=2, id_prefix="k-"):
+            got.append(traj)
+            if len(got) == 1:  # mid-run: the other worker's groups are still in flight
+                ray.kill(victim)
+        return got
+
+    try:
+        trajs = asyncio.run(asyncio.wait_for(run(), 120))
+    finally:
+        for worker in rollout.workers:  # not rollout.close(): the engine actors are the module's
+            ray.kill(worker)
+    ids = [t.id for t in trajs]
+    assert len(ids) == len(set(ids)) == 12  # every trajectory once: nothing lost, nothing twice
+    assert {t.group_id for t in trajs} == set(group_ids(rows, "k-"))
+    assert all(t.status == "completed" for t in trajs) and victim not in rollout.workers

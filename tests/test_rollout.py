@@ -373,7 +373,7 @@ def test_version_1_files_load_with_their_info_keys_as_fields():
     assert all(t.reward is None and "missing_column" in t.reward_error for t in env_run)
     assert all(t.episode_id == t.id and t.rollout_infos["num_turns"] == t.num_turns for t in sched_run)
     again = Trajectory.from_json(json.loads(json.dumps(trajs[0].to_json())))  # and v2 round-trips
-    assert again.to_json() == trajs[0].to_json() and again.to_json()["format_version"] == 2
+    assert again.to_json() == trajs[0].to_json() and again.to_json()["format_version"] == 3
 
 
 async def test_turn_records_round_trip_as_the_documented_shape(qwen3_tokenizer):

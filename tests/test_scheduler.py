@@ -23,7 +23,7 @@ from turnrl.render import ChatRenderer
 from turnrl.rewards import bind_reward, boxed_answer_reward
 from turnrl.rollout import RolloutLimits, RolloutManager, run_groups
 from turnrl.train.samples import group_advantages
-from turnrl.types import RolloutStatus, SegmentSource, TerminationReason
+from turnrl.types import BranchKind, RolloutStatus, SegmentSource, TerminationReason
 
 MODEL, TEMPLATE, ENV = SegmentSource.MODEL, SegmentSource.TEMPLATE, SegmentSource.ENV
 ROW = {"prompt": "What is 2+2?", "answer": "4"}
@@ -341,6 +341,9 @@ def test_history_rewrite_splits_the_episode(qwen3_tokenizer):
     assert second.termination_reason == TerminationReason.ENV_DONE
     assert first.episode_id == second.episode_id == "0-0"
     assert first.rollout_infos == second.rollout_infos == {"num_turns": 2}
+    assert first.parent is None and (second.parent.id, second.parent.kind) == ("0-0", BranchKind.SPLIT)
+    at = second.parent.at  # the streams agree up to the rewritten message, and differ from there
+    assert first.stream[:at] == second.stream[:at] and first.stream[at] != second.stream[at]
     prompt = tok.decode(second.prompt_ids)  # rendered afresh from the rewritten history
     assert "Summary: you said 5." in prompt and "It is 5." not in prompt
     assert [s.source for s in second.segments] == [MODEL] and second.segments[0].turn == 1
@@ -372,11 +375,9 @@ def test_thinking_tips_one_sample_per_turn_and_split_rewards(qwen3_tokenizer):
     prompt = tok.decode(second.prompt_ids)  # the second turn sees its history without the earlier reasoning
     assert "It is \\boxed{5}." in prompt and "Hmm." not in prompt and "Your answer is not correct." in prompt
     assert [c.prompt_ids for c in engine.calls if c.request_id == "0-0.1"] == [second.prompt_ids]
-    # a per-sample reward differs within an episode: the trainer refuses it
+    # the reward function scores each episode once, on its last sample (where it ended); the split shares it
     cfg = TrainConfig(model="m", train_data="d")
-    assert [t.reward for t in trajs] == [0.0, 1.0, 0.0, 0.0]
-    with pytest.raises(ValueError, match="split episode '0-0' has unequal rewards"):
-        group_advantages([trajs], cfg)
+    assert [t.reward for t in trajs] == [1.0, 1.0, 0.0, 0.0]
     # the episode's outcome, read from rollout_infos, gives every sample the same reward
     episode_reward = bind_reward(lambda correct: float(correct))
     for t in trajs:

@@ -20,11 +20,12 @@ from test_serve import QUESTION, RecordingEngine, calculator_script
 
 from turnrl.engines.embedded import EmbeddedEngine
 from turnrl.render import ChatRenderer
+from turnrl.rollout.tree import common_prefix
 from turnrl.serve.app import ServerThread, create_app
 from turnrl.serve.openai import chat_completion
 from turnrl.serve.sessions import ChatProxy
 from turnrl.serve.streaming import ReplyStream
-from turnrl.types import RolloutStatus, SegmentSource, TerminationReason, Trajectory
+from turnrl.types import BranchKind, RolloutStatus, SegmentSource, TerminationReason, Trajectory
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "openai_agent"
@@ -591,9 +592,59 @@ def test_a_history_rewrite_starts_a_new_trajectory_of_the_episode(served):
     client.messages.create(model="m", max_tokens=64, tools=tools, messages=rewritten)
     main, split = served.trajectories("rw")
     assert (main.id, split.id, split.episode_id) == ("rw", "rw.1", "rw")
+    assert split.parent is not None and (split.parent.id, split.parent.kind) == ("rw", BranchKind.FORK)
     assert split.prompt_ids == served.engine.calls[1].prompt_ids
     assert [(s.source, s.token_ids) for s in split.segments] == [(MODEL, served.engine.outputs[1].token_ids)]
     assert served.proxy.session("rw").calls[1].base_len is None
+
+
+def test_a_history_rewritten_mid_episode_gives_one_episode_tree(served):
+    """A tool loop whose tool result is rewritten and retried after the answer (a fork at the first token the two
+    histories differ in), with a sub-agent (named by a header) spawned while the first call waits on its tool:
+    one episode tree, every branch self-contained, one reward."""
+    client = openai.OpenAI(base_url=f"{served.url}/sessions/tree/v1", api_key="k", max_retries=0)
+    agent = _load("agent")
+    messages = [{"role": "system", "content": agent.SYSTEM}, {"role": "user", "content": QUESTION["prompt"]}]
+    first = client.chat.completions.create(model="m", messages=messages, tools=agent.TOOLS)
+    call = first.choices[0].message
+    sub = [{"role": "system", "content": agent.SYSTEM}, {"role": "user", "content": "The calculator said 42. Answer?"}]
+    client.chat.completions.create(model="m", messages=sub, extra_headers={"X-Turnrl-Subagent": "explorer"})
+    history = [*messages, call.model_dump(exclude_none=True)]
+    client.chat.completions.create(model="m", tools=agent.TOOLS, messages=[
+        *history, {"role": "tool", "tool_call_id": call.tool_calls[0].id, "content": "42"}])
+    retried = [*history, {"role": "tool", "tool_call_id": call.tool_calls[0].id, "content": "41"}]
+    client.chat.completions.create(model="m", tools=agent.TOOLS, messages=retried)
+    httpx.post(f"{served.url}/sessions/tree/reward", json={"reward": 1.0}).raise_for_status()
+
+    main, subagent, fork = trajs = served.trajectories("tree")
+    assert [t.id for t in trajs] == ["tree", "tree.1", "tree.2"] and main.parent is None
+    assert {t.episode_id for t in trajs} == {"tree"} and {t.reward for t in trajs} == {1.0}
+    for traj in trajs:
+        traj.validate()
+    assert main.num_turns == 2 and fork.num_turns == 1 and subagent.num_turns == 1
+    # the fork: both streams hold the same tokens up to parent.at, the tool result's first differing token
+    assert (fork.parent.id, fork.parent.kind) == ("tree", BranchKind.FORK)
+    at = fork.parent.at
+    first_call = served.engine.calls[0]
+    assert len(first_call.prompt_ids) + len(served.engine.outputs[0].token_ids) < at < len(fork.prompt_ids)
+    assert main.stream[:at] == fork.stream[:at] and main.stream[at] != fork.stream[at]
+    assert served.engine.tokenizer.decode(main.stream[at:at + 1]) == "2"
+    assert served.engine.tokenizer.decode(fork.stream[at:at + 1]) == "1"
+    # the sub-agent: a branch of the trajectory whose tool call was pending, its header recorded
+    assert (subagent.parent.id, subagent.parent.kind) == ("tree", BranchKind.SUBAGENT)
+    assert subagent.parent.at == common_prefix(main.stream, subagent.stream)
+    assert subagent.turns[0].extra["subagent"] == {"kind": "explorer"}
+
+
+def test_codex_subagent_headers_mark_a_call():
+    from turnrl.serve.chat_routes import subagent_of
+
+    meta = json.dumps({"thread_source": "subagent", "subagent_kind": "thread_spawn", "parent_thread_id": "p"})
+    assert subagent_of({"x-openai-subagent": "collab_spawn"}, {}) == {"kind": "collab_spawn"}
+    assert subagent_of({}, {"client_metadata": {"x-codex-turn-metadata": meta}}) == {
+        "kind": "thread_spawn", "parent_thread_id": "p"}
+    assert subagent_of({"x-codex-turn-metadata": json.dumps({"turn_id": "t"})}, {}) is None
+    assert subagent_of({"x-openai-subagent": "false", "x-codex-turn-metadata": "not json"}, {}) is None
 
 
 def test_the_training_gateway_serves_only_the_sessions_it_opened(qwen3_tokenizer):

@@ -48,9 +48,31 @@ def test_group_advantages_drop_failed_and_share_split_episodes():
     assert adv["e1"] == adv["e2"] == pytest.approx(0.70710, abs=1e-4)
     assert stats["train/trained_trajectories"] == 6.0
 
-    groups[2][1].reward = 0.0
-    with pytest.raises(ValueError, match="unequal rewards"):
-        group_advantages(groups, cfg)
+    # a per-branch reward: the episode counts once with its last branch's reward (1.0: baseline unchanged), and the
+    # branch rewarded 0.5 is scored against the same baseline: 0.7071 + (0.5 - 1) / 0.7071 = 0
+    groups[2][0].reward = 0.5
+    adv = {t.id: a for t, a in group_advantages(groups, cfg)[0]}
+    assert adv["e2"] == pytest.approx(0.70710, abs=1e-4) and adv["f"] == pytest.approx(-0.70710, abs=1e-4)
+    assert adv["e1"] == pytest.approx(0.0, abs=1e-4)
+
+
+def test_each_seat_of_a_self_play_game_has_a_baseline_of_its_own():
+    """Three zero-sum games the policy played in both seats: seat 0 won two. Against one shared baseline (the
+    episode's, i.e. the last seat's reward) seat 0's advantages would not be centred; each seat against its own
+    seat in the other games gives centred advantages per seat, opposite in sign."""
+    cfg = TrainConfig(model="tiny-qwen3", train_data="x")
+    group = []
+    for game, seat0 in enumerate([1.0, 1.0, -1.0]):
+        for seat, reward in enumerate([seat0, -seat0]):
+            t = _traj(f"g{game}s{seat}", "g", reward, episode=f"g{game}")
+            t.rollout_infos["seat"] = seat
+            group.append(t)
+    scored, stats = group_advantages([group], cfg)
+    adv = {t.id: a for t, a in scored}
+    # each seat: rewards ±[1, 1, -1], mean ±1/3, std 1.1547 → ±0.5774, ±0.5774, ∓1.1547
+    assert [adv[f"g{k}s0"] for k in range(3)] == pytest.approx([0.5774, 0.5774, -1.1547], abs=1e-4)
+    assert [adv[f"g{k}s1"] for k in range(3)] == pytest.approx([-0.5774, -0.5774, 1.1547], abs=1e-4)
+    assert stats["train/trained_trajectories"] == 6.0
 
 
 def test_prompt_sampler_is_resumable():

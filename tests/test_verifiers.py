@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from turnrl.agents.verifiers import episode_trajectories, trajectories_from_trace
-from turnrl.types import Trajectory
+from turnrl.types import BranchKind, Trajectory
 
 DUMP = Path(__file__).resolve().parent / "data" / "verifiers_trace.json"
 HAS_VERIFIERS = importlib.util.find_spec("verifiers") is not None
@@ -133,6 +133,9 @@ def test_an_episode_becomes_trajectories_checked_against_the_recorded_calls():
     episode = {"id": "ep-1", "traces": [dumped]}
     trajs = episode_trajectories(_ctx(), {"idx": 0}, episode, _recorded(dumped))
     assert [t.id for t in trajs] == ["q-0", "q-0.1"] and {t.episode_id for t in trajs} == {"q-0"}
+    first, second = trajs  # the trace's second branch forks its first, under the episode's ids
+    assert first.parent is None and (second.parent.id, second.parent.kind) == ("q-0", BranchKind.FORK)
+    assert first.stream[: second.parent.at] == second.stream[: second.parent.at]
     for traj in trajs:
         traj.validate()
         assert traj.status.value == "completed" and traj.agent == "verifiers"

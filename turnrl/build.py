@@ -33,6 +33,8 @@ from turnrl.config import (
 from turnrl.engines.base import Engine, Recording
 from turnrl.observe.tracing import TrajectoryTracer
 from turnrl.render import ChatRenderer
+from turnrl.rollout.admission import AdmissionSettings
+from turnrl.rollout.context import DEFAULT_INSTRUCTION, ContextPolicy, Strategy
 from turnrl.rollout.episode import RolloutLimits
 from turnrl.rollout.manager import RewardFn, Rollout, RolloutManager
 from turnrl.types import SamplingParams
@@ -58,9 +60,13 @@ def sampling_params(cfg: RolloutConfig) -> SamplingParams:
 
 
 def rollout_limits(cfg: RolloutConfig) -> RolloutLimits:
+    c = cfg.context
+    context = ContextPolicy(c.max_tokens, Strategy(c.strategy), c.keep_last_turns,
+                            c.instruction if c.instruction is not None else DEFAULT_INSTRUCTION)
     return RolloutLimits(
         max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens, token_budget=cfg.token_budget,
         env_timeout_s=cfg.env_timeout_s, env_retries=cfg.env_retries, trajectory_timeout_s=cfg.trajectory_timeout_s,
+        context=context,
     )
 
 
@@ -107,7 +113,8 @@ def build_engine(model: torch.nn.Module | None, cfg: EngineConfig, eos_token_ids
     def one(weights: Any) -> EmbeddedEngine:  # a transformers PreTrainedModel
         return EmbeddedEngine(weights, eos_token_ids=eos_token_ids, max_batch_size=cfg.max_batch_size,
                               prefix_cache_tokens=cfg.prefix_cache_tokens, image_processor=image_processor,
-                              record_sampling_mask=record.sampling_mask, record_routing=record.routing)
+                              record_sampling_mask=record.sampling_mask, record_routing=record.routing,
+                              share_prefixes=cfg.share_prefixes)
 
     if cfg.replicas == 1:
         return one(model)
@@ -243,7 +250,8 @@ def build_rollout_manager(
     return RolloutManager(
         cast(Engine, engine), renderer, agents=agents, default_agent=default_agent, sampling=sampling_params(cfg),
         limits=rollout_limits(cfg), env_factory=env_factory, env_config=env_config(cfg), tools=tools,
-        concurrency=cfg.concurrency, sanity_mode=cfg.sanity_check, reward_fn=reward_fn, watchdog_s=cfg.watchdog_s,
+        sanity_mode=cfg.sanity_check, reward_fn=reward_fn, watchdog_s=cfg.watchdog_s,
+        admission=AdmissionSettings(cfg.concurrency, kv_soft_cap=cfg.kv_soft_cap, kv_hard_cap=cfg.kv_hard_cap),
     )
 
 
@@ -373,6 +381,11 @@ def build_stack(model: str, cfg: RolloutConfig | None, engine_cfg: EngineConfig,
     tracer = TrajectoryTracer.from_config(rollout_cfg, renderer.tokenizer)
     if server:
         return _remote_stack(server, model, rollout_cfg, renderer, reward_fn, tracer)
+    if rollout_cfg.workers > 1 and engine_cfg.distributed != "ray":  # N rollout processes: the Ray path
+        if engine_cfg.ray_workers > 1 and engine_cfg.ray_workers != rollout_cfg.workers:
+            raise ConfigError(f"rollout.workers={rollout_cfg.workers} and engine.ray_workers={engine_cfg.ray_workers} "
+                              "disagree; set rollout.workers only")
+        engine_cfg = engine_cfg.model_copy(update={"distributed": "ray"})
     if engine_cfg.distributed == "ray":
         return _ray_stack(model, rollout_cfg, engine_cfg, renderer, image_processor, reward, weights or model, dtype,
                           tracer)
@@ -424,7 +437,8 @@ def _ray_stack(model: str, cfg: RolloutConfig, engine_cfg: EngineConfig, rendere
     engine = functools.partial(load_engine, weights, one, eos_token_ids=sorted(renderer.end_of_turn_ids),
                                image_processor=image_processor, dtype=dtype, record=engine_recording(cfg))
     rollout = RayRollout.start(engine, functools.partial(build_worker_manager, model, cfg, reward),
-                               replicas=engine_cfg.replicas, workers=engine_cfg.ray_workers, renderer=renderer,
+                               replicas=engine_cfg.replicas, workers=max(cfg.workers, engine_cfg.ray_workers),
+                               renderer=renderer,
                                sampling=sampling_params(cfg), address=engine_cfg.ray_address)
     return Stack(rollout.engine, renderer, rollout, tracer, (rollout.close,))
 

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
@@ -139,7 +139,7 @@ def rollout(
     plugin: Annotated[list[str], Opt(help="Python file imported at start-up (repeatable).")] = [],
     chat_template_kwargs: Annotated[str | None, Opt(help='JSON, e.g. \'{"enable_thinking": false}\'.')] = None,
     sanity_check: Annotated[str, Opt(help="strict | ignore_strippable | disable.")] = "strict",
-    concurrency: Annotated[int, Opt(help="Trajectories in flight.")] = 64,
+    concurrency: Annotated[str, Opt(help="Trajectories in flight: a number, or auto (follows the engines' KV cache).")] = "64",
     env_timeout: Annotated[float | None, Opt(help="Seconds an env step may take (then FAILED; 0 = no limit).")] = 60.0,
     env_retries: Annotated[int, Opt(help="Extra attempts of a failing env step.")] = 0,
     watchdog: Annotated[float, Opt(help="Seconds of no progress before the run fails naming what hung (0 = off).")] = 600.0,
@@ -165,7 +165,7 @@ def rollout(
             tools=tools, tool_parser=tool_parser, scheduler=scheduler, plugins=plugin, n=n, **given,
             tool_agent={"tool_timeout_s": tool_timeout} if tool_timeout else {},
             env_config={**_json_flag("--env-config", env_config), **({"gym_env": gym_env} if gym_env else {})},
-            max_new_tokens=max_new_tokens, token_budget=token_budget, concurrency=concurrency,
+            max_new_tokens=max_new_tokens, token_budget=token_budget, concurrency=_concurrency_flag(concurrency),
             env_timeout_s=env_timeout or None, env_retries=env_retries, watchdog_s=watchdog or None,
             sanity_check=sanity_check, chat_template_kwargs=_json_flag("--chat-template-kwargs", chat_template_kwargs),
             trace_uri=trace_uri, max_traces_per_step=max_traces,
@@ -174,6 +174,14 @@ def rollout(
         engine_cfg = EngineConfig(max_batch_size=max_batch_size, distributed="ray" if ray_workers else "none",
                                   ray_workers=max(ray_workers, 1))
     _guarded(verbose, lambda: asyncio.run(_rollout(model, cfg, engine_cfg, rows, out, reward, answer_key, server)))
+
+
+def _concurrency_flag(value: str) -> int | Literal["auto"]:
+    if value == "auto":
+        return "auto"
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"--concurrency must be a number >= 1 or auto, got {value!r}")
+    return int(value)
 
 
 def _rollout_rows(data: Path | None, limit: int | None, cfg: RolloutConfig) -> list[dict[str, Any]]:

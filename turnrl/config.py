@@ -40,7 +40,11 @@ class EngineConfig(Strict):
     max_batch_size: int = Field(16, ge=1)
     """Rows decoded together by the embedded engine."""
     prefix_cache_tokens: int = Field(32_768, ge=0)
-    """KV tokens the embedded engine keeps per finished turn for the trajectory's next turn (0 = off)."""
+    """KV tokens the embedded engine keeps of finished requests (least recently used out first), for a trajectory's
+    next turn and any request whose prompt shares a prefix with them (0 = off; docs/engines.md)."""
+    share_prefixes: bool = True
+    """Embedded engine: a request copies the KV of the longest prefix it shares with any parked, running or
+    same-step request (a group's prompt is prefilled once); false: only its own trajectory's (docs/engines.md)."""
     replicas: int = Field(1, ge=1)
     """Engine replicas behind the router (each a separate engine)."""
     urls: list[str] = []
@@ -114,6 +118,22 @@ class HarnessConfig(Strict):
         return self
 
 
+class ContextConfig(Strict):
+    """The context window of one branch of an episode and what the turn loop does when it is full (docs/trees.md)."""
+
+    max_tokens: int | None = Field(None, ge=1)
+    """Tokens one branch's stream (prompt + response) may hold: when the next observation and a whole turn
+    (max_new_tokens) would not fit, the episode is compacted into a new branch; None = no limit."""
+    strategy: Literal["summarize", "drop_observations", "none"] = "summarize"
+    """summarize: the policy writes a summary (a trained model turn) and the episode goes on from the system prompt,
+    the task and the summary; drop_observations: older tool/env outputs are replaced by a stub; none: never compacted
+    (the episode ends truncated/token_budget when full)."""
+    keep_last_turns: int = Field(1, ge=0)
+    """drop_observations: the outputs of this many last turns are kept whole."""
+    instruction: str | None = None
+    """summarize: the user message asking for the summary (None: turnrl's, turnrl.rollout.context.DEFAULT_INSTRUCTION)."""
+
+
 class RolloutConfig(Strict):
     env: str | None = None
     """Environment: a built-in name (arithmetic, geo3k, single_turn), a dotted module or a .py file with build_env."""
@@ -148,6 +168,9 @@ class RolloutConfig(Strict):
     """Tokens per model turn."""
     token_budget: int | None = Field(None, ge=1)
     """Tokens after the prompt for the whole trajectory (model + observations); None = unlimited."""
+    context: ContextConfig = ContextConfig()
+    """Context compaction: `{max_tokens, strategy: summarize | drop_observations | none, keep_last_turns, instruction}`
+    (docs/trees.md)."""
     env_timeout_s: float | None = Field(60.0, gt=0)
     """Time limit of one env step."""
     env_retries: int = Field(0, ge=0)
@@ -157,8 +180,16 @@ class RolloutConfig(Strict):
     watchdog_s: float | None = Field(600.0, gt=0)
     """The run fails (naming what was stuck, stacks in the log) when no trajectory, engine call or env call makes
     progress for this long; a training run also watches its update and weight sync. None = off."""
-    concurrency: int = Field(64, ge=1)
-    """Trajectories in flight at once."""
+    concurrency: int | Literal["auto"] = 64
+    """Trajectories in flight at once (per rollout worker): a number, or `auto`: admission grows while the engines
+    have KV headroom and cuts multiplicatively on a preemption or past `kv_soft_cap` (docs/rollout.md)."""
+    kv_soft_cap: float = Field(0.85, gt=0, le=1)
+    """concurrency auto: the engines' KV occupancy admission aims under (past it the limit is cut by a tenth)."""
+    kv_hard_cap: float = Field(0.95, gt=0, le=1)
+    """concurrency auto: past this KV occupancy nothing new is admitted and the limit is halved."""
+    workers: int = Field(1, ge=1)
+    """Rollout processes: N > 1 runs N Ray rollout workers (turnrl.rollout.ray), each with its share of the groups,
+    the engine replicas Ray actors (engine.distributed ray; engine.ray_workers is the older spelling)."""
     sanity_check: Literal["strict", "ignore_strippable", "disable"] = "strict"
     """Compare each token stream with a full chat-template re-render (render.py)."""
     chat_template_kwargs: dict[str, Any] = {}
@@ -179,6 +210,15 @@ class RolloutConfig(Strict):
     router_replay: Literal["none", "record"] = "none"
     """record (MoE policies): the engine records the experts each MoE layer's router chose for every token, and the
     trajectory stores them (routed_experts), for the trainer to force the same routing (algo.router_replay)."""
+
+    @model_validator(mode="after")
+    def _admission(self) -> RolloutConfig:
+        if self.concurrency != "auto" and self.concurrency < 1:
+            raise ValueError(f"rollout.concurrency must be auto or an integer >= 1, got {self.concurrency}")
+        if self.kv_soft_cap > self.kv_hard_cap:
+            raise ValueError(f"rollout.kv_soft_cap ({self.kv_soft_cap}) must not exceed rollout.kv_hard_cap "
+                             f"({self.kv_hard_cap})")
+        return self
 
     @property
     def records_sampling_mask(self) -> bool:

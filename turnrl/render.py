@@ -163,6 +163,7 @@ class ChatRenderer:
         if getattr(tokenizer, "chat_template", None) is None:
             raise RenderError(f"tokenizer {type(tokenizer).__name__} has no chat template")
         self.tokenizer = tokenizer
+        self._pieces: dict[str, list[int]] = {}
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.template_name = _template_name(tokenizer)
         self.reasoning_markers = _markers_of(tokenizer.chat_template)
@@ -281,6 +282,14 @@ class ChatRenderer:
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _piece_ids(self, piece: str) -> list[int]:
+        """`encode(piece)` of a template piece (a pre-fill), encoded once: the same text always gives the same
+        tokens, and every turn asks for the same few pieces."""
+        ids = self._pieces.get(piece)
+        if ids is None:
+            ids = self._pieces[piece] = self.encode(piece)
+        return list(ids)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -583,14 +592,14 @@ class ChatRenderer:
         """The pre-fill the rendered chunk ends with, and its tokens when they are the tail of `ids`."""
         for p in self.profiles.values():
             if p.error is None and p.prefill and text.endswith(p.prefill):
-                tail = self.encode(p.prefill)
+                tail = self._piece_ids(p.prefill)
                 return p.prefill, tail if ids[len(ids) - len(tail):] == tail else []
         return "", []
 
     def prefill_of(self, token_ids: list[int]) -> str:
         """The template pre-fill a token stream ends with (what the model's next turn starts with), or ""."""
         for p in self.profiles.values():
-            tail = self.encode(p.prefill) if p.error is None and p.prefill else []
+            tail = self._piece_ids(p.prefill) if p.error is None and p.prefill else []
             if tail and token_ids[len(token_ids) - len(tail):] == tail:
                 return p.prefill
         return ""

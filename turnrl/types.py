@@ -66,8 +66,8 @@ class TerminationReason(StrEnum):
     CANCELLED = "cancelled"
     """Cancelled from outside (rollout shutdown) or the engine aborted the request."""
     SPLIT = "split"
-    """A scheduler rewrote the history: this sample ends here and the episode goes on in a new sample (same
-    `episode_id`, same reward)."""
+    """A scheduler rewrote the history, or the context was compacted: this branch ends here and the episode goes on
+    in a new one (same `episode_id`, same reward; its `parent` names this one)."""
 
 
 STATUS_OF: dict[TerminationReason, RolloutStatus] = {
@@ -110,6 +110,53 @@ class SegmentSource(StrEnum):
     """Tool responses rendered by the chat template (mask 0)."""
     TEMPLATE = "template"
     """Tokens the chat template adds at a turn boundary that the model did not emit (mask 0)."""
+
+
+class BranchKind(StrEnum):
+    """Why a trajectory branched from another of its episode (`Parent.kind`; docs/trees.md)."""
+
+    FORK = "fork"
+    """An external agent's call diverged from its session's token stream (history rewritten or retried)."""
+    COMPACTION = "compaction"
+    """The context filled up: the episode goes on from the system prompt, the task and a summary."""
+    SUBAGENT = "subagent"
+    """A harness's sub-agent (its own conversation in the same episode, sharing the episode's reward)."""
+    SPLIT = "split"
+    """A scheduler rewrote the history (ms-swift's thinking tips, trajectory splitting)."""
+    SEAT = "seat"
+    """Another seat of a game the policy plays against itself: that player's own conversation in the same episode,
+    with that player's own reward (turnrl.envs.seats)."""
+
+
+@dataclass(frozen=True)
+class Parent:
+    """Where a trajectory branched from: `Trajectory.parent` (None for an episode's first trajectory)."""
+
+    id: str
+    """The trajectory it branched from (same `episode_id`)."""
+    at: int | None
+    """Index into the parent's token stream (prompt_ids + response_ids) up to which the two streams are identical:
+    both start with the same `at` tokens. None when the branch starts from a new context (no token shared)."""
+    kind: BranchKind
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "at": self.at, "kind": str(self.kind)}
+
+    @classmethod
+    def from_json(cls, row: Any, where: str = "parent") -> Parent | None:
+        """A `parent` object of the trajectory format (None stays None); raises ValueError naming the field."""
+        if row is None:
+            return None
+        if not isinstance(row, dict) or not isinstance(row.get("id"), str):
+            raise ValueError(f"{where} must be null or {{id: str, at: int | null, kind}}, got {row!r}"[:300])
+        at = row.get("at")
+        if at is not None and (not is_int(at) or at < 0):
+            raise ValueError(f"{where}.at must be null or an integer >= 0, got {at!r}")
+        try:
+            kind = BranchKind(str(row.get("kind")))
+        except ValueError:
+            raise ValueError(f"{where}.kind must be one of {', '.join(BranchKind)}, got {row.get('kind')!r}") from None
+        return cls(row["id"], at, kind)
 
 
 @dataclass(frozen=True)
@@ -321,7 +368,10 @@ class Trajectory:
     tool_rewards: dict[str, float] = field(default_factory=dict)
     """`calc_reward()` of each stateful tool the trajectory used, by tool name."""
     episode_id: str | None = None
-    """Set on samples split from one episode (they share its reward): the episode's first trajectory id."""
+    """Set on the trajectories of an episode with several (branches: they share its reward): its first trajectory's id
+    (the proxy: the session id)."""
+    parent: Parent | None = None
+    """The trajectory this one branched from, where and why (None: an episode's first trajectory; docs/trees.md)."""
     reward_error: str | None = None
     """The exception the reward function raised (the reward is then None, never a silent 0.0)."""
     warnings: list[str] = field(default_factory=list)
@@ -386,6 +436,11 @@ class Trajectory:
         return out
 
     @property
+    def stream(self) -> list[int]:
+        """prompt_ids + response_ids: the token stream `Parent.at` indexes."""
+        return self.prompt_ids + self.response_ids
+
+    @property
     def num_response_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.segments)
 
@@ -433,6 +488,11 @@ class Trajectory:
             )
         if self.num_turns < 0:
             raise ValueError(f"{where}: num_turns must be >= 0, got {self.num_turns}")
+        if self.parent is not None:
+            at, n = self.parent.at, len(self.prompt_ids) + self.num_response_tokens
+            if self.parent.id == self.id or (at is not None and not 0 <= at <= n):
+                raise ValueError(f"{where}: parent {self.parent} must name another trajectory and share at most its "
+                                 f"own {n} stream tokens")
         if self.routed_experts is not None:
             rows, stream = self.routed_experts.shape[0], len(self.prompt_ids) + self.num_response_tokens
             if self.routed_experts.dim() != 3 or rows > stream:
@@ -464,6 +524,7 @@ class Trajectory:
             "rollout_infos": self.rollout_infos,
             "tool_rewards": self.tool_rewards,
             "episode_id": self.episode_id,
+            "parent": None if self.parent is None else self.parent.to_json(),
             "reward_error": self.reward_error,
             "warnings": self.warnings,
             "sampling": self.sampling,
@@ -513,6 +574,7 @@ class Trajectory:
             rollout_infos=row.get("rollout_infos") or {},
             tool_rewards=row.get("tool_rewards") or {},
             episode_id=row.get("episode_id"),
+            parent=Parent.from_json(row.get("parent"), f"trajectory {row['id']!r} parent"),
             reward_error=row.get("reward_error"),
             warnings=list(row.get("warnings") or []),
             sampling=row.get("sampling") or {},
@@ -527,8 +589,8 @@ class Trajectory:
         )
 
 
-TRAJECTORY_FORMAT_VERSION = 2
-"""2 moved `turns`, `rollout_infos`, `tool_rewards`, `episode_id` and `reward_error` out of `info` into fields of
+TRAJECTORY_FORMAT_VERSION = 3
+"""3 added `parent` (the episode tree; versions 1 and 2 read as null: flat episodes). 2 moved `turns`, `rollout_infos`, `tool_rewards`, `episode_id` and `reward_error` out of `info` into fields of
 their own and added `warnings`; version-1 files still load (`_fields_from_v1_info`)."""
 
 
@@ -646,6 +708,9 @@ class StepResult:
     are appended to the model segment with mask 0, with no turn closing and no generation prompt."""
     rollout_infos: dict[str, Any] | None = None
     """Merged into `Trajectory.rollout_infos`; reward functions receive the keys as arguments."""
+    compact: bool = False
+    """Ask for the context to be compacted now (`rollout.context.strategy`; turnrl.rollout.context): the episode goes
+    on in a `compaction` branch after this observation, whether or not the context is full."""
 
 
 @dataclass

@@ -7,17 +7,21 @@ or an explicit `name=spec`.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import turnrl.agents.schedulers_builtin  # noqa: F401  (registers the built-in schedulers into SCHEDULERS)
 from turnrl.calling import env_arguments
 from turnrl.envs.base import EnvError, call
+from turnrl.envs.seats import Table
 from turnrl.envs.single_turn import SingleTurnEnv
 from turnrl.loading import load_object, split_object_spec
 from turnrl.rollout.episode import RolloutContext, drive
 from turnrl.rollout.manager import Agent
-from turnrl.types import Trajectory
+from turnrl.rollout.tree import branch
+from turnrl.types import BranchKind, RolloutStatus, Trajectory
 
 
 async def single_turn(ctx: RolloutContext, sample: dict[str, Any]) -> Trajectory:
@@ -25,9 +29,10 @@ async def single_turn(ctx: RolloutContext, sample: dict[str, Any]) -> Trajectory
     return await drive(ctx, SingleTurnEnv())
 
 
-async def env_agent(ctx: RolloutContext, sample: dict[str, Any]) -> Trajectory:
+async def env_agent(ctx: RolloutContext, sample: dict[str, Any]) -> Trajectory | list[Trajectory]:
     """The slime-style loop: `build_env(sample, config)` from `--env`, then the turn loop. The row and the config
-    arrive as dicts that also read by attribute, like slime's `sample` and `args` (turnrl.calling)."""
+    arrive as dicts that also read by attribute, like slime's `sample` and `args` (turnrl.calling). An env that is a
+    `Table` (a game the policy plays in every seat) is driven seat by seat: `play_table`."""
     if ctx.env_factory is None:
         raise ValueError("agent 'env_agent' needs an environment: pass --env NAME|module|file.py")
     env_sample, env_config = env_arguments(sample, ctx.env_config, session_id=ctx.trajectory_id)
@@ -35,7 +40,48 @@ async def env_agent(ctx: RolloutContext, sample: dict[str, Any]) -> Trajectory:
     if env is None:
         where = getattr(ctx.env_factory, "__module__", "the environment")
         raise EnvError(f"build_env(sample, config) of {where} returned None; it must return the environment")
+    if isinstance(env, Table):
+        return await play_table(ctx, env)
     return await drive(ctx, env)
+
+
+async def play_table(ctx: RolloutContext, table: Table) -> list[Trajectory]:
+    """One episode of a game the policy plays in every seat (turnrl.envs.seats): the turn loop drives each seat, all
+    at once, as a trajectory of its own (seat 0 keeps the episode's id, seat k is `<id>.s<k>`, its compactions
+    `<id>.s<k>.c<j>`); each seat's first trajectory after seat 0's is a `seat` branch of seat 0's first one, every
+    trajectory is in the episode (`episode_id`), and when the game ended each seat's trajectories have that seat's
+    game reward (the episode's reward, for its group, is the last seat's: docs/trees.md)."""
+    contexts = [ctx, *(dataclasses.replace(ctx, trajectory_id=f"{ctx.trajectory_id}.s{k}", branches=[], partial=None)
+                       for k in range(1, table.num_seats))]
+    try:
+        results = await asyncio.gather(*(drive(c, seat) for c, seat in zip(contexts, table.seats(), strict=True)))
+    except asyncio.CancelledError:  # trajectory_timeout_s: the RolloutManager keeps ctx's partial and branches,
+        seats = [[*c.branches, *([c.partial] if c.partial is not None else [])] for c in contexts]  # the other
+        _link(table, seats)                                                                         # seats' too
+        ctx.branches += [t for seat in seats[1:] for t in seat]
+        raise
+    return _link(table, [[*c.branches, traj] for c, traj in zip(contexts, results, strict=True)])
+
+
+def _link(table: Table, seats: list[list[Trajectory]]) -> list[Trajectory]:
+    """Each seat's trajectories (seat 0's first) into one episode, with the seats' game rewards (`play_table`)."""
+    if not seats or not seats[0]:
+        return []
+    root = seats[0][0]
+    out = []
+    for k, trajectories in enumerate(seats):
+        if not trajectories:  # a seat cancelled before its first turn
+            continue
+        if k:
+            branch(trajectories[0], root, BranchKind.SEAT)
+        reward = table.rewards.get(k) if table.rewards is not None else None
+        for traj in trajectories:
+            traj.episode_id = root.id
+            traj.rollout_infos["seat"] = k  # each seat has a baseline of its own in training (group_advantages)
+            if reward is not None and traj.status != RolloutStatus.FAILED:
+                traj.reward = float(reward)
+        out += trajectories
+    return out
 
 
 def _tool_agent(ctx: RolloutContext, sample: dict[str, Any]):

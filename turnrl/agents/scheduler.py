@@ -39,10 +39,11 @@ mode). `SchedulerRunner.generate` takes the same `Episode` steps that `drive` lo
 step, observe), so limits, validation and traces are the same; a history that is not a prefix of the next
 request starts a new sample (trajectory splitting).
 
-All samples of one episode share `episode_id` and the episode's `rollout_infos` (with
+All samples of one episode share `episode_id` (each later one is a `split` branch of the sample before it: its
+`parent`, docs/trees.md) and the episode's `rollout_infos` (with
 `num_turns`, the episode's model turns, and, when it was split, `episode_turn_rewards`: the env rewards of all
 its samples, which a reward function's `turn_rewards` then are, so `reward: env` scores the episode); the
-trainer rejects unequal rewards within an episode.
+reward function scores the episode once, on its last sample, and every sample takes that reward.
 
 One scheduler instance serves every trajectory of a RolloutManager, as in ms-swift: keep per-trajectory state
 keyed by `request.uuid` and drop it in `on_trajectory_end`, which always runs (also after a failure).
@@ -71,7 +72,9 @@ from turnrl.envs.base import EpisodeEnv, error_with_frames, maybe_await
 from turnrl.multimodal import IMAGE_PLACEHOLDER, image_ref, split_placeholders
 from turnrl.rollout.episode import Episode, EpisodeEnd, RolloutContext, drive
 from turnrl.rollout.manager import Agent
+from turnrl.rollout.tree import branch
 from turnrl.types import (
+    BranchKind,
     FinishReason,
     Message,
     RolloutStatus,
@@ -586,8 +589,10 @@ class SchedulerRunner:
         if len(trajectories) > 1 and episode_rewards:  # a split episode: scored on every sample's env rewards
             infos["episode_turn_rewards"] = episode_rewards
         failed = next((t for t in trajectories if t.status == RolloutStatus.FAILED), None)
-        for traj in trajectories:
+        for k, traj in enumerate(trajectories):
             traj.episode_id = self.ctx.trajectory_id
+            if k and traj.parent is None:  # the episode went on from the sample before, its history rewritten
+                branch(traj, trajectories[k - 1], BranchKind.SPLIT)
             traj.rollout_infos = dict(infos)
             if failed is not None and traj.status != RolloutStatus.FAILED:
                 traj.finish(failed.termination_reason or TerminationReason.ENV_ERROR,

@@ -14,7 +14,8 @@ sample, so it becomes one `Trajectory`:
                     score), `metrics`, `verifiers_trace_id`, `stop_condition`
     status          completed, or failed with the trace's first error (`ok` false)
 
-A trace of several branches gives several trajectories sharing `episode_id` (the trace id) and the reward;
+A trace of several branches gives several trajectories sharing `episode_id` (the trace id) and the reward, each
+later one a `fork` of the earlier branch it shares the longest token prefix with (`parent`, docs/trees.md);
 branches verifiers marks untrainable (a compaction attempt the harness did not resume from) are left out. The
 function takes a `verifiers.v1.trace.Trace` or its JSON (what verifiers' env servers send and dump); a JSON trace
 gives a branch per leaf with no compaction rules.
@@ -32,11 +33,14 @@ and given the recorded logprobs and policy version. docs/ecosystems.md has the s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any
 
 from turnrl.observe.watchdog import abandon_after
+from turnrl.rollout.tree import link_by_prefix
 from turnrl.types import (
+    BranchKind,
     Message,
     RolloutStatus,
     Segment,
@@ -69,8 +73,10 @@ def trajectories_from_trace(trace: Any, group_id: str, sample_index: int = 0,
         traj.episode_id = data.get("id") if len(branches) > 1 else None
         traj.agent = "verifiers"
         _finish(traj, data)
-        traj.validate()
         out.append(traj)
+    link_by_prefix(out, BranchKind.FORK)  # each branch forks the earlier one it shares the most nodes with
+    for traj in out:
+        traj.validate()
     return out
 
 
@@ -216,8 +222,14 @@ def episode_trajectories(ctx: Any, sample: dict[str, Any], episode: dict[str, An
         message = f"{errors[0].get('type', 'error')}: {errors[0].get('message', 'the episode has no trace')}"
         return [ctx.failed(TerminationReason.ENV_ERROR, f"verifiers: {message}")]
     recorded = {tuple(c.completion_ids): c for c in calls}
+    renamed: dict[str, str] = {}
     for k, traj in enumerate(trajectories):
-        traj.id = ctx.trajectory_id if k == 0 else f"{ctx.trajectory_id}.{k}"
+        new_id = ctx.trajectory_id if k == 0 else f"{ctx.trajectory_id}.{k}"
+        renamed[traj.id], traj.id = new_id, new_id
+    for traj in trajectories:  # the parent links of each trace's branches follow the renaming; a later trace's
+        if traj.parent is not None:  # first branch forks the earlier branch it shares the most tokens with
+            traj.parent = dataclasses.replace(traj.parent, id=renamed.get(traj.parent.id, traj.parent.id))
+    for traj in trajectories:
         traj.episode_id = ctx.trajectory_id if len(trajectories) > 1 else None
         traj.agent = ctx.agent_name
         traj.rollout_infos["verifiers_episode_id"] = episode.get("id")
@@ -226,6 +238,7 @@ def episode_trajectories(ctx: Any, sample: dict[str, Any], episode: dict[str, An
             traj.finish(TerminationReason.MAX_TURNS)
             traj.warnings.append(f"{refused} (a call past rollout.max_turns was refused)")
         _check_against(traj, recorded)
+    link_by_prefix(trajectories, BranchKind.FORK)
     return trajectories
 
 

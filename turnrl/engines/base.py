@@ -30,6 +30,24 @@ class Recording:
     """The MoE experts chosen for every token fed (`GenerateOutput.routed_experts`; rollout.router_replay)."""
 
 
+@dataclass(frozen=True)
+class KVStats:
+    """What an engine reports of its KV cache, where it can (`kv_stats()`): adaptive admission reads it
+    (turnrl.rollout.admission, `rollout.concurrency: auto`)."""
+
+    occupancy: float
+    """The fraction of the KV cache in use, 0 to 1."""
+    preemptions: int
+    """Requests (or cached prefixes of live trajectories) evicted so far, each to be recomputed: cumulative."""
+
+
+def kv_stats(engine: Any) -> KVStats | None:
+    """The engine's `kv_stats()` (an optional method), or None for an engine that reports none. A router
+    reports over its replicas (the fullest one's occupancy, the sum of preemptions)."""
+    report = getattr(engine, "kv_stats", None)
+    return report() if callable(report) else None
+
+
 class EngineError(RuntimeError):
     """An engine failed to serve a request (the driver ends that trajectory as FAILED/engine_error)."""
 

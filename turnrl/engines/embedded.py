@@ -14,10 +14,13 @@ How it works:
   Active rows are always slots [0, n): a finished row is replaced by the last active row (one row copy).
 - Every step: admit waiting requests (prefill each into a free slot; its first token comes from the
   prefill logits), then one decode step for all active rows with a 4-D boolean mask `col <= len_i`.
-- Per-trajectory prefix reuse: when a request finishes, its KV is parked under its request id; the next
-  turn of the same trajectory (same id, a prompt that extends the parked tokens) only prefills the new
-  tokens (the observation). Parked KV is bounded by `prefix_cache_tokens` (LRU) and dropped on
-  `release(request_id)` or a weight update.
+- Prefix reuse (turnrl.engines.prefix): when a request finishes, its KV is parked under its request id. A new
+  request copies the KV of the longest prefix its prompt shares with a parked entry, a running request or a
+  request admitted before it in the same step, and prefills only the rest: the next turn of a trajectory
+  prefills its observation, the samples of a group prefill their common prompt once, a fork or a compacted
+  branch copies what it shares with its parent. Parked KV is bounded by `prefix_cache_tokens` (LRU) and
+  dropped on `release(request_id)`, `sleep` or a weight update. With `share_prefixes=False` (and always for
+  VLMs and with `record_routing`) only a trajectory's own parked KV is reused, when its prompt extends it.
 - Logprobs are those of the distribution actually sampled from (temperature, top-k, top-p applied).
 - With `record_sampling_mask`, each token also reports the size of the kept set it was drawn from (the k most
   likely tokens that top-k and top-p left), so the trainer can renormalise over the same set; with
@@ -34,14 +37,14 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from turnrl.engines.base import EngineError, InvalidRequest, NamedTensors, check_pause
+from turnrl.engines.base import EngineError, InvalidRequest, KVStats, NamedTensors, check_pause
+from turnrl.engines.prefix import Parked, ParkedKV, Source, choose_sources
 from turnrl.moe import RoutingRecorder, router_top_k
 from turnrl.types import (
     SAMPLING_RULES,
@@ -103,9 +106,9 @@ class SlotKVCache:
     def export_row(self, slot: int, length: int) -> list[torch.Tensor]:
         return [t[slot, :, :length].clone() for t in itertools.chain(self.k, self.v)]
 
-    def import_row(self, slot: int, parked: list[torch.Tensor]) -> None:
+    def import_row(self, slot: int, parked: list[torch.Tensor], length: int) -> None:
         for t, p in zip(itertools.chain(self.k, self.v), parked, strict=True):
-            t[slot, :, : p.shape[1]].copy_(p)
+            t[slot, :, :length].copy_(p[:, :length])
 
     # -- plans ------------------------------------------------------------------------------------
     def plan_prefill(self, first_slot: int, starts: list[int], qs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,6 +181,7 @@ class _Request:
     stop_asked: bool = False  # on_token returned True: the call ends at the next step, as a stop
     error: BaseException | None = None  # set when this request alone failed in a step: retired with it
     versions: list[int] = field(default_factory=list)  # the policy version that sampled each out token
+    kv_epoch: int = -1  # the engine's weights epoch at prefill: KV from an earlier epoch is never copied
     kept: list[int] = field(default_factory=list)  # the kept-set size of each out token (record_sampling_mask)
     routing: list[torch.Tensor] = field(default_factory=list)  # [tokens, layers, k] per forward (record_routing)
 
@@ -280,6 +284,13 @@ def _prefill_groups(admitted: list[tuple[_Request, int]], max_group: int) -> lis
 # ---------------------------------------------------------------------------------------------------
 # The engine
 # ---------------------------------------------------------------------------------------------------
+def _model_end_tokens(model: PreTrainedModel, text_config: Any) -> frozenset[int]:
+    """The model config's and the generation config's end tokens: both stop (Qwen3: <|im_end|>, <|endoftext|>)."""
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return frozenset(t for ids in (getattr(text_config, "eos_token_id", None), gen_eos) if ids is not None
+                     for t in ([ids] if isinstance(ids, int) else ids))
+
+
 class EmbeddedEngine:
     """Token-level continuous-batching engine over a transformers causal LM (see module docstring)."""
 
@@ -295,6 +306,7 @@ class EmbeddedEngine:
         image_processor: Any = None,
         record_sampling_mask: bool = False,
         record_routing: bool = False,
+        share_prefixes: bool = True,
     ):
         self.model = model.eval()
         self.record_sampling_mask = record_sampling_mask
@@ -315,19 +327,19 @@ class EmbeddedEngine:
         self.max_context: int = max_context or int(getattr(cfg, "max_position_embeddings", 32_768))
         self.vocab_size: int = cast(torch.nn.Embedding, model.get_input_embeddings()).num_embeddings
         """Token ids must lie in [0, vocab_size): the rows of the embedding (may exceed the tokenizer's)."""
-        # the model config's and the generation config's end tokens both stop (Qwen3: <|im_end|>, <|endoftext|>)
-        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        default_eos = {t for ids in (getattr(cfg, "eos_token_id", None), gen_eos) if ids is not None
-                       for t in ([ids] if isinstance(ids, int) else ids)}
-        self.eos_token_ids = frozenset(eos_token_ids) | frozenset(default_eos)
+        self.eos_token_ids = frozenset(eos_token_ids) | _model_end_tokens(model, cfg)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         dtype = next(model.parameters()).dtype
         self.cache = SlotKVCache(cfg.num_hidden_layers, max_batch_size, cfg.num_key_value_heads, head_dim, dtype)
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.policy_version = 0
         self.prefix_cache_tokens = prefix_cache_tokens
-        self._parked: OrderedDict[str, tuple[list[int], list[torch.Tensor], int]] = OrderedDict()
-        self._parked_tokens = 0
+        self.share_prefixes = share_prefixes and not self.is_vlm and not record_routing
+        """Reuse any request's KV for a shared prefix; off: only a trajectory's own. Never for VLMs (the image
+        tokens of different images have the same ids) or with record_routing (the routing of a copied prefix
+        belongs to the request it was copied from)."""
+        self._parked = ParkedKV(prefix_cache_tokens)
+        self._kv_epoch = 0  # bumped when the weights change or the cache sleeps: older KV is never copied
         self._generator = torch.Generator().manual_seed(seed)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: list[_Request] = []
@@ -337,7 +349,9 @@ class EmbeddedEngine:
         self._updating = False  # between the first and the final bucket of a streamed weight update
         self._deferred: list[tuple] = []  # commands held until the running requests finish (pause=wait)
         self.stats = {"decode_steps": 0, "prefill_forwards": 0, "prefill_tokens": 0, "cached_prompt_tokens": 0,
-                      "generated_tokens": 0, "requests": 0, "busy_s": 0.0}
+                      "shared_prompt_tokens": 0, "generated_tokens": 0, "requests": 0, "busy_s": 0.0, "prefill_s": 0.0}
+        """shared_prompt_tokens: the part of cached_prompt_tokens copied from another request's KV; prefill_s: the
+        part of busy_s spent in prefill forwards."""
         self._thread = threading.Thread(target=self._run, name="turnrl-engine", daemon=True)
         self._thread.start()
 
@@ -406,6 +420,14 @@ class EmbeddedEngine:
 
     async def release(self, request_id: str) -> None:
         await self._call(("release", request_id))
+
+    def kv_stats(self) -> KVStats | None:
+        """Its cache of trajectories' KV between turns (`prefix_cache_tokens`): the share in use, and the parked
+        prefixes of live trajectories evicted to make room (each recomputed at that trajectory's next turn, as a
+        server recomputes a preempted request). None without a prefix cache."""
+        if not self.prefix_cache_tokens:
+            return None
+        return KVStats(min(self._parked.tokens / self.prefix_cache_tokens, 1.0), self._parked.evicted)
 
     async def sleep(self) -> None:
         await self._call(("sleep",))
@@ -512,7 +534,7 @@ class EmbeddedEngine:
         if name == "update_weights":
             return self._load_weights(*command[1:])
         if name == "release":
-            self._unpark(command[1])
+            self._parked.pop(command[1])
         elif name == "sleep":
             self._drop_parked()
             if not self._active:
@@ -563,38 +585,69 @@ class EmbeddedEngine:
     # ---- prefix reuse ----------------------------------------------------------------------------
     def _park(self, req: _Request, slot: int) -> None:
         tokens = req.prompt_ids + req.out_ids[:-1]  # KV exists for everything but the last sampled token
-        if not self.prefix_cache_tokens or len(tokens) > self.prefix_cache_tokens:
-            return
-        self._unpark(req.request_id)
+        if req.kv_epoch != self._kv_epoch or not self._parked.fits(len(tokens)):
+            return  # KV partly computed by weights since replaced, or too long to keep
         # the next turn's delta starts with the last sampled token, at rotary position next_pos
-        self._parked[req.request_id] = (tokens, self.cache.export_row(slot, len(tokens)), req.next_pos)
-        self._parked_tokens += len(tokens)
-        while self._parked_tokens > self.prefix_cache_tokens:
-            self._unpark(next(iter(self._parked)))
-
-    def _unpark(self, request_id: str):
-        entry = self._parked.pop(request_id, None)
-        if entry is not None:
-            self._parked_tokens -= len(entry[0])
-        return entry
+        self._parked.park(req.request_id, Parked(req.request_id, tokens, self.cache.export_row(slot, len(tokens)),
+                                                 req.next_pos))
 
     def _drop_parked(self) -> None:
         self._parked.clear()
-        self._parked_tokens = 0
+        self._kv_epoch += 1
+
+    def _choose_sources(self, taken: list[_Request]) -> list[Source | None]:
+        """For each request admitted in this step, in order, the KV its prompt's prefix is copied from (None:
+        prefilled whole). A request consumes its own trajectory's parked entry either way."""
+        for req in taken:
+            self.cache.ensure_capacity(len(req.prompt_ids) + req.max_new)
+        owns = [self._parked.pop(req.request_id) for req in taken]
+        if self.share_prefixes:
+            running = [(r, r.prompt_ids + r.out_ids[: r.length - len(r.prompt_ids)]) for r in self._active
+                       if r.error is None and r.kv_epoch == self._kv_epoch]
+            return choose_sources([r.prompt_ids for r in taken], owns, self._parked, running, taken)
+        return [Source("parked", own, len(own.tokens))  # its own trajectory's KV, when the prompt extends it
+                if own is not None and 0 < len(own.tokens) < len(req.prompt_ids)
+                and req.prompt_ids[: len(own.tokens)] == own.tokens else None for req, own in zip(taken, owns, strict=True)]
+
+    def _copy_prefix(self, req: _Request, slot: int, source: Source | None) -> int:
+        """Copy the source's KV for the shared prefix into the request's slot; returns the tokens copied."""
+        if source is None:
+            return 0
+        if source.kind == "parked":
+            entry = cast(Parked, source.key)
+            self.cache.import_row(slot, entry.kv, source.tokens)
+            if self.mrope:  # (the whole entry: VLMs reuse only their own trajectory's)
+                req.next_pos = entry.next_pos
+        else:
+            src = cast(_Request, source.key)
+            if src.error is not None or src.length < source.tokens:  # a round source whose prefill failed
+                return 0
+            self.cache.move_row(self._active.index(src), slot, source.tokens)
+        if source.kind != "parked" or cast(Parked, source.key).request_id != req.request_id:
+            self.stats["shared_prompt_tokens"] += source.tokens
+        return source.tokens
 
     # ---- scheduling ------------------------------------------------------------------------------
     def _admit(self) -> None:
-        """Move waiting requests into free slots and prefill them, several per forward where lengths allow."""
+        """Move waiting requests into free slots and prefill them, several per forward where lengths allow. A
+        request that copies its prefix from another admitted in this step is prefilled after it (levels)."""
         self._waiting = [r for r in self._waiting if not r.aborted]
-        admitted: list[tuple[_Request, int]] = []
-        while self._waiting and len(self._active) < self.max_batch_size and not self._deferred:  # (pause=wait)
-            req = self._waiting.pop(0)
-            slot = len(self._active)
-            self._active.append(req)
-            admitted.append((req, self._reuse_prefix(req, slot)))
-        for group in _prefill_groups(admitted, 1 if self.is_vlm else self.max_batch_size):
-            self._prefill_isolated(group)
-        self._retire([req for req, _ in admitted if req.error is not None or self._finished(req)])
+        taken: list[_Request] = []
+        while self._waiting and len(self._active) + len(taken) < self.max_batch_size and not self._deferred:
+            taken.append(self._waiting.pop(0))  # (not while a pause=wait update waits)
+        if not taken:
+            return
+        sources = self._choose_sources(taken)
+        levels = [s.level if s is not None else 0 for s in sources]
+        for level in sorted(set(levels)):  # each level's requests in consecutive slots, as _prefill needs
+            admitted: list[tuple[_Request, int]] = []
+            for req, source, req_level in zip(taken, sources, levels, strict=True):
+                if req_level == level:
+                    self._active.append(req)
+                    admitted.append((req, self._copy_prefix(req, len(self._active) - 1, source)))
+            for group in _prefill_groups(admitted, 1 if self.is_vlm else self.max_batch_size):
+                self._prefill_isolated(group)
+        self._retire([req for req in taken if req.error is not None or self._finished(req)])
 
     def _prefill_isolated(self, group: list[tuple[_Request, int]]) -> None:
         """Prefill a group; when it fails, prefill its requests one by one, so a request that cannot be
@@ -610,21 +663,9 @@ class EmbeddedEngine:
         for item in group:
             self._prefill_isolated([item])
 
-    def _reuse_prefix(self, req: _Request, slot: int) -> int:
-        """Copy this trajectory's parked KV into the slot when the prompt extends it; returns the tokens reused."""
-        self.cache.ensure_capacity(len(req.prompt_ids) + req.max_new)
-        parked = self._unpark(req.request_id)
-        if parked is None:
-            return 0
-        tokens, kv, parked_pos = parked
-        if not 0 < len(tokens) < len(req.prompt_ids) or req.prompt_ids[: len(tokens)] != tokens:
-            return 0
-        self.cache.import_row(slot, kv)
-        req.next_pos = parked_pos
-        return len(tokens)
-
     def _prefill(self, group: list[tuple[_Request, int]]) -> None:
         """One forward over the new tokens of a group of requests in consecutive slots."""
+        t0 = time.perf_counter()
         first_slot = self._active.index(group[0][0])
         starts = [start for _, start in group]
         new_ids = [req.prompt_ids[start:] for req, start in group]
@@ -643,6 +684,7 @@ class EmbeddedEngine:
         else:
             logits = self._forward(input_ids, positions, mask)
         self.stats["prefill_forwards"] += 1
+        self.stats["prefill_s"] += time.perf_counter() - t0
         reqs = [req for req, _ in group]
         if self._routing is not None:  # rows [m * Q]: each request's new tokens are the last of its (left-padded) row
             routed = self._routing.take().view(len(reqs), q_max, *self._routing_shape())
@@ -656,6 +698,7 @@ class EmbeddedEngine:
             if not self.mrope:
                 req.next_pos = len(req.prompt_ids)
             req.cached_prompt_tokens = start
+            req.kv_epoch = self._kv_epoch
             self.stats["prefill_tokens"] += len(ids)
             self.stats["cached_prompt_tokens"] += start
             self.stats["requests"] += 1

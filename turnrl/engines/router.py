@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from turnrl.engines.base import Engine, EngineError, InvalidRequest, NamedTensors
+from turnrl.engines.base import Engine, EngineError, InvalidRequest, KVStats, NamedTensors, kv_stats
 from turnrl.observe.watchdog import abandon_after
 from turnrl.types import GenerateOutput, SamplingParams
 
@@ -114,6 +114,14 @@ class Router:
     def restore(self, name: str) -> None:
         """Put a replica taken out of rotation by a failure back in (its counters are kept)."""
         self._get(name).stats.healthy = True
+
+    def kv_stats(self) -> KVStats | None:
+        """Over the replicas that report KV (None if none does): the fullest one's occupancy (admission must not
+        overfill any of them), the sum of their preemptions."""
+        reports = [r for r in (kv_stats(replica.engine) for replica in self._replicas.values()) if r is not None]
+        if not reports:
+            return None
+        return KVStats(max(r.occupancy for r in reports), sum(r.preemptions for r in reports))
 
     def replica_for(self, request_id: str) -> str | None:
         """The replica `request_id` is pinned to, if any (does not refresh its LRU position)."""

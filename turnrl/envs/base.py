@@ -26,6 +26,7 @@ import inspect
 import json
 import logging
 import math
+import queue
 import sysconfig
 import threading
 import traceback
@@ -135,37 +136,92 @@ def load_env_factory(spec: str) -> EnvFactory:
 
 
 class EnvThreads:
-    """The threads sync env methods run in: their own, never asyncio's shared default pool.
+    """The threads sync env methods run in: their own, never asyncio's shared default pool, and reused (a call
+    hands its work to an idle thread; a thread starts only when none is idle, and one idle for `idle_s` ends).
 
     At most `size` calls run at once (the rollout sizes it to its concurrency); a call's timeout counts from
-    when it starts running, never from when it was queued behind others. A call past its timeout is abandoned:
-    Python cannot kill a thread, so it runs on, but in a daemon thread that no longer holds a slot (a hung env
-    cannot starve the other trajectories) and never holds up process exit."""
+    when it starts running, never from when it was queued behind others: a call is handed over only once it
+    holds a slot, and every call holding a slot has a thread of its own waiting for it. A call past its timeout
+    (or cancelled) is abandoned: Python cannot kill a thread, so it runs on, but its thread no longer counts
+    (a new one serves the freed slot: a hung env cannot starve the other trajectories), ends when the call
+    returns, and, a daemon, never holds up process exit. A call abandoned before it started never runs."""
 
-    def __init__(self, size: int = 64):
+    def __init__(self, size: int = 64, idle_s: float = 30.0):
         if size < 1:
             raise ValueError(f"EnvThreads size must be >= 1, got {size}")
-        self.size = size
+        self.size, self.idle_s = size, idle_s
         self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
             weakref.WeakKeyDictionary())  # one per event loop: asyncio primitives belong to one loop
+        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0  # threads waiting for a job and not promised to one
+        self.threads_started = 0
+        """Threads started so far (each call used to start one; now only a burst past the idle ones does)."""
 
     async def run(self, fn: Callable, *args: Any, timeout_s: float | None = None) -> Any:
         loop = asyncio.get_running_loop()
-        slots = self._slots.setdefault(loop, asyncio.Semaphore(self.size))
+        slots = self._slots.get(loop)
+        if slots is None:
+            slots = self._slots.setdefault(loop, asyncio.Semaphore(self.size))
         async with slots:
-            done: asyncio.Future = loop.create_future()
-            threading.Thread(target=_run_in_thread, args=(loop, done, fn, args), daemon=True,
-                             name=f"turnrl-env-{getattr(fn, '__qualname__', 'call')}").start()
-            return await asyncio.wait_for(done, timeout_s)  # a timeout frees the slot; the thread is abandoned
+            job = _Job(loop, loop.create_future(), fn, args)
+            self._submit(job)
+            try:
+                return await asyncio.wait_for(job.done, timeout_s)  # a timeout frees the slot
+            except BaseException:
+                self._abandon(job)
+                raise
+
+    def _submit(self, job: _Job) -> None:
+        with self._lock:
+            start = self._idle == 0
+            if not start:
+                self._idle -= 1  # that thread is promised to this job
+            else:
+                self.threads_started += 1
+        self._jobs.put(job)
+        if start:
+            threading.Thread(target=self._serve, daemon=True, name="turnrl-env").start()
+
+    def _abandon(self, job: _Job) -> None:
+        with self._lock:
+            job.abandoned = not job.finished  # its thread ends after it instead of taking another job
+
+    def _serve(self) -> None:
+        """A worker thread: run jobs until one is abandoned under it, or none comes for `idle_s`."""
+        while True:
+            try:
+                job = self._jobs.get(timeout=self.idle_s)
+            except queue.Empty:
+                with self._lock:
+                    if self._idle > 0:  # no job is promised to this thread: it ends
+                        self._idle -= 1
+                        return
+                continue  # a job was promised meanwhile: it is in the queue
+            result, error = job.call() if not job.abandoned else (None, None)
+            with self._lock:
+                job.finished = True  # before the result is handed over: a finished call is never abandoned
+                gone = job.abandoned
+                if not gone:
+                    self._idle += 1
+            if gone:
+                return
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits for it
+                job.loop.call_soon_threadsafe(_settle, job.done, result, error)
 
 
-def _run_in_thread(loop: asyncio.AbstractEventLoop, done: asyncio.Future, fn: Callable, args: tuple) -> None:
-    try:
-        result, error = fn(*args), None
-    except BaseException as e:  # handed to the awaiting coroutine
-        result, error = None, e
-    with contextlib.suppress(RuntimeError):  # the loop closed while an abandoned call ran: nobody waits for it
-        loop.call_soon_threadsafe(_settle, done, result, error)
+class _Job:
+    __slots__ = ("loop", "done", "fn", "args", "abandoned", "finished")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, done: asyncio.Future, fn: Callable, args: tuple):
+        self.loop, self.done, self.fn, self.args = loop, done, fn, args
+        self.abandoned = self.finished = False
+
+    def call(self) -> tuple[Any, BaseException | None]:
+        try:
+            return self.fn(*self.args), None
+        except BaseException as e:  # handed to the awaiting coroutine
+            return None, e
 
 
 def _settle(done: asyncio.Future, result: Any, error: BaseException | None) -> None:
@@ -288,12 +344,17 @@ class EpisodeEnv:
         self.opens_episode = bool(getattr(env, "opens_episode", False))
         """Its `reset()` gives the episode's first message (rows need no prompt)."""
         self.timeout_s, self.retries, self.threads = timeout_s, retries, threads
+        if getattr(env, "waits_for_others", False):  # a seat of a game (turnrl.envs.seats): its step holds the other
+            self.timeout_s = None                    # seats' model turns; the table bounds its own game calls
 
     @classmethod
     def of(cls, env: Any, timeout_s: float | None = None, retries: int = 0,
            threads: EnvThreads | None = None) -> EpisodeEnv:
         if isinstance(env, EpisodeEnv):
             return env
+        if callable(getattr(env, "seats", None)):
+            raise EnvError(f"{type(env).__name__} is a game the policy plays in every seat (a turnrl.envs.seats Table): "
+                           "the env_agent drives its seats; another agent or a scheduler cannot")
         if env is None or not (callable(getattr(env, "step", None)) or callable(getattr(env, "step_turn", None))):
             raise EnvError(f"an environment needs a step(response_text) method; got {type(env).__name__} (does "
                            "build_env return the env?)")

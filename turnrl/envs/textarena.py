@@ -15,10 +15,11 @@ action and shows the game's transcript; `GAME-v0-raw` has none). The policy play
 Multi-player games need `opponent` in env_config: a callable `observation -> action`, by path (`file.py:fn`,
 `pkg.module:fn`) or a class instantiated with `opponent_kwargs`, e.g. TextArena's own agents
 (`textarena.agents:OpenAIAgent` with `{model_name, base_url}`: another engine, such as `turnrl serve` or vLLM).
-`self` (the policy in every seat, each seat's turns a branch of one episode) waits for trajectory trees.
+`opponent: self` puts the policy in every seat (`SelfPlay`, a turnrl.envs.seats Table): one episode, each seat's
+turns a trajectory of their own (a `seat` branch of seat 0's), each seat's reward its game reward.
 
-env_config keys: num_players (1, or 2 with an opponent), seat, opponent, opponent_kwargs, env_kwargs (for
-`textarena.make`), system_prompt.
+env_config keys: num_players (1, or 2 or more with an opponent; 2 by default with one), seat (not with `self`),
+opponent, opponent_kwargs, env_kwargs (for `textarena.make`), system_prompt.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import inspect
 from typing import Any
 
 from turnrl.envs.base import EnvError, EnvFactory, episode_seed, episode_settings
+from turnrl.envs.seats import Table
 from turnrl.loading import load_object
 from turnrl.reasoning import split_reasoning
 from turnrl.types import Message, StepResult
@@ -53,8 +55,11 @@ def env_factory(spec: str) -> EnvFactory:
         hint = f"; did you mean {', '.join(close)}?" if close else f" ({len(registry)} are registered)"
         raise ValueError(f"--env {spec}: {game!r} is not a TextArena game{hint}")
 
-    def build_env(sample: dict[str, Any], config: dict[str, Any]) -> TextArenaEnv:
-        return TextArenaEnv(game, episode_settings(sample, config), episode_seed(sample))
+    def build_env(sample: dict[str, Any], config: dict[str, Any]) -> TextArenaEnv | SelfPlay:
+        settings = episode_settings(sample, config)
+        if settings.get("opponent") == "self":
+            return SelfPlay(game, settings, episode_seed(sample))
+        return TextArenaEnv(game, settings, episode_seed(sample))
 
     build_env.opens_episode = True  # type: ignore[attr-defined]
     build_env.check = _check  # type: ignore[attr-defined]
@@ -65,8 +70,17 @@ def _check(config: dict[str, Any]) -> None:
     unknown = sorted(set(config) - SETTINGS)
     if unknown:
         raise ValueError(f"textarena env_config: unknown key(s) {unknown}; allowed: {sorted(SETTINGS)}")
-    if config.get("opponent") is not None:
+    if config.get("opponent") == "self":
+        _self_play_check(config, "textarena env_config")
+    elif config.get("opponent") is not None:
         opponent(config)  # a bad path fails at start-up
+
+
+def _self_play_check(settings: dict[str, Any], where: str) -> None:
+    if "seat" in settings:
+        raise ValueError(f"{where}: `seat` has no meaning with opponent: self (the policy plays every seat)")
+    if int(settings.get("num_players", 2)) < 2:
+        raise ValueError(f"{where}: opponent: self needs num_players >= 2, got {settings['num_players']}")
 
 
 def opponent(settings: dict[str, Any]) -> Any:
@@ -75,8 +89,7 @@ def opponent(settings: dict[str, Any]) -> Any:
     if spec is None:
         return None
     if spec == "self":
-        raise ValueError("textarena: opponent 'self' (the policy in every seat, each seat a branch of the episode) "
-                         "needs trajectory trees, which are not there yet; use a scripted policy or an engine's agent")
+        raise ValueError("textarena: opponent 'self' is played by SelfPlay (every seat the policy's), not by one seat")
     target = load_object(str(spec), what="TextArena opponent")
     if inspect.isclass(target):
         return target(**(settings.get("opponent_kwargs") or {}))
@@ -140,13 +153,68 @@ class TextArenaEnv:
         raise EnvError(f"textarena:{self.game}: the other seats moved 10000 times without handing the turn back")
 
     def _observation(self) -> Message:
-        """What the seat has not seen of its observation (TextArena's default observation is the whole transcript)."""
-        observation = self._pending if isinstance(self._pending, str) else str(self._pending)
-        new = observation[len(self.shown):] if observation.startswith(self.shown) else observation
-        self.shown = observation
-        return {"role": "user", "content": new.strip() or observation.strip()}
+        message, self.shown = _unseen(self._pending, self.shown)
+        return message
 
     def close(self) -> None:
+        if self.env is not None:
+            self.env.close()
+            self.env = None
+
+
+def _unseen(pending: Any, shown: str) -> tuple[Message, str]:
+    """What a seat has not seen of its observation (TextArena's default observation is the whole transcript), and
+    the observation as now shown."""
+    observation = pending if isinstance(pending, str) else str(pending)
+    new = observation[len(shown):] if observation.startswith(shown) else observation
+    return {"role": "user", "content": new.strip() or observation.strip()}, observation
+
+
+class SelfPlay(Table):
+    """One game of TextArena with the policy in every seat (`opponent: self`; turnrl.envs.seats): each seat's
+    observation is TextArena's for that player, each seat's reply its action, each seat's reward its game reward;
+    every seat's last trajectory has `game_rewards`, `game_info`, `seed` and its `seat` in rollout_infos."""
+
+    def __init__(self, game: str, settings: dict[str, Any], seed: int):
+        try:
+            _self_play_check(settings, f"textarena:{game}")
+        except ValueError as e:
+            raise EnvError(str(e)) from None
+        super().__init__(f"textarena:{game}", int(settings.get("num_players", 2)))
+        self.game, self.settings, self.seed = game, settings, seed
+        self.env: Any = None
+        self._pending: dict[int, Any] = {}
+        self._shown = [""] * self.num_seats
+
+    def start(self) -> None:
+        self.env = _textarena().make(self.game, **(self.settings.get("env_kwargs") or {}))
+        self.env.reset(num_players=self.num_seats, seed=self.seed)
+
+    def to_move(self) -> int:
+        player, observation = self.env.get_observation()
+        if not 0 <= int(player) < self.num_seats:
+            raise EnvError(f"textarena:{self.game}: player {player!r} to move is not one of {self.num_seats} seats")
+        self._pending[int(player)] = observation
+        return int(player)
+
+    def observation(self, seat: int, first: bool) -> list[Message]:
+        message, self._shown[seat] = _unseen(self._pending.pop(seat, ""), self._shown[seat])
+        system = self.settings.get("system_prompt") if first else None
+        return [*([{"role": "system", "content": system}] if system else []), message]
+
+    def play(self, seat: int, reply: str) -> tuple[bool, dict[str, Any]]:
+        action = split_reasoning(reply)[1].strip()
+        done, _ = self.env.step(action)
+        return bool(done), {"action": action}
+
+    def outcome(self) -> tuple[dict[int, float], dict[str, Any]]:
+        rewards, game_info = self.env.close()
+        self.env = None
+        infos = {"game_rewards": {str(p): float(r) for p, r in (rewards or {}).items()}, "seed": self.seed,
+                 "game_info": {str(p): v for p, v in (game_info or {}).items()}}
+        return {int(p): float(r) for p, r in (rewards or {}).items()}, infos
+
+    def shutdown(self) -> None:
         if self.env is not None:
             self.env.close()
             self.env = None

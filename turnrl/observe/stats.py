@@ -9,6 +9,8 @@ Metric names are flat strings, `group/name`, so they can go to MLflow or a log l
   content), `rollout/render_harmless` (only in ways known to be harmless for the template; strict sanity check),
   `rollout/reward_errors`, `rollout/logprob_issues`: counts
 - `rollout/reward_mean`, `rollout/reward_std`: over trajectories with a reward
+- `rollout/episodes`, `rollout/branches_per_episode` (trajectories per episode: 1 for a flat one, more with forks,
+  compactions, sub-agents, splits; docs/trees.md), `rollout/compactions_per_episode` (`compaction` branches)
 - `rollout/tokens_per_s`: model tokens per wall-clock second
 - tool agents: `rollout/tool_call_rate` (trajectories with at least one tool call, well-formed or not),
   `rollout/tool_calls_mean` (call attempts per trajectory), `rollout/tool_invalid_call_rate` (attempts that
@@ -29,7 +31,7 @@ from typing import IO, Any
 
 from rich.table import Table
 
-from turnrl.types import RolloutStatus, Trajectory
+from turnrl.types import BranchKind, RolloutStatus, Trajectory
 
 
 def peak_rss_gb() -> float | None:
@@ -55,9 +57,13 @@ class RolloutStats:
     rewards: list[float] = field(default_factory=list)
     totals: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
     tool_calls: Counter = field(default_factory=Counter)
+    episodes: Counter = field(default_factory=Counter)
+    """Trajectories (branches) per episode (`episode_id`, else the trajectory's own id)."""
 
     def add(self, traj: Trajectory) -> None:
         self.count += 1
+        self.episodes[traj.episode_id or traj.id] += 1
+        self.totals["compactions"] += traj.parent is not None and traj.parent.kind == BranchKind.COMPACTION
         self.statuses[str(traj.status)] += 1
         self.reasons[str(traj.termination_reason)] += 1
         self.turns[traj.num_turns] += 1
@@ -87,6 +93,10 @@ class RolloutStats:
         out.update({f"rollout/reason/{k}": v / n for k, v in self.reasons.items()})
         out.update({f"rollout/turns_hist/{k}": v / n for k, v in sorted(self.turns.items())})
         out["rollout/turns_mean"] = sum(k * v for k, v in self.turns.items()) / n
+        episodes = max(len(self.episodes), 1)
+        out["rollout/episodes"] = float(len(self.episodes))
+        out["rollout/branches_per_episode"] = self.count / episodes
+        out["rollout/compactions_per_episode"] = self.totals["compactions"] / episodes
         out["rollout/model_tokens_mean"] = self.totals["model_tokens"] / n
         out["rollout/injected_tokens_mean"] = self.totals["injected_tokens"] / n
         out["rollout/tokens_per_s"] = self.totals["model_tokens"] / wall if wall > 0 else 0.0
@@ -115,6 +125,9 @@ class RolloutStats:
                 t.add_row(f"status {status}", f"{self.statuses[str(status)]} ({s[f'rollout/status/{status}']:.0%})")
         for reason, k in self.reasons.most_common():
             t.add_row(f"reason {reason}", f"{k}")
+        if len(self.episodes) < self.count:
+            t.add_row("episodes: branches / compactions per episode", f"{len(self.episodes)}: "
+                      f"{s['rollout/branches_per_episode']:.2f} / {s['rollout/compactions_per_episode']:.2f}")
         t.add_row("turns (count: trajectories)", ", ".join(f"{k}: {v}" for k, v in sorted(self.turns.items())))
         t.add_row("model / injected tokens per trajectory",
                   f"{s['rollout/model_tokens_mean']:.1f} / {s['rollout/injected_tokens_mean']:.1f}")

@@ -2,6 +2,8 @@
 
     episode.py   drive: THE turn loop, and the Episode whose steps it runs (generate, env step, apply, observe)
     builder.py   TrajectoryBuilder: every mask rule (masks born with the tokens, logprobs aligned, edits checked)
+    context.py   the context policy: compaction when the next prompt would not fit (rollout.context)
+    tree.py      episode trees: parent links of branches (fork, compaction, subagent, split, seat), walks, stats
     manager.py   RolloutManager: rows × n trajectories at once, rewards streamed; the Rollout protocol, run_groups
     remote.py    RemoteRollout: the client of a `turnrl serve` rollout server
     ray.py       engine replicas and rollout workers as Ray actors around the same components

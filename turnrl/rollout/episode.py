@@ -51,7 +51,10 @@ from turnrl.multimodal import check_parity, image_ref
 from turnrl.observe.watchdog import Detail, Watchdog, abandon_after, engine_label
 from turnrl.render import ChatRenderer, SanityMode
 from turnrl.rollout.builder import TokenEditError, TrajectoryBuilder
+from turnrl.rollout.context import ContextPolicy, Strategy, after_summary, drop_observations
+from turnrl.rollout.tree import branch
 from turnrl.types import (
+    BranchKind,
     EnvSpan,
     FinishReason,
     GenerateOutput,
@@ -88,6 +91,8 @@ class RolloutLimits:
     cleanup_timeout_s: float = 10.0
     """Bound on each cleanup call of a finished trajectory (env.close, engine.release): a hung env or engine
     never holds a finished trajectory, or a cancelled one, forever."""
+    context: ContextPolicy = field(default_factory=ContextPolicy)
+    """The context window of one branch and what to do when it is full (`rollout.context`, turnrl.rollout.context)."""
 
     def __post_init__(self) -> None:
         if self.max_turns < 1:
@@ -120,6 +125,9 @@ class RolloutContext:
     """Where sync env methods run (the RolloutManager's, sized to its concurrency)."""
     partial: Trajectory | None = None
     """Set by `drive` when the trajectory is cancelled, so a timeout keeps the content produced so far."""
+    branches: list[Trajectory] = field(default_factory=list)
+    """The episode's finished earlier branches (compactions), in order: the RolloutManager returns them with what the
+    agent returns."""
     watchdog: Watchdog | None = None
     """The run's watchdog (turnrl.observe.watchdog): engine and env calls report to it through `watch`."""
 
@@ -127,9 +135,10 @@ class RolloutContext:
         """A call in progress: shown by the watchdog's report if nothing progresses, progress when it ends."""
         return self.watchdog.busy(component, detail) if self.watchdog is not None else contextlib.nullcontext()
 
-    def new_trajectory(self, prompt_ids: list[int], messages: list[Message]) -> TrajectoryBuilder:
+    def new_trajectory(self, prompt_ids: list[int], messages: list[Message], trajectory_id: str | None = None
+                       ) -> TrajectoryBuilder:
         traj = Trajectory(
-            id=self.trajectory_id, group_id=self.group_id, sample_index=self.sample_index,
+            id=trajectory_id or self.trajectory_id, group_id=self.group_id, sample_index=self.sample_index,
             prompt_ids=list(prompt_ids), messages=messages, sample=self.sample, agent=self.agent_name,
         )
         self.partial = traj
@@ -209,6 +218,9 @@ class Episode:
         self._stop_ids = tuple(sorted(set(ctx.sampling.stop_token_ids) | ctx.renderer.end_of_turn_ids))
         self._metrics = {"gen_time_s": 0.0, "env_time_s": 0.0, "env_retries": 0, "cached_prompt_tokens": 0}
         self._t0 = time.perf_counter()
+        self._first_messages: list[Message] = []  # the episode's prompt messages (a summary branch starts from them)
+        self._offset = 0  # model turns of the episode before this branch (its turn n is the episode's offset + n)
+        self._spent = 0  # response tokens of the episode's earlier branches (the token budget counts across them)
 
     @property
     def started(self) -> bool:
@@ -241,25 +253,31 @@ class Episode:
         self.messages += await env.reset()
         if not self.messages:
             raise EnvError(f"{env.name}: the row has no prompt and reset() gave no message to open the episode with")
+        self._first_messages = list(self.messages)
         prompt = self.ctx.renderer.initial(self.messages, env.tools)
         self._builder = self.ctx.new_trajectory(prompt.ids, self.messages)
         self.builder.images.add(prompt)
 
-    def room(self) -> int | None:
-        """Tokens left in the trajectory's budget (None: no budget)."""
+    def room(self, window: bool = True) -> int | None:
+        """Tokens the stream may still grow by: what is left of the episode's token budget (across its branches) and,
+        with `window`, of the branch's context window (`rollout.context.max_tokens`); None: no limit."""
         budget = self.limits.token_budget
-        return None if budget is None else budget - self.builder.response_len
+        left = [budget - self._spent - self.builder.response_len] if budget is not None else []
+        window_left = self.limits.context.room(len(self.builder.token_ids)) if window else None
+        return min(left + ([] if window_left is None else [window_left]), default=None)
 
-    async def generate(self, n: int) -> Turn:
-        """Model turn `n`: asks for min(max_new_tokens, room), appends its tokens (mask 1) and its text."""
-        room = self.room()
+    async def generate(self, n: int, *, window: bool = True) -> Turn:
+        """Model turn `n` of the episode (turn n - offset of this branch): asks for min(max_new_tokens, room), appends
+        its tokens (mask 1) and its text. A summary turn (`window` False) is bounded by the token budget only."""
+        n_episode, n = n, n - self._offset
+        room = self.room(window)
         if room is not None and room <= 0:
             raise EpisodeEnd(TerminationReason.TOKEN_BUDGET)
         max_new = self.limits.max_new_tokens if room is None else min(self.limits.max_new_tokens, room)
         self.length_reason = (TerminationReason.LENGTH if max_new == self.limits.max_new_tokens
                               else TerminationReason.TOKEN_BUDGET)
         params = dataclasses.replace(self.ctx.sampling, max_new_tokens=max_new, stop_token_ids=self._stop_ids,
-                                     seed=derive_seed(self.ctx.sampling.seed, self.ctx.trajectory_id, n))
+                                     seed=derive_seed(self.ctx.sampling.seed, self.trajectory.id, n))
         traj = self.trajectory
         traj.turns.append(TurnRecord(n))
         traj.sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k}
@@ -274,7 +292,8 @@ class Episode:
             self.messages.append({"role": "assistant", "content": prefill + text})
         if out.finish_reason == FinishReason.ABORT:
             raise EpisodeEnd(TerminationReason.CANCELLED, "the engine aborted the request")
-        self._last = Turn(n, text, out.token_ids, out.logprobs, out.finish_reason, self.messages, self.continuing)
+        self._last = Turn(n_episode, text, out.token_ids, out.logprobs, out.finish_reason, self.messages,
+                          self.continuing)
         return self._last
 
     async def _call_engine(self, params: SamplingParams, record: TurnRecord) -> GenerateOutput:
@@ -284,7 +303,7 @@ class Episode:
                                               stop_token_ids=list(params.stop_token_ids))
         t0 = time.perf_counter()
         try:
-            where = functools.partial(engine_label, self.ctx.engine, self.ctx.trajectory_id)  # read only on a stall
+            where = functools.partial(engine_label, self.ctx.engine, self.trajectory.id)  # read only on a stall
             with self.ctx.watch("engine.generate", where):
                 out = await self._generate_through_updates(ids, params, images)
         except Exception as e:
@@ -310,7 +329,7 @@ class Episode:
             prompt = ids + [t for p in parts for t in p.token_ids]
             out = await self.ctx.engine.generate(
                 prompt, dataclasses.replace(params, max_new_tokens=params.max_new_tokens - done),
-                request_id=self.ctx.trajectory_id, images=images)
+                request_id=self.trajectory.id, images=images)
             if out.preempted and done + len(out.token_ids) >= params.max_new_tokens:  # it got to its limit anyway
                 out = dataclasses.replace(out, finish_reason=FinishReason.LENGTH, preempted=False)
             parts.append(out)
@@ -368,10 +387,20 @@ class Episode:
         observation = await self.env.observation(step.observation)
         if not observation:
             raise EpisodeEnd(TerminationReason.ENV_ERROR, "env.step returned done=False without an observation")
-        b, turn = self.builder, self.trajectory.num_turns
-        closing = self.ctx.renderer.turn_closing_ids(b.trajectory.segments[-1].token_ids)
+        closing = self.ctx.renderer.turn_closing_ids(self.trajectory.segments[-1].token_ids)
         rendered = self.ctx.renderer.observation(observation, self.env.tools, history=self.messages)
-        self._fit(len(closing) + len(rendered.ids))
+        strategy = self.limits.context.full(len(self.builder.token_ids) + len(closing) + len(rendered.ids),
+                                            self.limits.max_new_tokens, step.compact)
+        if strategy is not None:
+            await self._compact(strategy, observation)
+            return
+        self._append_observation(observation, closing, rendered)
+
+    def _append_observation(self, observation: list[Message], closing: list[int], rendered: Any, fit: bool = True
+                            ) -> None:
+        b, turn = self.builder, self.trajectory.num_turns
+        if fit:
+            self._fit(len(closing) + len(rendered.ids))
         source = SegmentSource.TOOL if any(m.get("role") == "tool" for m in observation) else SegmentSource.ENV
         obs_ids = rendered.ids[: len(rendered.ids) - len(rendered.prefill_ids)]
         b.add_injected(closing, SegmentSource.TEMPLATE, turn)
@@ -380,6 +409,47 @@ class Episode:
         b.images.add(rendered)
         self.trajectory.turns[-1].observation_tokens = len(closing) + len(rendered.ids)
         self.messages.extend(observation)
+
+    async def _compact(self, strategy: Strategy, observation: list[Message]) -> None:
+        """Go on in a `compaction` branch (turnrl.rollout.context): after a summary turn of this branch, from the first
+        messages, the summary and `observation`; or from the conversation with older outputs dropped. When there is nothing to
+        drop, the observation is appended here (the token budget and context window still bound it)."""
+        policy, tools = self.limits.context, self.env.tools
+        if strategy == Strategy.DROP_OBSERVATIONS:
+            messages = drop_observations([*self.messages, *observation], policy.keep_last_turns)
+            if messages is None:
+                closing = self.ctx.renderer.turn_closing_ids(self.trajectory.segments[-1].token_ids)
+                self._append_observation(observation, closing, self.ctx.renderer.observation(
+                    observation, tools, history=self.messages))
+                return
+        else:  # the summary of the work before this observation; the next branch gets it whole after the summary
+            asked = [policy.request()]
+            closing = self.ctx.renderer.turn_closing_ids(self.trajectory.segments[-1].token_ids)
+            rendered = self.ctx.renderer.observation(asked, tools, history=self.messages)
+            self._fit(len(closing) + len(rendered.ids), window=False)
+            self._append_observation(asked, closing, rendered, fit=False)
+            summary = await self.generate(self._offset + self.trajectory.num_turns + 1, window=False)
+            self.trajectory.turns[-1].extra["compaction"] = "summary"
+            messages = after_summary(self._first_messages, summary.text, observation)
+        await self._branch_off(messages, BranchKind.COMPACTION)
+
+    async def _branch_off(self, messages: list[Message], kind: BranchKind) -> None:
+        """End this branch (TerminationReason.SPLIT) and go on in a new trajectory of the episode rendered from
+        `messages`, a `kind` branch of this one (its id `<episode's first id>.c<k>`)."""
+        old = self.trajectory
+        self.end(TerminationReason.SPLIT)
+        self._seal()
+        self.ctx.branches.append(old)
+        await self._release(old.id)
+        self._offset += old.num_turns - (1 if old.turns and old.turns[-1].extra.get("compaction") else 0)
+        self._spent += old.num_response_tokens
+        self.messages, self.continuing = messages, False
+        prompt = self.ctx.renderer.initial(messages, self.env.tools)
+        new_id = f"{self.ctx.trajectory_id}.c{len(self.ctx.branches)}"
+        self._builder = self.ctx.new_trajectory(prompt.ids, messages, new_id)
+        self.builder.images.add(prompt)
+        branch(self.trajectory, old, kind)
+        log.info("trajectory %s: context compacted (%s tokens) into %s", old.id, len(old.stream), new_id)
 
     def _continue(self, tip: Any) -> None:
         """A tip appended to the assistant message: mask 0, same segment, same message, no generation prompt."""
@@ -391,8 +461,8 @@ class Episode:
         self.trajectory.turns[-1].observation_tokens = len(tip_ids)
         self.messages[-1]["content"] += tip
 
-    def _fit(self, n_tokens: int) -> None:
-        room = self.room()
+    def _fit(self, n_tokens: int, window: bool = True) -> None:
+        room = self.room(window)
         if room is not None and n_tokens >= room:  # nothing would be left for the model to answer with
             raise EpisodeEnd(TerminationReason.TOKEN_BUDGET)
 
@@ -412,11 +482,28 @@ class Episode:
         for problem in problems:
             log.warning("trajectory %s: %s", self.ctx.trajectory_id, problem)
         if self._builder is not None:
-            traj = self.trajectory
-            traj.warnings += problems
-            traj.metrics.update(self._metrics, total_time_s=time.perf_counter() - self._t0,
-                                model_tokens=traj.num_model_tokens,
-                                injected_tokens=traj.num_response_tokens - traj.num_model_tokens)
+            self.trajectory.warnings += problems
+            self._count()
+
+    def _count(self) -> None:
+        """The branch's metrics: its times and token counts (the times restart for the next branch)."""
+        traj = self.trajectory
+        traj.metrics.update(self._metrics, total_time_s=time.perf_counter() - self._t0,
+                            model_tokens=traj.num_model_tokens,
+                            injected_tokens=traj.num_response_tokens - traj.num_model_tokens)
+        self._metrics = dict.fromkeys(self._metrics, 0.0)
+        self._t0 = time.perf_counter()
+
+    def _seal(self) -> None:
+        """A finished branch before the next one starts: its metrics, images and the sanity check (as `result`)."""
+        self._count()
+        self.result()
+
+    async def _release(self, request_id: str) -> None:
+        try:  # releasing a cache entry must never fail, or hold, the episode
+            await abandon_after(self.ctx.engine.release(request_id), self.limits.cleanup_timeout_s, "engine.release")
+        except Exception as e:
+            self.trajectory.warnings.append(f"engine.release raised {type(e).__name__}: {e}")
 
     async def _cleanup(self) -> list[str]:
         problems, bound = [], self.limits.cleanup_timeout_s
@@ -426,7 +513,8 @@ class Episode:
             except Exception as e:
                 problems.append(f"env.close raised {type(e).__name__}: {e}")
         try:  # releasing a cache entry must never fail, or hold, a finished trajectory
-            await abandon_after(self.ctx.engine.release(self.ctx.trajectory_id), bound, "engine.release")
+            request_id = self.trajectory.id if self._builder is not None else self.ctx.trajectory_id
+            await abandon_after(self.ctx.engine.release(request_id), bound, "engine.release")
         except Exception as e:
             problems.append(f"engine.release raised {type(e).__name__}: {e}")
         return problems

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import math
 import numbers
+import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol
@@ -17,7 +18,9 @@ from turnrl.engines.base import Engine
 from turnrl.envs.base import EnvFactory, EnvThreads, maybe_await
 from turnrl.observe.watchdog import Watchdog
 from turnrl.render import ChatRenderer, SanityMode
+from turnrl.rollout.admission import Admission, AdmissionSettings, admission_cost
 from turnrl.rollout.episode import RolloutContext, RolloutLimits
+from turnrl.rollout.tree import episodes
 from turnrl.types import (
     RolloutStatus,
     SamplingParams,
@@ -57,10 +60,11 @@ class RolloutManager:
         env_factory: EnvFactory | None = None,
         env_config: dict[str, Any] | None = None,
         tools: Any = None,
-        concurrency: int = 64,
+        concurrency: int | str = 64,
         sanity_mode: SanityMode | str = SanityMode.STRICT,
         reward_fn: RewardFn | None = None,
         watchdog_s: float | None = None,
+        admission: AdmissionSettings | None = None,
     ):
         if default_agent not in agents:
             raise ValueError(f"unknown default agent {default_agent!r}; registered: {sorted(agents)}")
@@ -68,10 +72,16 @@ class RolloutManager:
         self.sampling = sampling or SamplingParams()
         self.limits = limits or RolloutLimits()
         self.env_factory, self.env_config, self.tools = env_factory, dict(env_config or {}), tools
-        self.concurrency, self.sanity_mode, self.reward_fn = concurrency, SanityMode(sanity_mode), reward_fn
-        self.env_threads = EnvThreads(concurrency)
-        self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
-            weakref.WeakKeyDictionary())  # `concurrency` across every stream of this manager (one per event loop)
+        self.sanity_mode, self.reward_fn = SanityMode(sanity_mode), reward_fn
+        self.admission = admission or AdmissionSettings(concurrency)  # type: ignore[arg-type]
+        """`concurrency` (a number or auto) and the KV caps of auto (turnrl.rollout.admission)."""
+        self.concurrency = self.admission.concurrency
+        self.env_threads = EnvThreads(self.admission.max_concurrency if self.admission.auto
+                                      else int(self.admission.concurrency))
+        self._gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Admission] = (
+            weakref.WeakKeyDictionary())  # across every stream of this manager (one per event loop)
+        self._turns = 0
+        self._t_turns = time.monotonic()
         self.watchdog = Watchdog(watchdog_s)
         """Fails `stream` (Stalled) when no trajectory, engine call or env call progresses for `watchdog_s`."""
 
@@ -94,13 +104,13 @@ class RolloutManager:
         """Yield trajectories as they finish (rewards already computed). `row_group_ids` replaces the ids
         derived from the rows: a Ray rollout worker gets its shard's ids from the driver, so trajectory ids
         (and the sampling seeds derived from them) are those of a single-process run."""
-        semaphore = self._slots.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(self.concurrency))
+        gate = self._gate()
         groups = group_ids(rows, id_prefix) if row_group_ids is None else list(row_group_ids)
         contexts = [
             self.context(row, f"{group}-{k}", group, k, sampling)
             for row, group in zip(rows, groups, strict=True) for k in range(n)
         ]
-        tasks = [asyncio.create_task(self._run_one(ctx, semaphore)) for ctx in contexts]
+        tasks = [asyncio.create_task(self._run_one(ctx, gate)) for ctx in contexts]
         try:
             for next_done in asyncio.as_completed(tasks):
                 for traj in await self.watchdog.wait(next_done):
@@ -110,9 +120,31 @@ class RolloutManager:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _run_one(self, ctx: RolloutContext, semaphore: asyncio.Semaphore) -> list[Trajectory]:
-        async with semaphore, self.watchdog.busy("trajectory", ctx.agent_name):
-            agent = self.agents[ctx.agent_name]
+    def _gate(self) -> Admission:
+        loop = asyncio.get_running_loop()
+        gate = self._gates.get(loop)
+        if gate is None:
+            gate = self._gates[loop] = Admission(self.admission, self.engine)
+        return gate
+
+    def stats(self) -> dict[str, float]:
+        """rollout/turns_per_s (model turns of finished trajectories per second since the last call), and this
+        event loop's admission: rollout/concurrency, rollout/kv_occupancy, rollout/preemptions."""
+        now = time.monotonic()
+        out = {"turns_per_s": self._turns / max(now - self._t_turns, 1e-9)}
+        self._turns, self._t_turns = 0, now
+        gates = list(self._gates.values())
+        if gates:
+            out.update(gates[-1].stats())
+        return out
+
+    async def _run_one(self, ctx: RolloutContext, gate: Admission) -> list[Trajectory]:
+        agent = self.agents[ctx.agent_name]
+        try:
+            cost = admission_cost(agent, ctx.sample)
+        except ValueError as e:
+            return [ctx.failed(TerminationReason.ENV_ERROR, f"{ctx.agent_name}: {e}")]
+        async with gate.slot(cost), self.watchdog.busy("trajectory", ctx.agent_name):
             try:
                 result = await asyncio.wait_for(agent(ctx, ctx.sample), ctx.limits.trajectory_timeout_s)
                 trajs = result if isinstance(result, list) else [result]
@@ -121,8 +153,11 @@ class RolloutManager:
             except Exception as e:  # a broken agent fails its trajectory, never the batch
                 log.info("agent %s raised on %s", ctx.agent_name, ctx.trajectory_id, exc_info=True)  # -v
                 trajs = [ctx.failed(TerminationReason.ENV_ERROR, e)]
+            returned = {id(t) for t in trajs}
+            trajs = [*(b for b in ctx.branches if id(b) not in returned), *trajs]  # compacted branches first
+            await score_episodes(trajs, self.reward_fn)
             for traj in trajs:
-                await score(traj, self.reward_fn)
+                self._turns += traj.num_turns
                 if traj.status == RolloutStatus.FAILED:  # one line each; tracebacks at -v (INFO)
                     log.warning("trajectory %s failed (%s): %.300s", traj.id, traj.termination_reason,
                                 " ".join(str(traj.error).split()))
@@ -166,6 +201,18 @@ async def run_groups(
         if on_trajectory is not None:
             on_trajectory(traj)
     return [sorted(groups.get(g, []), key=lambda t: (t.sample_index, t.id)) for g in group_ids(rows, id_prefix)]
+
+
+async def score_episodes(trajs: list[Trajectory], reward_fn: RewardFn | None) -> None:
+    """`score` each episode once: a trajectory alone, or the last branch of an episode with several (where it ended,
+    its final answer); the episode's other branches take its reward (or its reward error) unless their agent gave
+    them one of their own (docs/trees.md)."""
+    for episode in episodes(trajs).values():
+        last = episode[-1]
+        await score(last, reward_fn)
+        for traj in episode[:-1]:
+            if traj.reward is None and traj.reward_error is None and traj.status != RolloutStatus.FAILED:
+                traj.reward, traj.reward_error = last.reward, last.reward_error
 
 
 async def score(traj: Trajectory, reward_fn: RewardFn | None) -> None:

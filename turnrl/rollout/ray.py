@@ -23,7 +23,10 @@ What crosses a process boundary is what already crosses the Engine and RolloutMa
 - Weights: the trainer's state dict is put in the object store once and every engine actor reads it from
   there. A failure on any actor raises: a replica left on stale weights must not keep serving.
 - Failures: a worker's Router fails over between engine actors as between local replicas; a failing env or
-  agent fails its own trajectory inside the worker, as in one process; a dead worker raises in `stream`.
+  agent fails its own trajectory inside the worker, as in one process; a dead worker's unfinished groups are
+  re-issued to the workers left (same ids, no trajectory delivered twice); with none left `stream` raises.
+- `rollout.workers: N` (or engine.distributed ray with engine.ray_workers) starts N workers; each runs its
+  share of the groups with the same RolloutManager (its own admission: `rollout.concurrency` is per worker).
 - Trainer ranks (`trainer.launcher: ray`) live in turnrl.train.ray; rank 0 is the "driver" of the picture
   above (it holds the RayRollout and the RayEngineGroup, or an engine in its own process).
 """
@@ -32,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -41,7 +43,7 @@ import ray
 
 from turnrl.engines.base import Engine, NamedTensors
 from turnrl.engines.router import Router
-from turnrl.rollout.manager import RolloutManager, drain, group_ids
+from turnrl.rollout.manager import RolloutManager, group_ids
 from turnrl.types import GenerateOutput, SamplingParams, Trajectory
 
 log = logging.getLogger(__name__)
@@ -193,6 +195,10 @@ class RolloutWorker:
         async for traj in self.manager.stream(rows, n, sampling=sampling, row_group_ids=row_group_ids):
             yield traj
 
+    def stats(self) -> dict[str, float]:
+        """This worker's RolloutManager.stats() (turns_per_s, concurrency, kv_occupancy, preemptions)."""
+        return self.manager.stats()
+
     def agents(self) -> list[str]:
         """Agent names registered in this worker (a plugin scheduler shows up as `scheduler`)."""
         return sorted(self.manager.agents)
@@ -227,13 +233,70 @@ class RayRollout:
 
     async def stream(self, rows: Sequence[dict[str, Any]], n: int = 1, *, id_prefix: str = "",
                      sampling: SamplingParams | None = None) -> AsyncIterator[Trajectory]:
-        """Yield trajectories as they finish in any worker (rewards already computed there)."""
+        """Yield trajectories as they finish in any worker (rewards already computed there). A worker that dies
+        (its process killed, its node lost) is dropped and its groups not yet fully delivered are re-issued to
+        the workers left, under the same ids (same seeds); a trajectory delivered before is not delivered twice.
+        With no worker left, the stream raises."""
         ids = group_ids(rows, id_prefix)
-        shards = [range(k, len(rows), len(self.workers)) for k in range(len(self.workers))]
-        pumps = [functools.partial(_pump, worker, [rows[i] for i in shard], n, [ids[i] for i in shard], sampling)
-                 for worker, shard in zip(self.workers, shards, strict=True) if len(shard)]
-        async for traj in drain(pumps):
-            yield traj
+        delivered: dict[str, set[str]] = {g: set() for g in ids}  # group id -> trajectory ids delivered
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks: set[asyncio.Task] = set()
+        turn = running = 0
+
+        def issue(indices: list[int]) -> None:
+            nonlocal turn, running
+            live = self.workers
+            if not indices:
+                return
+            if not live:
+                raise RuntimeError("every Ray rollout worker died; the rollout cannot go on")
+            shards: dict[int, list[int]] = {}
+            for i in indices:  # round-robin from where the last issue stopped
+                shards.setdefault(turn % len(live), []).append(i)
+                turn += 1
+            for k, shard in shards.items():
+                task = asyncio.create_task(_pump_worker(live[k], [rows[i] for i in shard], n, [ids[i] for i in shard],
+                                                        sampling, shard, queue))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                running += 1
+
+        issue(list(range(len(rows))))
+        try:
+            while running:
+                item = await queue.get()
+                if item is _FINISHED:
+                    running -= 1
+                elif isinstance(item, Trajectory):
+                    if item.id not in delivered.setdefault(item.group_id, set()):
+                        delivered[item.group_id].add(item.id)
+                        yield item
+                elif isinstance(item, _WorkerDied):
+                    log.warning("Ray rollout worker died (%s); re-issuing its unfinished groups to the %d left",
+                                item.error, len(self.workers) - 1)
+                    running -= 1
+                    self.workers = [w for w in self.workers if w is not item.worker]
+                    issue([i for i in item.shard if len(delivered[ids[i]]) < n])
+                elif isinstance(item, BaseException):
+                    raise item
+        finally:
+            for t in list(tasks):
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def stats(self, timeout_s: float = 10.0) -> dict[str, float]:
+        """Every worker's RolloutManager.stats() as `worker<k>/<name>`, and their sums (turns_per_s, concurrency,
+        preemptions) and the fullest worker's kv_occupancy under the plain names."""
+        reports = ray.get([w.stats.remote() for w in self.workers], timeout=timeout_s)
+        out: dict[str, float] = {}
+        for k, report in enumerate(reports):
+            out.update({f"worker{k}/{name}": v for name, v in report.items()})
+            for name, v in report.items():
+                if name == "kv_occupancy":
+                    out[name] = max(out.get(name, 0.0), v)
+                elif name in ("turns_per_s", "concurrency", "preemptions", "in_flight"):
+                    out[name] = out.get(name, 0.0) + v
+        return out
 
     def close(self) -> None:
         """Stop the workers and the engine actors (once: a later call does nothing)."""
@@ -244,15 +307,28 @@ class RayRollout:
             self.engine.close()
 
 
-async def _pump(worker: Any, rows: list[dict[str, Any]], n: int, ids: list[str], sampling: SamplingParams | None,
-                put: Callable[[Trajectory], None]) -> None:
-    """Put one worker's streamed trajectories (a dead worker raises: the caller's batch fails loudly)."""
+_FINISHED = object()
+
+
+class _WorkerDied:
+    def __init__(self, worker: Any, shard: list[int], error: BaseException):
+        self.worker, self.shard, self.error = worker, shard, error
+
+
+async def _pump_worker(worker: Any, rows: list[dict[str, Any]], n: int, ids: list[str], sampling: SamplingParams | None,
+                       shard: list[int], queue: asyncio.Queue) -> None:
+    """Put one worker's streamed trajectories, then `_FINISHED`; a dead worker puts `_WorkerDied` (its groups are
+    re-issued), any other error itself (the caller's batch fails loudly)."""
     trajectories = worker.stream.remote(rows, n, ids, sampling)
     try:
         async for ref in trajectories:
-            put(await ref)
+            queue.put_nowait(await ref)
+        queue.put_nowait(_FINISHED)
     except asyncio.CancelledError:
         with contextlib.suppress(Exception):
             ray.cancel(trajectories)
         raise
-
+    except ray.exceptions.RayActorError as e:
+        queue.put_nowait(_WorkerDied(worker, shard, e))
+    except Exception as e:
+        queue.put_nowait(e)

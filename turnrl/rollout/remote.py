@@ -44,8 +44,8 @@ import httpx
 
 from turnrl.engines.base import EngineError
 from turnrl.engines.http import TOKEN_ENV, HttpEngine, _excerpt, sampling_from_json, sampling_to_json
-from turnrl.rollout.manager import RewardFn, drain, group_ids, score
-from turnrl.types import SamplingParams, Trajectory
+from turnrl.rollout.manager import RewardFn, drain, group_ids, score_episodes
+from turnrl.types import SamplingParams, TerminationReason, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -151,19 +151,31 @@ class RemoteRollout:
         return self._client
 
     async def _read(self, payload: bytes, row_of: dict[str, dict[str, Any]], put: Callable[[Trajectory], None]) -> None:
-        """Read the stream, scoring each trajectory as it arrives (while later ones are still read) and putting
-        it once scored; raises what ended the stream early."""
+        """Read the stream, scoring each episode as it arrives (while later ones are still read) and putting it once
+        scored; raises what ended the stream early. A branch the episode went on from (termination `split`: a
+        compaction, a scheduler's split) waits for the rest of its episode, which is scored once (`score_episodes`)."""
         where = f"POST {self.base_url}/rollout"
         scoring: set[asyncio.Task] = set()
+        held: dict[str, list[Trajectory]] = {}
+
+        def score_and_put(episode: list[Trajectory]) -> None:
+            task = asyncio.create_task(self._score_and_put(episode, put))
+            scoring.add(task)
+            task.add_done_callback(scoring.discard)
+
         try:
             async with self._http().stream("POST", "/rollout", content=payload,
                                            headers={"content-type": "application/json"}) as response:
                 async for item in _trajectory_lines(response, where):
                     traj = Trajectory.from_json(item)
                     traj.sample = row_of.get(traj.group_id, traj.sample)  # the caller's own row object
-                    task = asyncio.create_task(self._score_and_put(traj, put))
-                    scoring.add(task)
-                    task.add_done_callback(scoring.discard)
+                    key = traj.episode_id or traj.id
+                    if traj.termination_reason == TerminationReason.SPLIT:
+                        held.setdefault(key, []).append(traj)
+                    else:
+                        score_and_put([*held.pop(key, []), traj])
+            for episode in held.values():  # its last branch never came: scored on what did
+                score_and_put(episode)
             await asyncio.gather(*scoring)
         except httpx.HTTPError as e:
             raise EngineError(f"{where} failed: {type(e).__name__}: {e or 'no details'}") from e
@@ -172,9 +184,10 @@ class RemoteRollout:
                 task.cancel()
             await asyncio.gather(*scoring, return_exceptions=True)
 
-    async def _score_and_put(self, traj: Trajectory, put: Callable[[Trajectory], None]) -> None:
-        await score(traj, self.reward_fn)
-        put(traj)
+    async def _score_and_put(self, episode: list[Trajectory], put: Callable[[Trajectory], None]) -> None:
+        await score_episodes(episode, self.reward_fn)
+        for traj in episode:
+            put(traj)
 
 
 async def _trajectory_lines(response: httpx.Response, where: str) -> AsyncIterator[dict[str, Any]]:

@@ -12,6 +12,7 @@ ASCII). docs/serving.md has the endpoints, the session rule and the streams.
 # inside the functions that add the routes (fastapi stays an optional dependency: `turnrl[serve]`).
 
 import asyncio
+import json
 import logging
 import unicodedata
 from collections.abc import Awaitable, Callable
@@ -122,6 +123,32 @@ def _named_session(request: Any, body: dict[str, Any]) -> tuple[str | None, str]
     return None, ""
 
 
+def subagent_of(headers: Any, body: dict[str, Any]) -> dict[str, Any] | None:
+    """What marks a call as a harness sub-agent's, or None: Codex's `x-openai-subagent` header (`collab_spawn`,
+    `review`, ...) and its `x-codex-turn-metadata` (a header, or `client_metadata` in the body: JSON with
+    `thread_source: subagent`, `subagent_kind`, `parent_thread_id`), or turnrl's own `X-Turnrl-Subagent` header (any
+    agent can send it). The proxy records it in the call's notes (`turns[k].subagent`)."""
+    found: dict[str, Any] = {}
+    for name in ("x-turnrl-subagent", "x-openai-subagent"):
+        value = headers.get(name)
+        if value and value.lower() not in ("false", "0"):
+            found["kind"] = value
+    raw = headers.get("x-codex-turn-metadata")
+    client = body.get("client_metadata")
+    if raw is None and isinstance(client, dict):
+        raw = client.get("x-codex-turn-metadata")
+    try:
+        meta = json.loads(raw) if isinstance(raw, str) else None
+    except json.JSONDecodeError:
+        meta = None
+    if isinstance(meta, dict) and (meta.get("thread_source") == "subagent" or meta.get("subagent_kind")
+                                   or meta.get("parent_thread_id")):
+        found.setdefault("kind", str(meta.get("subagent_kind") or "subagent"))
+        found.update({k: str(meta[k]) for k in ("thread_id", "parent_thread_id") if meta.get(k)})
+    return found or None
+
+
+
 # ---- the routes --------------------------------------------------------------------------------------
 _COUNT_TOKENS = "/v1" + anthropic.COUNT_PATH
 _MODEL_FORM = "/v1/models/<model>"
@@ -188,6 +215,7 @@ def _call_server(proxy: ChatProxy, engine: Engine, model_name: str) -> Callable[
         body = await json_body(request)
         stream, api = stream_flag(body), APIS[name]
         chat, previous = api.parse(body, proxy)
+        chat.subagent = subagent_of(request.headers, body)
         named, rule = (session_id, "path") if session_id else (previous, "previous_response_id") if previous else (
             _named_session(request, body))
         if named:

@@ -16,7 +16,10 @@ Nothing recorded is ever re-tokenized text. docs/serving.md tells the rules in f
   closing and the observation delta of the new messages; any other request is rendered afresh.
 - Trajectories (`assemble_trajectories`): a call whose prompt extends an open trajectory's token stream is
   appended to it (the tokens between are mask-0 segments, the completion mask 1 with its logprobs); one that
-  extends none starts a new trajectory of the same episode (`episode_id`, the session id; the same reward).
+  extends none starts a new branch of the same episode tree (`episode_id`, the session id; the same reward):
+  a `subagent` branch of the trajectory that spawned it when a header marks it (chat_routes.subagent_of) or
+  its system prompt or tools are another agent's, else a `fork` of the trajectory it shares the longest token
+  prefix with (`parent.at`).
 - Replies (`ChatProxy._reply`): tool calls parsed from the completion text (`tool_parser`); reasoning in
   `reasoning_content`; stop strings and streaming in turnrl/serve/streaming.py.
 
@@ -46,9 +49,11 @@ from turnrl.reasoning import split_reasoning
 from turnrl.render import ChatRenderer, RenderError
 from turnrl.rollout.builder import TrajectoryBuilder
 from turnrl.rollout.episode import derive_seed
+from turnrl.rollout.tree import branch, common_prefix
 from turnrl.serve.streaming import ReplyStream, StopMatch, StopWatch, TextStream
 from turnrl.tools.parsers import get_parser
 from turnrl.types import (
+    BranchKind,
     FinishReason,
     GenerateOutput,
     GenerateSpan,
@@ -173,6 +178,9 @@ class ChatCall:
     not_offered: list[str] = field(default_factory=list)
     """Tools of the request the model is not shown: hosted ones (web_search, ...) this server cannot run, deferred
     ones (turnrl.serve.tools)."""
+    subagent: dict[str, Any] | None = None
+    """Set when a header marks the call as a harness sub-agent's (chat_routes.subagent_of): its trajectory is a
+    `subagent` branch of the session's episode."""
 
 
 class ChatProxy:
@@ -319,8 +327,7 @@ class ChatProxy:
         _check_callable(session)
         session.last_active = time.time()
         # tokenising a long conversation takes a while: off the event loop, which serves every other request
-        prompt_ids, base_len, delta_sources = await asyncio.to_thread(self._prompt, session, chat)
-        params, notes = await asyncio.to_thread(self._sampling, session, chat.sampling)
+        (prompt_ids, base_len, delta_sources), (params, notes) = await asyncio.to_thread(self._prepare, session, chat)
         stop_strings = chat.sampling.get("stop") or []
         stops = StopWatch(self.renderer, stop_strings)
         stream = ReplyStream(self.renderer, chat.tools, chat.tool_choice, on_delta, stop_strings) if on_delta else None
@@ -342,7 +349,8 @@ class ChatProxy:
             delta_sources=delta_sources,
             cached_prompt_tokens=out.cached_prompt_tokens, gen_time_s=time.perf_counter() - t0, start_ns=start_ns,
             notes={**notes, **parse_notes, **({"stop": stopped.stop} if stopped else {}),
-                   **({"tools_not_offered": sorted(set(chat.not_offered))} if chat.not_offered else {})},
+                   **({"tools_not_offered": sorted(set(chat.not_offered))} if chat.not_offered else {}),
+                   **({"subagent": chat.subagent} if chat.subagent else {})},
             stop=stopped.stop if stopped else None,
         )
         _warn_not_offered(session, chat.not_offered)
@@ -443,6 +451,11 @@ class ChatProxy:
                                                            on_token=on_token))
         await asyncio.sleep(0)  # the pushes scheduled before the output arrived run first
         return out
+
+    def _prepare(self, session: Session, chat: ChatCall) -> tuple[tuple[list[int], int | None, list[tuple[SegmentSource, int]]],
+                                                              tuple[SamplingParams, dict[str, Any]]]:
+        """The call's prompt and its sampling, in one hand-over to a worker thread (not one each)."""
+        return self._prompt(session, chat), self._sampling(session, chat.sampling)
 
     def _prompt(self, session: Session, chat: ChatCall) -> tuple[list[int], int | None, list[tuple[SegmentSource, int]]]:
         """(prompt ids, base_len, delta_sources): continue a recorded call when the messages do (module doc); a
@@ -671,15 +684,16 @@ def assemble_trajectories(
     session: Session, *, group_id: str | None = None, sample_index: int = 0, sample: dict[str, Any] | None = None,
     agent: str = "openai_agent", end: tuple[TerminationReason, str | None] | None = None,
 ) -> list[Trajectory]:
-    """Merge the session's calls into validated trajectories (rule in the module docstring).
+    """Merge the session's calls into validated trajectories: one episode tree (rule in the module docstring).
 
     The first trajectory's id is the session id, later ones `<session id>.<k>`; all carry
-    `episode_id = session.id`. Each ends by its last call (length → TRUNCATED/length, abort →
-    ABORTED/cancelled, a reply with tool calls → COMPLETED/env_done: the agent stopped, else
-    COMPLETED/no_tool_call) unless `end` gives the episode's (reason, error) for all of them.
+    `episode_id = session.id`, and each later one a `parent` (`_parent_of`). Each ends by its last call (length →
+    TRUNCATED/length, abort → ABORTED/cancelled, a reply with tool calls → COMPLETED/env_done: the agent stopped,
+    else COMPLETED/no_tool_call) unless `end` gives the episode's (reason, error) for all of them.
     """
     builders: list[TrajectoryBuilder] = []
     last_call: dict[int, RecordedCall] = {}  # builder index -> its latest call
+    parents: dict[int, tuple[int, BranchKind]] = {}  # builder index -> (its parent's, why it branched)
     for call in session.calls:
         k = _extended([b.token_ids for b in builders], call.prompt_ids)
         if k is None:
@@ -687,6 +701,8 @@ def assemble_trajectories(
             traj = Trajectory(id=session.id if k == 0 else f"{session.id}.{k}", group_id=group_id or session.id,
                               sample_index=sample_index, prompt_ids=list(call.prompt_ids), sample=sample or {},
                               agent=agent, episode_id=session.id, info={"split_index": k})
+            if builders:
+                parents[k] = _parent_of(call, builders, last_call, session.calls[0])
             builders.append(TrajectoryBuilder(traj))
         else:
             _add_observation(builders[k], call)
@@ -695,9 +711,32 @@ def assemble_trajectories(
     trajectories = []
     for k, builder in enumerate(builders):
         builder.trajectory.info["episode_trajectories"] = len(builders)
+        if k in parents:  # `at` on the final streams: the parent may have gone on with the same tokens
+            parent, kind = parents[k]
+            branch(builder.trajectory, builders[parent].trajectory, kind)
         reason, error = end or (_natural_end(last_call[k]), None)
         trajectories.append(builder.finish(reason, error))
     return trajectories
+
+
+def _parent_of(call: RecordedCall, builders: list[TrajectoryBuilder], last_call: dict[int, RecordedCall],
+               first: RecordedCall) -> tuple[int, BranchKind]:
+    """(index of the trajectory a call that extends none branches from, why). A sub-agent's call (named by a header:
+    chat_routes.subagent_of; or a conversation with another system prompt or other tools than the episode's first
+    call, as Claude Code's Agent tool starts) branches from the trajectory whose latest call is waiting on a tool
+    call: the one that spawned it. Any other call forks the trajectory it shares the longest token prefix with (its
+    history was rewritten or retried)."""
+    if "subagent" in call.notes or _agent_key(call) != _agent_key(first):
+        waiting = [(c.index, k) for k, c in last_call.items() if c.reply.get("tool_calls")]
+        return (max(waiting)[1] if waiting else 0), BranchKind.SUBAGENT
+    shared = [common_prefix(call.prompt_ids, b.token_ids) for b in builders]
+    return max(range(len(builders)), key=lambda k: (shared[k], k)), BranchKind.FORK
+
+
+def _agent_key(call: RecordedCall) -> tuple:
+    """What tells one agent's conversations from another's: its system messages and its tools."""
+    system = tuple(_canonical(m) for m in call.messages if m.get("role") in ("system", "developer"))
+    return system, _tools_key(call.tools)
 
 
 def _extended(streams: list[list[int]], prompt_ids: list[int]) -> int | None:

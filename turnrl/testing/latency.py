@@ -21,11 +21,12 @@ import itertools
 import math
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from turnrl.engines.base import Engine, NamedTensors
+from turnrl.engines.base import Engine, KVStats, NamedTensors
 from turnrl.train.buffer import Group, TrajectoryBuffer, produce
 from turnrl.types import FinishReason, GenerateOutput, SamplingParams, StepResult, TerminationReason, Turn
 
@@ -39,6 +40,10 @@ class _Pending:
     done: asyncio.Future
     versions: list[int] = field(default_factory=list)
     """The policy version of each token produced so far."""
+    request_id: str = ""
+    prompt_len: int = 0
+    kv: int = 0
+    """KV tokens it holds (0: waiting for room, never admitted or preempted)."""
 
 
 class LatencyEngine:
@@ -52,16 +57,31 @@ class LatencyEngine:
     cut, else `stop`) with logprob -0.5 per token. Weight updates honour the pause modes like the embedded
     engine: `keep` (running calls go on; later tokens carry the new version), `wait` (the update waits for the
     running calls; new ones wait for the update), `abort` (running calls return their tokens so far, preempted).
+
+    With a KV budget (`kv_tokens`) it also models a paged KV cache as vLLM manages it. A request holds its prompt
+    and the tokens it produced; a finished turn's KV stays cached for the trajectory's next turn (LRU, evicted
+    first when room is needed, dropped by `release`). A waiting request joins the batch only when its KV fits;
+    when the running requests grow past the budget, the one admitted last is preempted: it loses its KV, waits
+    again and recomputes prompt and tokens when it rejoins. Recomputing (any prompt token not cached) costs
+    `prefill_per_token_s` per token in that step. `kv_stats()` reports the occupancy (KV held by running
+    requests and cached for live trajectories, over the budget) and the preemptions so far (evictions of a live
+    trajectory's cached prefix count too: it is recomputed the same way).
     """
 
-    def __init__(self, reply_ids: Sequence[int], *, per_token_s: float = 0.01, max_batch: int = 64):
+    def __init__(self, reply_ids: Sequence[int], *, per_token_s: float = 0.01, max_batch: int = 64,
+                 kv_tokens: int | None = None, prefill_per_token_s: float = 0.0):
         if not reply_ids:
             raise ValueError("LatencyEngine.reply_ids must not be empty")
         if per_token_s <= 0 or max_batch < 1:
             raise ValueError(f"LatencyEngine: per_token_s must be > 0 and max_batch >= 1, got {per_token_s}, {max_batch}")
+        if kv_tokens is not None and kv_tokens < 1:
+            raise ValueError(f"LatencyEngine: kv_tokens must be >= 1 or None, got {kv_tokens}")
         self.reply_ids, self.per_token_s, self.max_batch = list(reply_ids), per_token_s, max_batch
+        self.kv_tokens, self.prefill_per_token_s = kv_tokens, prefill_per_token_s
         self.policy_version = 0
-        self.stats = {"steps": 0, "tokens": 0, "requests": 0, "max_running": 0}
+        self.stats = {"steps": 0, "tokens": 0, "requests": 0, "max_running": 0, "preemptions": 0,
+                      "recomputed_tokens": 0}
+        self._cached: OrderedDict[str, int] = OrderedDict()  # request id -> KV tokens of its last turn, LRU first
         self._queue: list[_Pending] = []
         self._stepper: asyncio.Task | None = None
         self._open = asyncio.Event()  # cleared while a `wait` update drains the running calls
@@ -71,7 +91,8 @@ class LatencyEngine:
                        images: list[Any] | None = None) -> GenerateOutput:
         await self._open.wait()
         ids = self.reply_ids[: params.max_new_tokens]
-        pending = _Pending(list(ids), asyncio.get_running_loop().create_future())
+        pending = _Pending(list(ids), asyncio.get_running_loop().create_future(), request_id=request_id,
+                           prompt_len=len(prompt_ids))
         self._queue.append(pending)
         self.stats["requests"] += 1
         if self._stepper is None or self._stepper.done():
@@ -87,18 +108,65 @@ class LatencyEngine:
 
     async def _run(self) -> None:
         while self._queue:
-            await asyncio.sleep(self.per_token_s)
-            running = self._queue[: self.max_batch]
+            if self.kv_tokens is None:
+                running, prefill = self._queue[: self.max_batch], 0
+            else:
+                running, prefill = self._schedule(self.kv_tokens)
+            await asyncio.sleep(self.per_token_s + self.prefill_per_token_s * prefill)
             self.stats["steps"] += 1
             self.stats["tokens"] += len(running)
             self.stats["max_running"] = max(self.stats["max_running"], len(running))
             for p in running:
-                p.versions.append(self.policy_version)
-            for p in [p for p in running if len(p.versions) >= len(p.ids)]:
+                if p in self._queue:  # not aborted by an update meanwhile
+                    p.versions.append(self.policy_version)
+                    p.kv += 1
+            for p in [p for p in running if p in self._queue and len(p.versions) >= len(p.ids)]:
                 self._finish(p, preempted=False)
+
+    def _schedule(self, budget: int) -> tuple[list[_Pending], int]:
+        """This step's batch under the KV budget, and the prompt tokens it recomputes (module docstring)."""
+        running = [p for p in self._queue if p.kv]
+        prefill = 0
+        for p in self._queue:  # FIFO: a request that does not fit holds up the ones behind it
+            if p.kv or len(running) >= self.max_batch:
+                continue
+            need = p.prompt_len + len(p.versions)
+            cached = min(self._cached.pop(p.request_id, 0), p.prompt_len)
+            if not self._make_room(need + 1, budget, running):
+                if cached:
+                    self._cached[p.request_id] = cached
+                break
+            p.kv = need
+            prefill += need - cached
+            self.stats["recomputed_tokens"] += len(p.versions)
+            running.append(p)
+        # every running request needs one more slot for the token of this step: preempt the latest admitted
+        while running and not self._make_room(len(running), budget, running):
+            victim = running.pop()
+            victim.kv = 0
+            self.stats["preemptions"] += 1
+        return running, prefill
+
+    def _make_room(self, need: int, budget: int, running: list[_Pending]) -> bool:
+        """Evict cached prefixes (oldest first) until `need` more tokens fit beside the running requests."""
+        held = sum(p.kv for p in running)
+        while held + sum(self._cached.values()) + need > budget and self._cached:
+            self._cached.popitem(last=False)
+            self.stats["preemptions"] += 1  # a live trajectory's prefix, to be recomputed at its next turn
+        return held + need <= budget
+
+    def kv_stats(self) -> KVStats | None:
+        if self.kv_tokens is None:
+            return None
+        held = sum(p.kv for p in self._queue) + sum(self._cached.values())
+        return KVStats(min(held / self.kv_tokens, 1.0), self.stats["preemptions"])
 
     def _finish(self, pending: _Pending, *, preempted: bool) -> None:
         self._queue.remove(pending)
+        if self.kv_tokens is not None and pending.kv and not preempted:  # kept for the trajectory's next turn
+            self._cached.pop(pending.request_id, None)
+            self._cached[pending.request_id] = pending.kv
+        pending.kv = 0
         if not pending.done.done():  # a cancelled caller
             pending.done.set_result(preempted)
 
@@ -123,7 +191,7 @@ class LatencyEngine:
         return None
 
     async def release(self, request_id: str) -> None:
-        return None
+        self._cached.pop(request_id, None)
 
     def close(self) -> None:
         return None  # nothing to stop: the stepper task ends with the calls it serves

@@ -58,7 +58,9 @@ class Evaluator:
                     path: Path) -> dict[str, float]:
         stats = RolloutStats()
         assert self.rollout is not None  # evaluation runs on rank 0, where the rollout is
-        mode = "greedy" if sampling.temperature == 0 else f"sampled at T={sampling.temperature:g}"
+        mode = "greedy" if sampling.temperature == 0 else f"sampled at T={sampling.temperature:g}" + (
+            f", top_p {sampling.top_p:g}" if sampling.top_p < 1 else "") + (
+            f", top_k {sampling.top_k}" if sampling.top_k > 0 else "")
         with TrajectoryWriter(path) as writer, self._task(f"eval {tag} ({mode})", len(self.rows) * n) as advance:
             async for traj in self.rollout.stream(self.rows, n, id_prefix=f"eval-{tag}-", sampling=sampling):
                 stats.add(traj)
@@ -104,6 +106,14 @@ def sampled_path(path: Path) -> Path:
     return path.with_name(f"{path.stem}-sampled{path.suffix}")
 
 
+def _branches(m: dict[str, Any]) -> str:
+    """The episode trees of a step, when any episode branched: branches and compactions per episode."""
+    branches = m.get("rollout/branches_per_episode", 1.0)
+    if branches <= 1.0:
+        return ""
+    return f"branches {branches:.2f}/ep  compactions {m.get('rollout/compactions_per_episode', 0.0):.2f}/ep  "
+
+
 def format_step_line(m: dict[str, Any], total: int) -> str:
     """The console line of an RL step's or an evaluation's metrics (SFT prints its own step lines)."""
     if "eval/tag" in m:
@@ -118,7 +128,7 @@ def format_step_line(m: dict[str, Any], total: int) -> str:
         return f"[bold cyan]eval {m['eval/tag']}[/]: " + "  |  ".join(passes)
     reasons = Counter({k.split("/")[-1]: v for k, v in m.items() if k.startswith("rollout/reason/")})
     reason_text = " ".join(f"{k} {v:.0%}" for k, v in reasons.most_common(3))
-    loss = f"loss {m['train/loss']:.4f}" if "train/loss" in m else "no trainable samples"
+    loss = _branches(m) + (f"loss {m['train/loss']:.4f}" if "train/loss" in m else "no trainable samples")
     return (f"step {m['step']:.0f}/{total}  reward {m.get('rollout/reward_mean', float('nan')):.3f}"
             f"±{m.get('rollout/reward_std', float('nan')):.2f}  turns {m['rollout/turns_mean']:.2f}  ({reason_text})  "
             f"gen {m['rollout/tokens_per_s']:.0f} tok/s  train {m.get('train/tokens_per_s', 0):.0f} tok/s"

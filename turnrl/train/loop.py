@@ -191,7 +191,19 @@ class Trainer:
             log.warning("step %d: %d trajectories have no usable rollout logprobs; trained without IS correction",
                         self.step, fallback)
         self._warn_unrecorded(samples)
-        return samples, {**stats.summary(), **adv_stats}
+        return samples, {**stats.summary(), **adv_stats, **self._rollout_metrics()}
+
+    def _rollout_metrics(self) -> dict[str, float]:
+        """rollout/turns_per_s, rollout/concurrency, rollout/kv_occupancy, rollout/preemptions (and per Ray rollout
+        worker, rollout/worker<k>/...) from the rollout's `stats()`, where it has one."""
+        report = getattr(self.rollout, "stats", None)
+        if not callable(report):
+            return {}
+        try:
+            return {f"rollout/{k}": float(v) for k, v in report().items()}
+        except Exception as e:  # metrics never stop training
+            log.warning("rollout stats failed: %s: %s", type(e).__name__, e)
+            return {}
 
     def _warn_unrecorded(self, samples: list[TrainSample]) -> None:
         """Once per run and correction: trajectories that lack the kept sets (top-k / top-p) or the routing the

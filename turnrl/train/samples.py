@@ -69,37 +69,56 @@ class TrainSample:
 
 
 def group_advantages(groups: list[list[Trajectory]], cfg: TrainConfig) -> tuple[list[tuple[Trajectory, float]], dict]:
-    """Advantages per group over the trajectories we train on. Split episodes (several samples with one
-    `episode_id`) count once in their group and share the episode's advantage."""
+    """Advantages per group over the trajectories we train on. The branches of an episode (several trajectories with
+    one `episode_id`: splits, compactions, forks, sub-agents) count once in their group, with the episode's reward:
+    its last branch's (where it ended). A branch whose own reward differs (an env or harness that rewards branches)
+    is scored against the same group baseline: its advantage is the episode's plus (its reward − the episode's)
+    over the group's std (GRPO; 1 with normalize_std off, and RLOO); a constant group gives every branch 0.
+    In a game the policy plays in every seat (`rollout_infos["seat"]` on each seat's trajectories), each seat is an
+    episode of its own against the group's other games' same seat: in a zero-sum game a shared baseline would push
+    the loser's advantage off centre and give a seat that always loses no signal."""
     train_on = set(cfg.algo.train_on)
     kept: list[Trajectory] = []
-    group_ids: list[int] = []
-    episode_keys: list[tuple[int, str]] = []
+    episode_keys: list[tuple[int, int, str]] = []  # (group, seat, episode): a seat plays against its own kind
     for g, group in enumerate(groups):
         for traj in group:
             if str(traj.status) in train_on and traj.reward is not None:
                 kept.append(traj)
-                group_ids.append(g)
-                episode_keys.append((g, traj.episode_id or traj.id))
+                episode_keys.append((g, int(traj.rollout_infos.get("seat", 0)), traj.episode_id or traj.id))
     if not kept:
         return [], {"train/trained_trajectories": 0.0}
-    episodes = list(dict.fromkeys(episode_keys))
-    episode_reward: dict[tuple[int, str], float] = {}
+    episode_reward: dict[tuple[int, int, str], float] = {}
     for key, traj in zip(episode_keys, kept, strict=True):
-        if key in episode_reward and episode_reward[key] != traj.reward:
-            raise ValueError(f"split episode {key[1]!r} has unequal rewards ({episode_reward[key]} vs {traj.reward}); "
-                             "samples of one episode must share its reward")
-        episode_reward[key] = float(traj.reward)  # type: ignore[arg-type]  # kept trajectories are scored
+        episode_reward[key] = float(traj.reward)  # type: ignore[arg-type]  # the last branch's wins
+    episodes = list(episode_reward)
+    baselines = {b: i for i, b in enumerate(dict.fromkeys(e[:2] for e in episodes))}
     rewards_E = torch.tensor([episode_reward[e] for e in episodes], dtype=torch.float64)
-    groups_E = torch.tensor([e[0] for e in episodes])
+    groups_E = torch.tensor([baselines[e[:2]] for e in episodes])
     if cfg.algo.advantage == "rloo":
         adv_E = algos.rloo_advantages(rewards_E, groups_E)
     else:
         adv_E = algos.grpo_advantages(rewards_E, groups_E, normalize_std=cfg.algo.normalize_std)
     adv_of = dict(zip(episodes, adv_E.tolist(), strict=True))
+    slope = _reward_slope(rewards_E, groups_E, cfg)
     stats = {f"train/{k}": float(v) for k, v in algos.group_reward_stats(rewards_E, groups_E).items()}
     stats["train/trained_trajectories"] = float(len(kept))
-    return [(traj, adv_of[key]) for traj, key in zip(kept, episode_keys, strict=True)], stats
+    return [(traj, adv_of[key] + (float(traj.reward) - episode_reward[key]) * slope[baselines[key[:2]]])  # type: ignore[arg-type]
+            for traj, key in zip(kept, episode_keys, strict=True)], stats
+
+
+def _reward_slope(rewards_E: torch.Tensor, groups_E: torch.Tensor, cfg: TrainConfig) -> dict[int, float]:
+    """d advantage / d reward of each group with its baseline fixed: 1 / (std + eps) for GRPO, 1 with normalize_std
+    off and for RLOO, 0 for a constant group (no learning signal)."""
+    out = {}
+    for g in groups_E.unique().tolist():
+        r = rewards_E[groups_E == g]
+        if bool((r == r[0]).all()):
+            out[g] = 0.0
+        elif cfg.algo.advantage == "grpo" and cfg.algo.normalize_std:
+            out[g] = 1.0 / (float(r.std()) + 1e-6)
+        else:
+            out[g] = 1.0
+    return out
 
 
 def to_sample(traj: Trajectory, advantage: float) -> TrainSample:

@@ -224,7 +224,7 @@ def split_turns(messages: list[Message], where: str) -> tuple[list[Message], lis
     return messages[: at[0]], [messages[k] for k in at], between
 
 
-async def replay(messages: list[Message], row: dict[str, Any], index: int, engine: ReplayEngine,
+async def record_conversation(messages: list[Message], row: dict[str, Any], index: int, engine: ReplayEngine,
                  tools: list[dict] | None, sanity: SanityMode | str, where: str) -> Trajectory:
     """The trajectory RL would record for this conversation (module docstring)."""
     prompt, replies, between = split_turns(messages, where)
@@ -286,10 +286,10 @@ async def _row_trajectory(row: dict[str, Any], i: int, engine: ReplayEngine, too
         if not traj.images or traj.status not in TRAINABLE:
             return traj
         messages = [dict(m) for m in traj.messages]  # images: pixels from the refs its messages hold
-        replayed = await replay(messages, traj.sample, i, engine, row_tools(traj.sample, toolset), sanity, where)
+        replayed = await record_conversation(messages, traj.sample, i, engine, row_tools(traj.sample, toolset), sanity, where)
         replayed.reward = traj.reward
         return replayed
-    return await replay(conversation_messages(row, where), row, i, engine, row_tools(row, toolset), sanity, where)
+    return await record_conversation(conversation_messages(row, where), row, i, engine, row_tools(row, toolset), sanity, where)
 
 
 def load_sft_samples(path: str | Path, renderer: ChatRenderer, *, filter_expr: str | None = None,
