@@ -44,6 +44,8 @@ UPDATES = {  # name -> overrides of BASE (each also run in one process by the te
     "ckpt_offload": {"optim": {"gradient_checkpointing": True}, "trainer": {"cpu_offload": True}},
     "bf16": {"dtype": "bfloat16"},
     "smol": {"model": "smollm2-135m-instruct", "optim": {"micro_batch_tokens": 128}},  # the slow test
+    "tree": {"algo": {"loss_agg": "seq_mean_token_mean"}},  # group_samples, tree-packed (the default)
+    "tree_flat": {"algo": {"loss_agg": "seq_mean_token_mean"}, "trainer": {"packing": "flat"}},
 }
 LORA = {"trainer": {"lora": {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}},
         "algo": {"kl_coef": 0.1}, "optim": {"lr": 1e-2}}
@@ -90,6 +92,27 @@ def fixed_samples(step: int, vocab: int = 49_152, offpolicy: bool = False) -> li
     return samples
 
 
+def group_samples(step: int, vocab: int = 49_152) -> list[TrainSample]:
+    """Three GRPO groups of three on shared prompts (two responses of a group start alike), and two lone
+    samples: what tree packing shares (turnrl.train.tree), over both ranks."""
+    g = torch.Generator().manual_seed(200 + step)
+    samples = []
+    for k in range(3):
+        prompt, start = torch.randint(0, vocab, (10 + 3 * k,), generator=g).tolist(), [7, 8]
+        for j in range(3):
+            response = (start if j < 2 else []) + torch.randint(0, vocab, (5 + 2 * j + k,), generator=g).tolist()
+            mask = [0 if t % 4 == 3 else 1 for t in range(len(response))]
+            samples.append(TrainSample(prompt, response, mask, [-11.0 if m else 0.0 for m in mask],
+                                       [1.0, -0.5, 0.25][j] * (k + 1)))
+    for k in range(2):
+        samples.append(TrainSample(torch.randint(0, vocab, (6,), generator=g).tolist(),
+                                   torch.randint(0, vocab, (9 + k,), generator=g).tolist(), [1] * (9 + k), None, 0.5))
+    return samples
+
+
+SAMPLES = {"tree": group_samples, "tree_flat": group_samples}
+
+
 def make_trainer(cfg: TrainConfig, engine=None) -> Trainer:
     return Trainer(cfg, build_learner(cfg, load_model(cfg.model)), engine=engine, rollout=None, train_rows=[{}],
                    eval_rows=[])
@@ -111,7 +134,8 @@ def run_update(out: Path, name: str, world_size: int) -> dict:
     torch.manual_seed(cfg.seed)  # LoRA's A matrices start random: the same in every run, whatever ran before
     trainer = make_trainer(cfg)
     trainer.step = 1
-    metrics = trainer.update(fixed_samples(1, offpolicy=name.startswith("offpolicy")))
+    metrics = trainer.update(SAMPLES[name](1) if name in SAMPLES else
+                             fixed_samples(1, offpolicy=name.startswith("offpolicy")))
     return {"metrics": metrics, "params": whole_params(trainer), "grads": whole_grads(trainer),
             "dtypes": sorted({str(p.dtype) for p in trainer.learner.policy.parameters()}),
             "recomputes": any(getattr(m, "gradient_checkpointing", False) for m in trainer.learner.policy.modules())}

@@ -449,6 +449,7 @@ class _RoutingProbe:
 
     def __init__(self, policy: torch.nn.Module, trajs: list[Trajectory]):
         self.routing = {tuple(t.prompt_ids + t.response_ids): t.routed_experts.long() for t in trajs}
+        self.any = next(iter(self.routing.values()))
         self.expected: torch.Tensor | None = None
         self.calls = self.checked = self.differed = 0
         experts = [m for name, m in policy.named_modules() if name.endswith("mlp.experts")]
@@ -456,7 +457,17 @@ class _RoutingProbe:
         self.handles += [m.register_forward_pre_hook(self._layer(i)) for i, m in enumerate(experts)]
 
     def _row(self, module, args, kwargs):
-        ids, cu = kwargs["input_ids"][0].tolist(), kwargs["turnrl_cu_seqlens"]
+        ids = kwargs["input_ids"][0].tolist()
+        if "turnrl_tree" in kwargs:  # a tree row: each node's routing from a sequence through it that fed it
+            end = kwargs["turnrl_tree"].subtree_end.tolist()
+            expected = []
+            for q in range(len(ids)):
+                prefix = tuple(ids[k] for k in range(q + 1) if k <= q < end[k])  # q's root-to-node path
+                fed = [r for seq, r in self.routing.items() if seq[:len(prefix)] == prefix and len(r) >= len(prefix)]
+                expected.append(fed[0][len(prefix) - 1] if fed else torch.full_like(self.any[0], UNROUTED))
+            self.expected = torch.stack(expected)
+            return
+        cu = kwargs["turnrl_cu_seqlens"]
         rows = [self.routing[tuple(ids[a:b])] for a, b in zip(cu[:-1], cu[1:], strict=True)]
         # the last token of each sequence was never fed to the engine: the trainer routes it itself
         self.expected = torch.cat([torch.cat([r, r.new_full((1, *r.shape[1:]), UNROUTED)]) for r in rows])
@@ -475,13 +486,15 @@ class _RoutingProbe:
             h.remove()
 
 
-@pytest.mark.parametrize("setting", ["plain", "checkpointing", "lora"])
+@pytest.mark.parametrize("setting", ["plain", "checkpointing", "lora", "tree"])
 def test_the_learner_replays_the_engines_routing_for_every_token_and_layer(tiny_moe, moe_trajs, tmp_path, setting):
     trainer = copy.deepcopy(tiny_moe)
     _perturb_routers(trainer, 0.01)  # router logits that differ slightly from the engine's
-    extra = {"optim": {"gradient_checkpointing": setting == "checkpointing"}}
+    # flat rows (every token of every sequence checked), but "tree": tree rows, each shared node checked once
+    extra = {"optim": {"gradient_checkpointing": setting == "checkpointing"},
+             "trainer": {"packing": "tree" if setting == "tree" else "flat"}}
     if setting == "lora":
-        extra["trainer"] = {"lora": {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}}
+        extra["trainer"]["lora"] = {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
     results = {}
     for replay in (False, True):
         cfg, learner = _learner(trainer, tmp_path / str(replay), model="tiny-qwen3-moe",
@@ -492,8 +505,9 @@ def test_the_learner_replays_the_engines_routing_for_every_token_and_layer(tiny_
         finally:
             probe.close()
         forwards = len(seen) * (2 if setting == "checkpointing" else 1)  # checkpointing: again in the backward
-        assert probe.calls == 2 * forwards and probe.checked == 2 * sum(
-            len(t.prompt_ids) + len(t.response_ids) - 1 for t in moe_trajs) * (forwards // len(seen))
+        fed = sum(len(t.prompt_ids) + len(t.response_ids) - 1 for t in moe_trajs) * (forwards // len(seen))
+        assert probe.calls == 2 * forwards
+        assert probe.checked == 2 * fed if setting != "tree" else 0 < probe.checked < 2 * fed
         results[replay] = (probe.differed, metrics["train/mismatch_kl_k3"])
         if replay and setting != "lora":  # the forced experts' gates come from the router: it still trains
             assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0

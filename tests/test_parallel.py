@@ -47,7 +47,7 @@ def _ok(proc: subprocess.CompletedProcess) -> None:
 def two_ranks(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fsdp")
     _ok(torchrun(out, "update-token_mean", "update-seq_mean", "update-sum_norm", "update-vlm", "update-ckpt_offload",
-                 "update-bf16", "update-offpolicy", "update-offpolicy_lora", "sync", "lora", "run"))
+                 "update-bf16", "update-offpolicy", "update-offpolicy_lora", "update-tree", "sync", "lora", "run"))
     return out
 
 
@@ -78,6 +78,7 @@ def _assert_same_update(one: dict, two: dict) -> None:
     ("sum_norm", "sum_norm"),
     ("vlm", "vlm"),  # a VLM's language layers sharded; its vision tower unused by text rows
     ("ckpt_offload", "token_mean"),  # activation checkpointing + CPU offload change nothing in the math
+    ("tree", "tree_flat"),  # groups tree-packed on 2 ranks (families balanced by unique tokens) == flat in one
 ])
 def test_a_two_rank_step_equals_the_one_process_step(two_ranks, tmp_path, two_rank, one_process):
     two = _result(two_ranks, f"update-{two_rank}")
@@ -85,6 +86,8 @@ def test_a_two_rank_step_equals_the_one_process_step(two_ranks, tmp_path, two_ra
     for key in ("train/loss", "train/grad_norm", "train/tokens", "train/mismatch_kl_k1", "train/is_valid_frac"):
         assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5), key
     assert two["recomputes"] == (two_rank == "ckpt_offload")
+    if two_rank == "tree":  # each rank forwarded its groups' prompts once
+        assert two["metrics"]["train/tokens_forwarded"] < 0.75 * two["metrics"]["train/tokens_raw"]
     if two_rank in ("token_mean", "seq_mean"):
         assert two["metrics"]["train/grad_norm"] > 0.5  # so the clip at 0.5 acted on sharded gradients
     if "kl_coef" in worker.UPDATES[two_rank].get("algo", {}):

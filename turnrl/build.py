@@ -533,7 +533,8 @@ def learner_options(cfg: TrainConfig) -> LearnerOptions:
         kl_reference=a.kl_coef > 0 and not sft, dtype=DTYPES[cfg.dtype], cpu_offload=t.cpu_offload, seed=cfg.seed,
         sync_bucket_bytes=int(cfg.weight_sync.bucket_mb * 2**20), sync_pause=cfg.weight_sync.pause,
         lora=None if t.lora is None else functools.partial(apply_lora, cfg=t.lora),
-        sampling_mask="ignore" if sft else a.sampling_mask, router_replay=a.router_replay and not sft)
+        sampling_mask="ignore" if sft else a.sampling_mask, router_replay=a.router_replay and not sft,
+        packing=t.packing, attention=t.attention)
 
 
 def build_sft(cfg: SFTConfig, *, console: Console | None = None,

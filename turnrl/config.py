@@ -297,7 +297,8 @@ class OptimConfig(Strict):
     mini_batches: int = Field(1, ge=1)
     """Optimizer steps per epoch (the step's trajectories are split into this many mini-batches)."""
     micro_batch_tokens: int = Field(4096, ge=64)
-    """Tokens per packed forward/backward (sequences are packed without padding up to this budget)."""
+    """Tokens per packed forward/backward (sequences are packed without padding up to this budget): with
+    trainer.packing tree, unique tokens (a shared prefix counts once)."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass (activation checkpointing)."""
 
@@ -347,6 +348,15 @@ class TrainerConfig(Strict):
     always resume. null = keep every one (`turnrl replay` of every policy version needs save_every=1 and null)."""
     lora: LoraConfig | None = None
     """Train LoRA adapters (peft) instead of every weight; None = full fine-tuning."""
+    packing: Literal["tree", "flat"] = "tree"
+    """How a micro-batch's samples share a forward (turnrl.train.tree; docs/trees.md). tree: as a prefix trie over
+    token ids, every token shared by several samples (a group's prompt, the turns before a fork, a common system
+    prompt) forwarded and back-propagated once, each token attending exactly to its own root-to-token path: the
+    same loss and gradients as flat, with fewer tokens. flat: each sample's prompt + response packed separately."""
+    attention: Literal["sdpa", "flex"] = "sdpa"
+    """Tree packing's attention kernel. sdpa: scaled-dot-product attention per trie segment over its ancestors'
+    gathered keys and values (any device). flex: FlexAttention with the ancestor relation as its block mask
+    (compiled on an accelerator; on the CPU its unfused reference implementation, which is slow)."""
     mode: Literal["sync", "async"] = "sync"
     """sync: a step trains groups sampled by the current policy, and rollouts wait while it updates. async:
     rollouts go on during updates (the update runs beside the event loop), and groups are trained within

@@ -131,5 +131,13 @@ def format_step_line(m: dict[str, Any], total: int) -> str:
     loss = _branches(m) + (f"loss {m['train/loss']:.4f}" if "train/loss" in m else "no trainable samples")
     return (f"step {m['step']:.0f}/{total}  reward {m.get('rollout/reward_mean', float('nan')):.3f}"
             f"±{m.get('rollout/reward_std', float('nan')):.2f}  turns {m['rollout/turns_mean']:.2f}  ({reason_text})  "
-            f"gen {m['rollout/tokens_per_s']:.0f} tok/s  train {m.get('train/tokens_per_s', 0):.0f} tok/s  {loss}  "
+            f"gen {m['rollout/tokens_per_s']:.0f} tok/s  train {m.get('train/tokens_per_s', 0):.0f} tok/s"
+            f"{packing_text(m)}  {loss}  "
             f"step {m['time/step_s']:.1f}s")
+
+
+def packing_text(m: dict) -> str:
+    """" (×3.5 packed)": what tree packing saved (train/packing_ratio: sample tokens per forwarded token), when
+    it saved anything."""
+    ratio = m.get("train/packing_ratio", 1.0)
+    return f" (×{ratio:.1f} packed)" if ratio > 1.005 else ""

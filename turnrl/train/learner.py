@@ -45,8 +45,17 @@ from turnrl.train.packing import (
     unpack_to_padded,
     use_varlen_attention,
 )
-from turnrl.train.parallel import Parallel
+from turnrl.train.parallel import Parallel, balanced_split
 from turnrl.train.samples import TrainSample
+from turnrl.train.tree import (
+    TreeRow,
+    families,
+    pack_tree,
+    tree_kept_logprobs,
+    tree_row_routing,
+    unique_tokens,
+    use_tree_attention,
+)
 from turnrl.train.weights import push_weights
 
 
@@ -95,6 +104,11 @@ class LearnerOptions:
     renormalised over that set, as the engine sampled them, or under the full softmax (docs/off-policy.md)."""
     router_replay: bool = False
     """Force each sample's recorded MoE routing (`TrainSample.routed_experts`) in every forward and its backward."""
+    packing: Literal["tree", "flat"] = "tree"
+    """tree: each micro-batch a prefix trie, shared tokens forwarded once (turnrl.train.tree); flat: each sample
+    packed separately (turnrl.train.packing). `micro_batch_tokens` bounds the tokens a row forwards either way."""
+    attention: Literal["sdpa", "flex"] = "sdpa"
+    """Tree rows' attention kernel (turnrl.train.tree.tree_attention)."""
 
 
 @dataclass
@@ -162,7 +176,7 @@ class Learner:
         compute = None if o.dtype == torch.float32 else o.dtype
         for m in (policy, reference):
             if m is not None:
-                use_varlen_attention(m)
+                (use_tree_attention if o.packing == "tree" else use_varlen_attention)(m)
                 self.parallel.shard(m, compute_dtype=compute, cpu_offload=o.cpu_offload)
         return policy, reference
 
@@ -189,8 +203,7 @@ class Learner:
         micro-batches of at most `micro_batch_tokens`, and divides by the mini-batch's global token (or
         sequence) count; FSDP sums the gradients over ranks, so the step is the one-process step."""
         o = self.options
-        mine = [mb[k] for k in self.parallel.my_share([len(samples[i].prompt_ids) + len(samples[i].response_ids)
-                                                       for i in mb])]
+        mine = self._my_share(samples, mb)
         local = float(algos.loss_denominator(_padded_masks(samples, mine), o.loss_agg)) if mine else 0.0
         denominator = torch.tensor(self.parallel.all_sum([local])[0], device=self.device)
         self.optimizer.zero_grad(set_to_none=True)
@@ -206,7 +219,8 @@ class Learner:
                 loss, metrics = self._row_loss(row, samples, old, loss_fn, denominator)
                 loss.backward()
             trained = sum(sum(samples[i].loss_mask) for i in row.sequence_index)
-            tally.add_row(metrics, trained=trained, tokens=row.input_ids.shape[1])
+            tally.add_row(metrics, trained=trained, tokens=row.input_ids.shape[1],
+                          raw=row.tokens_raw if isinstance(row, TreeRow) else row.input_ids.shape[1])
         if o.grad_clip:
             tally.grad_norms.append(self.parallel.clip_grad_norm(
                 [p for p in self.policy.parameters() if p.requires_grad], o.grad_clip))
@@ -215,11 +229,36 @@ class Learner:
         tally.steps += 1
 
     def pack(self, samples: list[TrainSample], indices: list[int]) -> list[PackedRow]:
-        """`samples[indices]` packed into micro-batch rows of at most `micro_batch_tokens`; `sequence_index`
-        holds indices into `samples`."""
-        rows = pack_sequences([(samples[i].prompt_ids, samples[i].response_ids, samples[i].loss_mask) for i in indices],
-                              self.options.micro_batch_tokens, [samples[i].mm_inputs for i in indices])
+        """`samples[indices]` packed into micro-batch rows of at most `micro_batch_tokens` (unique tokens with tree
+        packing: a `TreeRow` each); `sequence_index` holds indices into `samples`."""
+        o = self.options
+        sequences = [(samples[i].prompt_ids, samples[i].response_ids, samples[i].loss_mask) for i in indices]
+        mm = [samples[i].mm_inputs for i in indices]
+        rows: list[PackedRow]
+        if o.packing == "tree":
+            rows = list(pack_tree(sequences, o.micro_batch_tokens, mm, self._image_token_id))
+            for row in rows:
+                assert isinstance(row, TreeRow) and row.tree is not None
+                row.tree.kernel = o.attention
+        else:
+            rows = list(pack_sequences(sequences, o.micro_batch_tokens, mm))
         return [dataclasses.replace(r, sequence_index=[indices[j] for j in r.sequence_index]) for r in rows]
+
+    def _my_share(self, samples: list[TrainSample], indices: list[int]) -> list[int]:
+        """This rank's part of `samples[indices]`, balanced over the ranks by the tokens it forwards: flat, each
+        sample's; tree, each family's unique tokens, a family (samples sharing most of their prefix: a group,
+        an episode's branches) kept on one rank."""
+        sequences = [(samples[i].prompt_ids, samples[i].response_ids, samples[i].loss_mask) for i in indices]
+        if self.options.packing == "flat":
+            return [indices[k] for k in self.parallel.my_share([len(p) + len(r) for p, r, _ in sequences])]
+        fams = families(sequences)
+        share = balanced_split([unique_tokens(sequences, f) for f in fams], self.parallel.world_size)
+        return [indices[k] for k in sorted(k for f in share[self.parallel.rank] for k in fams[f])]
+
+    @property
+    def _image_token_id(self) -> int | None:
+        config = self.policy.config
+        return getattr(config, "image_token_id", None) or getattr(config, "image_token_index", None)
 
     def _logprobs(self, model: nn.Module, row: PackedRow,
                   samples: list[TrainSample] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -232,12 +271,17 @@ class Learner:
         o = self.options
         kept = [None] * (max(row.sequence_index) + 1) if samples is None else [s.kept_counts for s in samples]
         kept_N = row_kept_counts(row, kept, self.vocab_size)
-        routing = row_routing(row, [s.routed_experts for s in samples]) if o.router_replay and samples else None
+        routing = None
+        if o.router_replay and samples:
+            experts = [s.routed_experts for s in samples]
+            routing = tree_row_routing(row, experts) if isinstance(row, TreeRow) else row_routing(row, experts)
         with contextlib.ExitStack() as forward_only:
             if routing is not None:
                 held = self._through_backward if torch.is_grad_enabled() else forward_only
                 held.enter_context(replay_routing(model, routing.to(self.device)))
-            kept_logp_N, full_logp_N = packed_kept_logprobs(model, row, kept_N, o.temperature)
+            kept_logp_N, full_logp_N = (tree_kept_logprobs(model, row, kept_N, o.temperature)
+                                        if isinstance(row, TreeRow) else
+                                        packed_kept_logprobs(model, row, kept_N, o.temperature))
         return (kept_logp_N if o.sampling_mask == "renormalize" else full_logp_N), kept_logp_N, full_logp_N
 
     def _row_loss(self, row: PackedRow, samples: list[TrainSample], old: dict[int, torch.Tensor] | None,
@@ -275,8 +319,7 @@ class Learner:
         """Logprobs of the policy before this update, per sample: [2, its trained tokens], renormalised over the kept
         sets and under the full softmax (`_logprobs`; needed when the update takes more than one step). Each rank
         computes its token-balanced share; every rank gets all of them."""
-        mine = self.parallel.my_share([len(s.prompt_ids) + len(s.response_ids) for s in samples])
-        rows = self.pack(samples, mine)
+        rows = self.pack(samples, self._my_share(samples, list(range(len(samples)))))
         old: dict[int, torch.Tensor] = {}
         for k in range(self.parallel.all_max(len(rows))):
             row, row_samples = (rows[k], samples) if k < len(rows) else (_padding_row(), [_PADDING])
@@ -308,11 +351,11 @@ class _Tally:
     def __init__(self):
         self.weighted: dict[str, float] = defaultdict(float)
         self.weights: dict[str, float] = defaultdict(float)
-        self.loss, self.tokens, self.steps = 0.0, 0, 0
+        self.loss, self.tokens, self.raw, self.steps = 0.0, 0, 0, 0
         self.grad_norms: list[float] = []
 
-    def add_row(self, metrics: dict[str, float], *, trained: int, tokens: int) -> None:
-        """One micro-batch's metrics: `trained` tokens (mask 1) of `tokens` packed."""
+    def add_row(self, metrics: dict[str, float], *, trained: int, tokens: int, raw: int) -> None:
+        """One micro-batch's metrics: `trained` tokens (mask 1) of `raw` sample tokens, `tokens` forwarded."""
         self.loss += metrics.pop("train/loss")
         counts = {k.removeprefix("_count/"): metrics.pop(k) for k in [k for k in metrics if k.startswith("_count/")]}
         for k, v in metrics.items():
@@ -320,21 +363,24 @@ class _Tally:
             self.weighted[k] += v * weight
             self.weights[k] += weight
         self.tokens += tokens
+        self.raw += raw
 
     def summary(self, parallel: Parallel, elapsed: float) -> dict[str, float]:
-        parts = parallel.all_gather_object((dict(self.weighted), dict(self.weights), self.loss, self.tokens))
+        parts = parallel.all_gather_object((dict(self.weighted), dict(self.weights), self.loss, self.tokens, self.raw))
         weighted: defaultdict[str, float] = defaultdict(float)
         weights: defaultdict[str, float] = defaultdict(float)
-        for w, n, _, _ in parts:
+        for w, n, *_ in parts:
             for k in w:
                 weighted[k] += w[k]
                 weights[k] += n[k]
         out = {k: weighted[k] / weights[k] if weights[k] else 0.0 for k in sorted(weighted)}
-        tokens = sum(p[3] for p in parts)
+        forwarded, tokens = sum(p[3] for p in parts), sum(p[4] for p in parts)
         out["train/loss"] = sum(p[2] for p in parts) / max(self.steps, 1)
         if self.grad_norms:
             out["train/grad_norm"] = sum(self.grad_norms) / len(self.grad_norms)
-        out.update({"train/tokens": float(tokens), "train/tokens_per_s": tokens / elapsed if elapsed else 0.0})
+        out.update({"train/tokens": float(tokens), "train/tokens_per_s": tokens / elapsed if elapsed else 0.0,
+                    "train/tokens_forwarded": float(forwarded), "train/tokens_raw": float(tokens),
+                    "train/packing_ratio": tokens / forwarded if forwarded else 1.0})
         return out
 
 

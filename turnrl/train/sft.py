@@ -46,7 +46,7 @@ from turnrl.observe.tracing import TrajectoryTracer
 from turnrl.render import ChatRenderer, RenderError, SanityMode
 from turnrl.rollout.episode import RolloutContext, RolloutLimits, drive
 from turnrl.train.checkpoint import resume_checkpoint, save_checkpoint
-from turnrl.train.evaluation import Evaluator, format_step_line, write_metrics
+from turnrl.train.evaluation import Evaluator, format_step_line, packing_text, write_metrics
 from turnrl.train.learner import Learner, MicroBatch
 from turnrl.train.runs import replace_link
 from turnrl.train.samples import PromptSampler, TrainSample, to_sample
@@ -406,7 +406,7 @@ class SFTTrainer:
         self.console.print(format_step_line(m, self.steps) if "eval/reward_mean" in m else
                            f"sft step {m['step']:.0f}/{self.steps}  epoch {m['sft/epoch']:.2f}  "
                            f"loss {m['train/loss']:.4f}  {m['sft/sequences']:.0f} sequences  "
-                           f"{m['train/tokens']:.0f} tokens  train {m['train/tokens_per_s']:.0f} tok/s  "
+                           f"{m['train/tokens']:.0f} tokens{packing_text(m)}  train {m['train/tokens_per_s']:.0f} tok/s  "
                            f"step {m['time/step_s']:.1f}s")
 
     def save_checkpoint(self) -> Path:
