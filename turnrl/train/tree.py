@@ -251,18 +251,23 @@ def _added(tries: dict[Any, _Trie], sequences: Sequence[Triple], members: Sequen
 
 # ---- building a row --------------------------------------------------------------------------------------------
 
-def build_tree_row(sequences: Sequence[Triple], members: list[int], keys: Sequence[Any] | None = None,
-                   mm_inputs: Sequence[dict[str, torch.Tensor] | None] | None = None) -> TreeRow:
-    """The tree row of `sequences[members]` (packed samples numbered in `members` order)."""
-    keys = keys if keys is not None else [None] * len(sequences)
-    # 1. one trie per key, in order of first member; nodes in creation order
-    token: list[int] = []
-    parent: list[int] = []
-    children: list[dict[int, int]] = []
-    witness: list[tuple[int, int]] = []
-    roots: dict[Any, dict[int, int]] = {}
-    root_order: list[dict[int, int]] = []
-    paths: list[list[int]] = []
+@dataclass
+class _RowTrie:
+    """The tries of a row's samples, nodes in creation order: `token`, `parent` (-1 at a root), `children`
+    (token -> node), `witness` (a (sample, depth) through the node), each sample's node `paths`, the roots in order
+    of first member."""
+
+    token: list[int] = field(default_factory=list)
+    parent: list[int] = field(default_factory=list)
+    children: list[dict[int, int]] = field(default_factory=list)
+    witness: list[tuple[int, int]] = field(default_factory=list)
+    paths: list[list[int]] = field(default_factory=list)
+    roots: list[dict[int, int]] = field(default_factory=list)
+
+
+def _insert(sequences: Sequence[Triple], members: list[int], keys: Sequence[Any]) -> _RowTrie:
+    """One trie per key (samples with different keys never share a node), in order of first member."""
+    trie, roots = _RowTrie(), dict[Any, dict[int, int]]()
     for s, i in enumerate(members):
         prompt, response, mask = sequences[i]
         if mask and mask[0] and not prompt:
@@ -270,53 +275,57 @@ def build_tree_row(sequences: Sequence[Triple], members: list[int], keys: Sequen
                              "predict it from")
         if keys[i] not in roots:
             roots[keys[i]] = {}
-            root_order.append(roots[keys[i]])
+            trie.roots.append(roots[keys[i]])
         level, up, path = roots[keys[i]], -1, []
         for d, t in enumerate(prompt + response):
             node = level.get(t)
             if node is None:
-                node = len(token)
-                token.append(t)
-                parent.append(up)
-                children.append({})
-                witness.append((s, d))
+                node = len(trie.token)
+                trie.token.append(t)
+                trie.parent.append(up)
+                trie.children.append({})
+                trie.witness.append((s, d))
                 level[t] = node
             path.append(node)
-            level, up = children[node], node
-        paths.append(path)
-    # 2. depth-first preorder layout
+            level, up = trie.children[node], node
+        trie.paths.append(path)
+    return trie
+
+
+def _preorder(trie: _RowTrie) -> list[int]:
+    """The nodes in depth-first preorder, root by root: a node's subtree is the positions right after it."""
     order: list[int] = []
-    for level in root_order:
+    for level in trie.roots:
         stack = list(reversed(level.values()))
         while stack:
             node = stack.pop()
             order.append(node)
-            stack.extend(reversed(children[node].values()))
-    new = [0] * len(order)
-    for k, node in enumerate(order):
-        new[node] = k
-    T = len(order)
-    parent_T = [-1 if parent[n] < 0 else new[parent[n]] for n in order]
-    n_children = [len(children[n]) for n in order]
-    depth_T = [witness[n][1] for n in order]
-    # subtree end in preorder: a node's subtree is the next (size) positions
-    end = list(range(1, T + 1))
-    for k in range(T - 1, -1, -1):
+            stack.extend(reversed(trie.children[node].values()))
+    return order
+
+
+def _subtree_ends(parent_T: list[int]) -> list[int]:
+    """The end (exclusive) of each preorder position's subtree."""
+    end = list(range(1, len(parent_T) + 1))
+    for k in range(len(parent_T) - 1, -1, -1):
         p = parent_T[k]
         if p >= 0 and end[k] > end[p]:
             end[p] = end[k]
-    # 3. segments: a new one at every root and every child of a fork
+    return end
+
+
+def _attention(parent_T: list[int], n_children: list[int], end: list[int]) -> TreeAttention:
+    """Segments (a new one at every root and every child of a fork, contiguous in preorder), and for each, the keys
+    its queries attend to: its ancestor segments up to its parent, then itself causally."""
+    T = len(parent_T)
     seg_starts = [k for k in range(T) if parent_T[k] < 0 or n_children[parent_T[k]] != 1]
-    seg_of = [0] * T
-    for s_idx, a in enumerate(seg_starts):
-        b = seg_starts[s_idx + 1] if s_idx + 1 < len(seg_starts) else T
-        for k in range(a, b):
-            seg_of[k] = s_idx
-    seg_lengths = [(seg_starts[s + 1] if s + 1 < len(seg_starts) else T) - a for s, a in enumerate(seg_starts)]
+    bounds = [*seg_starts, T]
+    seg_of = [s_idx for s_idx in range(len(seg_starts)) for _ in range(bounds[s_idx], bounds[s_idx + 1])]
+    seg_lengths = [bounds[s_idx + 1] - a for s_idx, a in enumerate(seg_starts)]
     key_index: list[int] = []
     key_lengths: list[int] = []
     masks: list[torch.Tensor | None] = []
-    for s_idx, a in enumerate(seg_starts):
+    for a, length in zip(seg_starts, seg_lengths, strict=True):
         p = parent_T[a]
         if p < 0:
             masks.append(None)
@@ -327,38 +336,58 @@ def build_tree_row(sequences: Sequence[Triple], members: list[int], keys: Sequen
             chain.append((seg_starts[anc], p + 1))  # the ancestor segment up to the parent (all of it)
             p = parent_T[seg_starts[anc]]
         ancestors = [k for a0, b0 in reversed(chain) for k in range(a0, b0)]
-        length = seg_lengths[s_idx]
         key_index.extend(ancestors)
         key_index.extend(range(a, a + length))
         key_lengths.append(len(ancestors) + length)
         causal = torch.ones(length, length, dtype=torch.bool).tril()
         masks.append(torch.cat([torch.ones(length, len(ancestors), dtype=torch.bool), causal], dim=1))
-    # 4. targets: each sample's trained tokens, predicted at their parent node
+    return TreeAttention(seg_lengths, torch.tensor(key_index, dtype=torch.long), key_lengths, masks,
+                         torch.tensor(end, dtype=torch.long))
+
+
+def _targets(sequences: Sequence[Triple], members: list[int], paths: list[list[int]],
+             new: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each sample's trained tokens, predicted at their parent node (preorder positions): (predict_at, targets,
+    target_seq, target_pos)."""
     predict_at, targets, target_seq, target_pos = [], [], [], []
     for s, i in enumerate(members):
         prompt, response, mask = sequences[i]
-        path = paths[s]
         for k, m in enumerate(mask):
             if m:
-                predict_at.append(new[path[len(prompt) + k - 1]])
+                predict_at.append(new[paths[s][len(prompt) + k - 1]])
                 targets.append(response[k])
                 target_seq.append(s)
                 target_pos.append(k)
+    as_tensor = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
+    return as_tensor(predict_at), as_tensor(targets), as_tensor(target_seq), as_tensor(target_pos)
+
+
+def build_tree_row(sequences: Sequence[Triple], members: list[int], keys: Sequence[Any] | None = None,
+                   mm_inputs: Sequence[dict[str, torch.Tensor] | None] | None = None) -> TreeRow:
+    """The tree row of `sequences[members]` (packed samples numbered in `members` order)."""
+    keys = keys if keys is not None else [None] * len(sequences)
+    trie = _insert(sequences, members, keys)
+    order = _preorder(trie)
+    new = [0] * len(order)
+    for k, node in enumerate(order):
+        new[node] = k
+    parent_T = [-1 if trie.parent[n] < 0 else new[trie.parent[n]] for n in order]
+    n_children = [len(trie.children[n]) for n in order]
     owners: dict[Any, int] = {}  # the first member of each image trie encodes its images
     for s, i in enumerate(members):
         if mm_inputs is not None and mm_inputs[i] and keys[i] is not None:
             owners.setdefault(keys[i], s)
-    mm_tries = sorted(owners.values(), key=lambda s: new[paths[s][0]])
+    predict_at, targets, target_seq, target_pos = _targets(sequences, members, trie.paths, new)
     row = TreeRow(
-        input_ids=torch.tensor([[token[n] for n in order]]), position_ids=torch.tensor([depth_T]),
-        cu_seqlens=[0, T], sequence_index=list(members),
-        predict_at=torch.tensor(predict_at, dtype=torch.long), targets=torch.tensor(targets, dtype=torch.long),
-        target_seq=torch.tensor(target_seq, dtype=torch.long), target_pos=torch.tensor(target_pos, dtype=torch.long),
-        parent=torch.tensor(parent_T, dtype=torch.long), witness=[witness[n] for n in order],
-        tree=TreeAttention(seg_lengths, torch.tensor(key_index, dtype=torch.long), key_lengths, masks,
-                           torch.tensor(end, dtype=torch.long)),
-        tokens_raw=sum(len(sequences[i][0]) + len(sequences[i][1]) for i in members), mm_tries=mm_tries,
-        paths=[torch.tensor([new[n] for n in path], dtype=torch.long) for path in paths])
+        input_ids=torch.tensor([[trie.token[n] for n in order]]),
+        position_ids=torch.tensor([[trie.witness[n][1] for n in order]]),
+        cu_seqlens=[0, len(order)], sequence_index=list(members),
+        predict_at=predict_at, targets=targets, target_seq=target_seq, target_pos=target_pos,
+        parent=torch.tensor(parent_T, dtype=torch.long), witness=[trie.witness[n] for n in order],
+        tree=_attention(parent_T, n_children, _subtree_ends(parent_T)),
+        tokens_raw=sum(len(sequences[i][0]) + len(sequences[i][1]) for i in members),
+        mm_tries=sorted(owners.values(), key=lambda s: new[trie.paths[s][0]]),
+        paths=[torch.tensor([new[n] for n in path], dtype=torch.long) for path in trie.paths])
     if mm_inputs is not None:
         row.mm_inputs = [mm_inputs[i] for i in members]
     return row
