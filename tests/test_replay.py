@@ -23,10 +23,12 @@ ROWS = [{"id": i, "prompt": f"Look up item {i} with the tool.", "latencies_s": [
 
 
 def record(tokenizer, batch: int, seed: int | None = 7):
-    """20 three-turn trajectories of tiny-qwen3 at T=1 on the embedded engine (KV reused across turns)."""
+    """20 three-turn trajectories of tiny-qwen3 at T=1 on the embedded engine (KV reused across turns). At batch 1
+    without sharing prefixes across requests (a copied prefix was computed inside another prompt's prefill: equal
+    to rounding, not bit for bit) every call is computed alone: the batch-invariant setting."""
     renderer = ChatRenderer(tokenizer)
     engine = EmbeddedEngine(load_model("tiny-qwen3"), eos_token_ids=sorted(renderer.end_of_turn_ids),
-                            max_batch_size=batch)
+                            max_batch_size=batch, share_prefixes=batch > 1)
     manager = RolloutManager(engine, renderer, agents=AGENTS, env_factory=build_env, sanity_mode="disable",
                              sampling=SamplingParams(temperature=1.0, seed=seed),
                              limits=RolloutLimits(max_turns=3, max_new_tokens=12))

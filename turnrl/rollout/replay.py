@@ -146,7 +146,8 @@ async def run_replay(traj: Trajectory, model: str,
     from turnrl.render import ChatRenderer
 
     renderer = ChatRenderer(load_tokenizer(model))
-    engine = EmbeddedEngine(load_model(model), eos_token_ids=sorted(renderer.end_of_turn_ids), max_batch_size=1)
+    engine = EmbeddedEngine(load_model(model), eos_token_ids=sorted(renderer.end_of_turn_ids), max_batch_size=1,
+                            share_prefixes=False)  # each call computed as the batch-invariant recording computes it
     loaded = [0]
 
     async def load_version(version: int) -> int:
