@@ -146,7 +146,8 @@ def _config(tmp_path, data, out, steps, **extra):
         "model": "tiny-qwen3", "train_data": str(data), "run_dir": str(out), "steps": steps,
         "prompts_per_step": 2, "seed": 5, "save_every": 1,
         "rollout": {"env": "single_turn", "n": 3, "max_new_tokens": 6},
-        "engine": {"max_batch_size": 1}, "optim": {"lr": 1e-3, "epochs": 2},
+        # batch 1, no prefix copied across requests: every call computed alone (bit-for-bit comparisons)
+        "engine": {"max_batch_size": 1, "share_prefixes": False}, "optim": {"lr": 1e-3, "epochs": 2},
         "reward": {"function": f"{tmp_path / 'reward.py'}:reward"}, **extra,
     }
     path = tmp_path / f"{out.name}.yaml"
@@ -222,7 +223,7 @@ def test_an_engine_sharing_the_policy_tensors_samples_what_an_engine_with_a_copy
 
     shared = run_training(_config(tmp_path, data, tmp_path / "shared", steps=3, save_every=0))
     copied = run_training(_config(tmp_path, data, tmp_path / "copied", steps=3, save_every=0,
-                                  engine={"max_batch_size": 1, "share_weights": False}))
+                                  engine={"max_batch_size": 1, "share_prefixes": False, "share_weights": False}))
 
     def sampled(run):  # the last step's trajectories: sampled after two updates
         rows = [json.loads(x) for x in (tmp_path / run / "trajectories" / "last_step.jsonl").read_text().splitlines()]
