@@ -55,10 +55,9 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from turnrl.agents.harbor import DEFAULT_WORKDIR, HarborTask, Verdict, load_task, verify
-from turnrl.agents.openai_agent import Gateway, gateway
+from turnrl.agents.openai_agent import Gateway, close_session, gateway
 from turnrl.agents.sandbox import CommandLimits, CommandResult, run_sandboxed
 from turnrl.data import prompt_messages
-from turnrl.observe.watchdog import abandon_after
 from turnrl.rollout.episode import RolloutContext
 from turnrl.serve.sessions import Session, assemble_trajectories
 from turnrl.types import TerminationReason, Trajectory
@@ -245,7 +244,7 @@ async def run_harness(ctx: RolloutContext, sample: dict[str, Any], settings: Har
             ctx.partial = _assemble(ctx, session, None)[0]
         raise
     finally:
-        await _close(ctx, gw, session)
+        await close_session(ctx, gw, session)
     return _episode(ctx, session, settings, agent, verdict, failure, time.perf_counter() - t0)
 
 
@@ -327,14 +326,6 @@ async def _blocking(fn: Callable[[threading.Event], T]) -> T:
         cancel.set()
         await asyncio.wait({future}, timeout=30)
         raise
-
-
-async def _close(ctx: RolloutContext, gw: Gateway, session: Session) -> None:
-    gw.proxy.close_session(session.id)  # a late call gets a 404
-    try:
-        await abandon_after(ctx.engine.release(ctx.trajectory_id), ctx.limits.cleanup_timeout_s, "engine.release")
-    except Exception as e:  # a cache entry that was not dropped must not fail the episode
-        log.warning("trajectory %s: engine.release raised %r", ctx.trajectory_id, e)
 
 
 # ---------------------------------------------------------------------------------------------------

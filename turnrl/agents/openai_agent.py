@@ -126,12 +126,19 @@ async def openai_agent(ctx: RolloutContext, sample: dict[str, Any]) -> list[Traj
         error = e
         log.info("openai agent %s raised on %s", spec, ctx.trajectory_id, exc_info=True)  # -v; one line at the end
     finally:
-        gw.proxy.close_session(session.id)
-        try:
-            await abandon_after(ctx.engine.release(ctx.trajectory_id), ctx.limits.cleanup_timeout_s, "engine.release")
-        except Exception as e:  # a cache entry that was not dropped must not fail the episode
-            log.warning("trajectory %s: engine.release raised %r", ctx.trajectory_id, e)
+        await close_session(ctx, gw, session)
     return _episode(ctx, sample, session, reward, error, time.perf_counter() - t0)
+
+
+async def close_session(ctx: RolloutContext, gw: Gateway, session: Session) -> None:
+    """End an agent's gateway session (a late call gets a 404) and release the engine's cache of its trajectory; a
+    cache entry that is not dropped never fails the episode (the agents over the gateway: this one, harness,
+    verifiers)."""
+    gw.proxy.close_session(session.id)
+    try:
+        await abandon_after(ctx.engine.release(ctx.trajectory_id), ctx.limits.cleanup_timeout_s, "engine.release")
+    except Exception as e:
+        log.warning("trajectory %s: engine.release raised %r", ctx.trajectory_id, e)
 
 
 def _episode(ctx: RolloutContext, sample: dict[str, Any], session: Session, reward: float | None,

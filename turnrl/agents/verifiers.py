@@ -37,7 +37,6 @@ import dataclasses
 import logging
 from typing import Any
 
-from turnrl.observe.watchdog import abandon_after
 from turnrl.rollout.tree import link_by_prefix
 from turnrl.types import (
     BranchKind,
@@ -159,7 +158,7 @@ def _finish(traj: Trajectory, data: dict[str, Any]) -> None:
 # ---- the agent: an episode on a verifiers env server -------------------------------------------------------
 async def verifiers_agent(ctx: Any, sample: dict[str, Any]) -> list[Trajectory]:
     """Run the row's task on the env server named by `env_config.env_server` (module docstring)."""
-    from turnrl.agents.openai_agent import gateway
+    from turnrl.agents.openai_agent import close_session, gateway
     from turnrl.agents.verifiers_wire import EnvServer, EpisodeTimeout
 
     config = {**ctx.env_config, **(sample.get("env_config") or {})}
@@ -181,11 +180,7 @@ async def verifiers_agent(ctx: Any, sample: dict[str, Any]) -> list[Trajectory]:
             return [ctx.failed(TerminationReason.TIMEOUT, str(e))]
         return episode_trajectories(ctx, sample, episode, session.calls, max_turns_hit=session.limit_reached)
     finally:
-        gw.proxy.close_session(session.id)
-        try:
-            await abandon_after(ctx.engine.release(ctx.trajectory_id), ctx.limits.cleanup_timeout_s, "engine.release")
-        except Exception as e:  # a cache entry that was not dropped must not fail the episode
-            log.warning("trajectory %s: engine.release raised %r", ctx.trajectory_id, e)
+        await close_session(ctx, gw, session)
 
 
 def run_request(ctx: Any, sample: dict[str, Any], config: dict[str, Any], base_url: str, token: str) -> dict[str, Any]:
