@@ -392,7 +392,7 @@ class Episode:
         strategy = self.limits.context.full(len(self.builder.token_ids) + len(closing) + len(rendered.ids),
                                             self.limits.max_new_tokens, step.compact)
         if strategy is not None:
-            await self._compact(strategy, observation)
+            await self._compact(strategy, observation, closing, rendered)
             return
         self._append_observation(observation, closing, rendered)
 
@@ -410,24 +410,23 @@ class Episode:
         self.trajectory.turns[-1].observation_tokens = len(closing) + len(rendered.ids)
         self.messages.extend(observation)
 
-    async def _compact(self, strategy: Strategy, observation: list[Message]) -> None:
+    async def _compact(self, strategy: Strategy, observation: list[Message], closing: list[int], rendered: Any
+                       ) -> None:
         """Go on in a `compaction` branch (turnrl.rollout.context): after a summary turn of this branch, from the first
         messages, the summary and `observation`; or from the conversation with older outputs dropped. When there is nothing to
-        drop, the observation is appended here (the token budget and context window still bound it)."""
+        drop, the observation (`closing`, `rendered`: as `observe` rendered it) is appended here (the token budget and
+        context window still bound it)."""
         policy, tools = self.limits.context, self.env.tools
         if strategy == Strategy.DROP_OBSERVATIONS:
             messages = drop_observations([*self.messages, *observation], policy.keep_last_turns)
             if messages is None:
-                closing = self.ctx.renderer.turn_closing_ids(self.trajectory.segments[-1].token_ids)
-                self._append_observation(observation, closing, self.ctx.renderer.observation(
-                    observation, tools, history=self.messages))
+                self._append_observation(observation, closing, rendered)
                 return
         else:  # the summary of the work before this observation; the next branch gets it whole after the summary
             asked = [policy.request()]
-            closing = self.ctx.renderer.turn_closing_ids(self.trajectory.segments[-1].token_ids)
-            rendered = self.ctx.renderer.observation(asked, tools, history=self.messages)
-            self._fit(len(closing) + len(rendered.ids), window=False)
-            self._append_observation(asked, closing, rendered, fit=False)
+            request = self.ctx.renderer.observation(asked, tools, history=self.messages)
+            self._fit(len(closing) + len(request.ids), window=False)
+            self._append_observation(asked, closing, request, fit=False)
             summary = await self.generate(self._offset + self.trajectory.num_turns + 1, window=False)
             self.trajectory.turns[-1].extra["compaction"] = "summary"
             messages = after_summary(self._first_messages, summary.text, observation)
