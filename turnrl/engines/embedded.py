@@ -307,8 +307,18 @@ class EmbeddedEngine:
         record_sampling_mask: bool = False,
         record_routing: bool = False,
         share_prefixes: bool = True,
+        threads: int | None = None,
     ):
         self.model = model.eval()
+        if threads is not None and (not is_int(threads) or threads < 1):
+            raise ValueError(f"EmbeddedEngine: threads must be a positive integer or None, got {threads!r}")
+        self.threads = threads
+        """Intra-op threads of the engine's forwards (None: torch's setting). They are the engine thread's own
+        (OpenMP's setting is per thread): a trainer in the same process keeps its threads. A decode step is ~7
+        small matmuls per layer over a few rows, memory-bound, each forking and joining the thread team; where
+        other processes use the cores, every join waits for a descheduled thread: on 2 shared cores SmolLM2's
+        decode step at batch 8 over 2,300-token contexts took 1.7-2.6 s at 2 threads and 0.25 s at 1, a
+        61-token prefill 2-20 s (docs/engines.md)."""
         self.record_sampling_mask = record_sampling_mask
         """Report each token's kept-set size (`GenerateOutput.kept_counts`)."""
         self._routing = RoutingRecorder(model) if record_routing else None
@@ -469,6 +479,8 @@ class EmbeddedEngine:
             loop.call_soon_threadsafe(_set)
 
     def _run(self) -> None:
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)  # this thread's (see `threads`)
         with torch.inference_mode():
             while not self._stopped:
                 self._drain_inbox()
