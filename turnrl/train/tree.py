@@ -456,7 +456,7 @@ class _SpanAttention(torch.autograd.Function):
     exact per piece given the final softmax normaliser). query [1, H, T, D], key/value [1, H_kv, T, D]."""
 
     @staticmethod
-    def forward(ctx, query, key, value, spans, scale):  # type: ignore[override]
+    def forward(ctx, query, key, value, spans, scale):
         assert _CPU_FLASH is not None
         B, H, T, D = query.shape
         acc = torch.promote_types(query.dtype, torch.float32)  # merged in fp32 (fp64 for fp64 inputs)
@@ -481,7 +481,7 @@ class _SpanAttention(torch.autograd.Function):
         return result
 
     @staticmethod
-    def backward(ctx, grad_T):  # type: ignore[override]
+    def backward(ctx, grad_T):
         assert _CPU_FLASH_BACKWARD is not None
         query, key, value, result, lse_T = ctx.saved_tensors
         out, lse, grad = result.transpose(1, 2), lse_T.transpose(1, 2), grad_T.transpose(1, 2)
