@@ -291,16 +291,6 @@ def _model_end_tokens(model: PreTrainedModel, text_config: Any) -> frozenset[int
                      for t in ([ids] if isinstance(ids, int) else ids))
 
 
-def _checked_threads(threads: Any) -> int | None:
-    """`EmbeddedEngine(threads=)`: the intra-op threads of the engine's forwards, set on its own thread (OpenMP's
-    setting is per thread: a trainer in the same process keeps its own); None: torch's. 1 on shared cores: a
-    decode step's small matmuls each fork and join the thread team, and where other processes use the cores every
-    join waits for a descheduled thread (docs/engines.md)."""
-    if threads is not None and (not is_int(threads) or threads < 1):
-        raise ValueError(f"EmbeddedEngine: threads must be a positive integer or None, got {threads!r}")
-    return threads
-
-
 class EmbeddedEngine:
     """Token-level continuous-batching engine over a transformers causal LM (see module docstring)."""
 
@@ -317,10 +307,8 @@ class EmbeddedEngine:
         record_sampling_mask: bool = False,
         record_routing: bool = False,
         share_prefixes: bool = True,
-        threads: int | None = None,
     ):
         self.model = model.eval()
-        self.threads = _checked_threads(threads)
         self.record_sampling_mask = record_sampling_mask
         """Report each token's kept-set size (`GenerateOutput.kept_counts`)."""
         self._routing = RoutingRecorder(model) if record_routing else None
@@ -479,8 +467,6 @@ class EmbeddedEngine:
             loop.call_soon_threadsafe(_set)
 
     def _run(self) -> None:
-        if self.threads is not None:
-            torch.set_num_threads(self.threads)  # this thread's (see `threads`)
         with torch.inference_mode():
             while not self._stopped:
                 self._drain_inbox()
