@@ -153,12 +153,14 @@ def test_encode_calls_the_rust_tokenizer_only_as_the_tokenizer_would(zoo, name):
 
     tok = tokenizer(name, "{% for m in messages %}{{ m.content }}{% endfor %}")
     r = ChatRenderer(tok)
-    assert r._backend is not None  # the shortcut is what is tested
+    assert r._backend is not None and r._decodes_directly  # the shortcuts are what is tested
     for text in TEXTS:
         enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
         assert r.encode(text) == enc["input_ids"], (name, text)
         ids, offsets = r._encode_offsets(text)
         assert ids == enc["input_ids"] and [tuple(o) for o in offsets] == [tuple(o) for o in enc["offset_mapping"]]
+        assert r.decode(ids) == tok.decode(ids, skip_special_tokens=False)
+        assert r.decode(ids[1:-1]) == tok.decode(ids[1:-1], skip_special_tokens=False)  # cut anywhere
     tok(["a b c " * 50], truncation=True, max_length=4)  # someone else's call leaves truncation set on the backend
     if r._backend.truncation is not None:
         assert r._usable_backend() is None and r.encode("a b c " * 50) == tok("a b c " * 50, add_special_tokens=False)[

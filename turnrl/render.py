@@ -168,6 +168,7 @@ class ChatRenderer:
         self._backend = _backend_of(tokenizer)
         """The tokenizer's Rust `tokenizers.Tokenizer` when calling it directly is what the tokenizer's own call does
         (a fast tokenizer whose call is transformers' own), else None (`encode` goes through the call)."""
+        self._decodes_directly = self._backend is not None and _decodes_as_backend(tokenizer)
         self._pieces: dict[str, list[int]] = {}
         self._frames: dict[tuple, frames.Frame | None] = {}
         self._plain = frames.plain_test(frames.logic_literals(tokenizer.chat_template))
@@ -321,6 +322,8 @@ class ChatRenderer:
         return list(ids)
 
     def decode(self, ids: list[int]) -> str:
+        if self._decodes_directly and type(ids) is list:
+            return self._backend.decode(ids, skip_special_tokens=False)
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def describe(self) -> str:
@@ -808,6 +811,16 @@ def _backend_of(tokenizer: Any) -> Any:
             or cls._encode_plus is not TokenizersBackend._encode_plus):
         return None
     return backend
+
+
+def _decodes_as_backend(tokenizer: Any) -> bool:
+    """Is the tokenizer's decode its Rust tokenizer's decode (transformers' own, no clean-up of spaces)?"""
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    cls = type(tokenizer)
+    return (cls.decode is PreTrainedTokenizerBase.decode and cls._decode is TokenizersBackend._decode
+            and not getattr(tokenizer, "clean_up_tokenization_spaces", False))
 
 
 def _template_name(tokenizer: Any) -> str:
