@@ -98,6 +98,20 @@ def test_qwen3_plain_contents_use_the_frame_and_others_the_template(qwen3_tokeni
     assert r._plain("Use the tool, user.")  # role names are compared with roles, never with a content
 
 
+def test_a_tool_list_counts_by_its_content_not_its_identity(qwen3_tokenizer):
+    r = ChatRenderer(qwen3_tokenizer, {"enable_thinking": False})
+    prompt = [{"role": "user", "content": "Use the tool."}]
+    tools = copy.deepcopy(TOOLS)
+    assert r.render_initial(prompt, tools) == r.render_text(prompt, tools, add_generation_prompt=True)
+    n = len(r._frames)
+    fresh = copy.deepcopy(TOOLS)  # an env that builds its tool list per episode: the same frame
+    assert r.render_initial(prompt, fresh) == r.render_text(prompt, fresh, add_generation_prompt=True)
+    assert len(r._frames) == n
+    tools[0]["function"]["description"] = "Changed in place."  # the same list, other content: another frame
+    assert r.render_initial(prompt, tools) == r.render_text(prompt, tools, add_generation_prompt=True)
+    assert "Changed in place." in r.render_initial(prompt, tools) and len(r._frames) == n + 1
+
+
 def test_llama31_tool_results_are_json_escaped_so_get_no_frame(zoo):
     family = next(f for f in FAMILIES if f.name == "Llama-3.1")
     r = ChatRenderer(family_tokenizer(family), family.kwargs)

@@ -17,6 +17,7 @@ own call, on the real Qwen3, SmolLM2 and Llama-3 tokenizers and templates.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,8 +39,6 @@ class Frame:
     """The literal text around each message's content: pieces[0] + content[0] + pieces[1] + ... + pieces[n]."""
 
     pieces: tuple[str, ...]
-    tools: Any = None
-    """The tool list the frame was rendered with (compared by identity: the key holds its id)."""
 
     def fill(self, contents: list[str]) -> str:
         parts = [self.pieces[0]]
@@ -48,7 +47,7 @@ class Frame:
         return "".join(parts)
 
 
-def prove(render: Callable[[list[Message]], str], messages: list[Message], tools: Any = None) -> Frame | None:
+def prove(render: Callable[[list[Message]], str], messages: list[Message]) -> Frame | None:
     """The frame of `messages`' shape (their contents replaced), or None when the two sentinel renders do not
     prove one (or the template raises for the shape: the caller's full render then says why)."""
     try:
@@ -62,15 +61,16 @@ def prove(render: Callable[[list[Message]], str], messages: list[Message], tools
             return None
         piece, rest = rest.split(mark)
         pieces.append(piece)
-    frame = Frame((*pieces, rest), tools)
+    frame = Frame((*pieces, rest))
     if frame.fill([SENTINELS[1](k) for k in range(len(messages))]) != second:
         return None
     return frame
 
 
 def shape_key(kind: str, messages: list[Message], tools: Any, plain: Callable[[Any], bool]) -> tuple | None:
-    """The cache key of a frame for `messages` (their roles and every field but the content, the tool list's
-    identity), or None when a content is not plain or a field is not a string (then no frame is used)."""
+    """The cache key of a frame for `messages`: their roles and every field but the content, and the tool list's
+    JSON (its content, not its identity: an env may build a new list per episode, or change one in place); None
+    when a content is not plain, a field is not a string or the tools are not JSON (then no frame is used)."""
     shape: list[tuple] = []
     for m in messages:
         if not plain(m.get("content")):
@@ -79,7 +79,11 @@ def shape_key(kind: str, messages: list[Message], tools: Any, plain: Callable[[A
         if not all(isinstance(v, str) for _, v in fields):
             return None
         shape.append(fields)
-    return kind, id(tools) if tools else 0, tuple(shape)
+    try:
+        tool_key = json.dumps(tools, sort_keys=True, ensure_ascii=False) if tools else ""
+    except (TypeError, ValueError):
+        return None
+    return kind, tool_key, tuple(shape)
 
 
 def logic_literals(template: Any) -> tuple[str, ...] | None:

@@ -591,8 +591,7 @@ class ChatRenderer:
         self._profile(tools)  # a template that cannot render this variant says so by name
         key = frames.shape_key("initial", messages, tools, self._plain)
         if key is not None:
-            frame = self._frame(key, messages, tools,
-                                lambda ms: self.render_text(ms, tools, add_generation_prompt=True))
+            frame = self._frame(key, messages, lambda ms: self.render_text(ms, tools, add_generation_prompt=True))
             if frame is not None:
                 return frame.fill([m["content"] for m in messages])
         try:
@@ -622,18 +621,17 @@ class ChatRenderer:
         strategy = p.tool if any(m.get("role") == "tool" for m in messages) else p.user
         if strategy != Strategy.DUMMY:
             return None
-        frame = self._frame(key, messages, tools, lambda ms: self._delta_after_mark(p, ms, tools),
+        frame = self._frame(key, messages, lambda ms: self._delta_after_mark(p, ms, tools),
                             lambda ms: self._hard_start(p, ms, tools))
         return None if frame is None else frame.fill([m["content"] for m in messages])
 
-    def _frame(self, key: tuple, messages: list[Message], tools: list[dict] | None,
-               render: Any, also: Any = None) -> frames.Frame | None:
+    def _frame(self, key: tuple, messages: list[Message], render: Any, also: Any = None) -> frames.Frame | None:
         """The frame of `key` (proven once by `render` of the sentinel contents, and by `also` when given)."""
         frame = self._frames.get(key, _UNPROVEN)
-        if frame is _UNPROVEN or (frame is not None and frame.tools is not tools):
+        if frame is _UNPROVEN:
             if len(self._frames) >= frames.MAX_FRAMES:
                 self._frames.clear()
-            frame = frames.prove(render, messages, tools)
+            frame = frames.prove(render, messages)
             if frame is not None and also is not None:
                 proven = [{**m, "content": s(k)} for s in frames.SENTINELS for k, m in enumerate(messages)]
                 n = len(messages)
