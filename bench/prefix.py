@@ -11,6 +11,7 @@ median wall and CPU time of each (CPU time of the process: the work done, which 
 than wall time), their ratios, and the prefill work (tokens forwarded, tokens served from the cache).
 
     python bench/prefix.py --case a                     # n=8, 2,000-token prompt, 3 turns of 100 tokens
+    python bench/prefix.py --case a --threads 1         # the engine's forwards on one thread (engine.threads)
     python bench/prefix.py --case a --turns 1 --turn-tokens 16          # the issue's measured 104 s group
     python bench/prefix.py --case b --model tiny-qwen3 --prompt-tokens 8000
 
@@ -75,9 +76,9 @@ async def rollout(engine: EmbeddedEngine, prompt: list[int], tool: list[int], n:
 
 
 def run_once(model: torch.nn.Module, share: bool, prompt: list[int], tool: list[int], n: int, turns: int,
-             turn_tokens: int, max_context: int) -> Result:
+             turn_tokens: int, max_context: int, threads: int | None = None) -> Result:
     engine = EmbeddedEngine(model, max_batch_size=n, share_prefixes=share, max_context=max_context,
-                            eos_token_ids=())
+                            eos_token_ids=(), threads=threads)
     try:
         t0, c0 = time.perf_counter(), time.process_time()
         asyncio.run(rollout(engine, prompt, tool, n, turns, turn_tokens))
@@ -98,6 +99,8 @@ def main() -> None:
     ap.add_argument("--turn-tokens", type=int, help="default: the case's")
     ap.add_argument("--tool-tokens", type=int, help="default: the case's")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each mode, alternated")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="the engine's intra-op threads, both modes (engine.threads; default: torch's)")
     args = ap.parse_args()
     prompt_tokens, turns, turn_tokens, tool_tokens = CASES[args.case]
     prompt_tokens = args.prompt_tokens or prompt_tokens
@@ -114,13 +117,14 @@ def main() -> None:
     results: dict[bool, list[Result]] = {True: [], False: []}
     for r in range(args.repeats):
         for share in ((True, False) if r % 2 == 0 else (False, True)):
-            res = run_once(model, share, prompt, tool, args.n, turns, turn_tokens, max_context)
+            res = run_once(model, share, prompt, tool, args.n, turns, turn_tokens, max_context, args.threads)
             results[share].append(res)
             print(f"repeat {r} {'share' if share else 'per-sample'}: {res.wall_s:.1f} s wall, {res.cpu_s:.1f} s CPU "
                   f"({res.prefill_s:.1f} s prefilling {res.prefill_tokens} tokens)", flush=True)
 
     table = Table(title=f"case {args.case}: {args.model}, n={args.n}, {len(prompt)}-token prompt, {turns} turn(s) "
-                        f"of {turn_tokens} tokens, {len(tool)}-token tool outputs ({args.repeats} alternated runs)")
+                        f"of {turn_tokens} tokens, {len(tool)}-token tool outputs ({args.repeats} alternated runs, "
+                        f"engine threads {args.threads or f'torch default {torch.get_num_threads()}'})")
     for col in ("mode", "wall s (median)", "of which prefill s", "CPU s (median)", "prefill tokens",
                 "cached prompt tokens", "generated tokens", "speed-up (wall)", "speed-up (CPU)"):
         table.add_column(col, justify="right")

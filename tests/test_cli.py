@@ -202,6 +202,23 @@ def test_view_of_a_bad_index_or_a_file_that_is_not_trajectories_is_one_line(tmp_
     assert message.format(path=path) in " ".join(result.output.split())
 
 
+def test_training_whose_groups_all_tie_says_that_it_has_stalled(tmp_path):
+    # A policy that stopped exploring (the calculator recipe's seed 0: from step 14 every group's 8 samples made the
+    # same call) trains nothing; the log said only "no trainable samples", step after step.
+    data = _data(tmp_path, [{"id": f"r{i}", "prompt": f"Say {i}.", "answer": "zebra"} for i in range(2)])
+    config = tmp_path / "config.yaml"
+    config.write_text(json.dumps({
+        "model": "tiny-qwen3", "train_data": str(data), "output_dir": str(tmp_path / "runs"), "steps": 4,
+        "prompts_per_step": 2, "rollout": {"env": "single_turn", "n": 2, "max_new_tokens": 2},
+        "reward": {"function": "math"}}))
+    result = runner.invoke(app, ["train", str(config), "-v"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "no trainable samples (every group's rewards equal)" in text
+    assert text.count("steps 1-3: in every group all samples got the same reward, so every advantage was 0 and "
+                      "nothing trained") == 1  # once per stall, not every step
+
+
 def test_training_with_groups_of_one_says_at_start_up_that_nothing_will_train(tmp_path):
     data = _data(tmp_path, [{"id": f"r{i}", "prompt": f"Say {i}."} for i in range(2)])
     config = tmp_path / "config.yaml"

@@ -127,6 +127,27 @@ async def test_a_group_prefills_its_prompt_once_and_samples_as_without_sharing(e
     assert shared_eng.stats["shared_prompt_tokens"] == 7 * (len(prompt) - 1)
 
 
+async def test_engine_threads_are_its_own_and_change_no_output(engines, model):
+    """`threads` sets the intra-op threads of the engine's forwards on its thread alone: the caller's stay, and the
+    group samples what it samples at torch's setting."""
+    caller = torch.get_num_threads()
+    seen: list[int] = []
+    hook = model.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+    try:
+        one_thread, _ = engines(threads=1)
+        prompt = tokens(40, seed=5)
+        params = group_params()
+        outs = await serve(one_thread, [prompt] * 8, params)
+    finally:
+        hook.remove()
+    assert seen and set(seen) == {1}
+    assert torch.get_num_threads() == caller
+    default, _ = engines()
+    assert_same(outs, await serve(default, [prompt] * 8, params))
+    with pytest.raises(ValueError, match="threads must be a positive integer"):
+        EmbeddedEngine(model, threads=0)
+
+
 async def test_prompts_sharing_a_system_prompt_copy_only_that(engines, model):
     shared_eng, alone_eng = engines()
     system = tokens(40, seed=2)

@@ -10,6 +10,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from turnrl.build import build_learner
 from turnrl.config import TrainConfig
@@ -170,6 +171,29 @@ def test_tree_logprobs_equal_flat_with_sdpa_and_flex(tiny_qwen3):
         row.tree.kernel = "flex"  # FlexAttention's reference (unfused) implementation on the CPU
         with pytest.warns(UserWarning, match="without torch.compile"):
             torch.testing.assert_close(tree_token_logprobs(model, row), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_tree_attention_equals_masked_attention_in_output_and_gradients():
+    """The CPU kernel (each segment causal on itself, its subtree's queries dense on its keys, merged by
+    log-sum-exp; its backward per piece) against one masked SDPA over the ancestor relation, in fp64: a group under
+    a shared prompt, a fork two levels deep, a lone sample and one sharing only part of the prompt, GQA 2:1."""
+    from turnrl.train.tree import build_tree_row, tree_attention
+
+    prompt = _ids(30)
+    seqs = [(prompt, [k, *_ids(6), k], [1] * 8) for k in range(1, 4)]
+    seqs += [(prompt, [1, *_ids(4)], [1] * 5), (_ids(3), _ids(2), [1, 1]), (prompt[:12], _ids(3), [1] * 3)]
+    row = build_tree_row(seqs, list(range(len(seqs))))
+    assert row.tree is not None and sum(e > b for _, b, e in row.tree.spans) >= 2  # two levels of forks
+    T = row.input_ids.shape[1]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, T, 8, dtype=torch.float64, generator=gen).requires_grad_() for h in (4, 2, 2))
+    grad = torch.randn(1, T, 4, 8, dtype=torch.float64, generator=gen)
+    out, _ = tree_attention(None, q, k, v, None, scaling=0.3, turnrl_tree=row.tree)
+    got = [out, *torch.autograd.grad(out, (q, k, v), grad)]
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                         attn_mask=ancestor_mask(row), scale=0.3).transpose(1, 2)
+    for a, b in zip(got, [ref, *torch.autograd.grad(ref, (q, k, v), grad)], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
 
 
 def test_routing_of_a_tree_row_comes_from_the_samples_through_each_node():

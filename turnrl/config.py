@@ -45,6 +45,9 @@ class EngineConfig(Strict):
     share_prefixes: bool = True
     """Embedded engine: a request copies the KV of the longest prefix it shares with any parked, running or
     same-step request (a group's prompt is prefilled once); false: only its own trajectory's (docs/engines.md)."""
+    threads: int | None = Field(None, ge=1)
+    """Embedded engine: intra-op threads of its forwards, on its own thread (None: torch's setting). On a machine
+    whose cores other processes share, 1 makes decode steps several times faster (docs/engines.md)."""
     replicas: int = Field(1, ge=1)
     """Engine replicas behind the router (each a separate engine)."""
     urls: list[str] = []

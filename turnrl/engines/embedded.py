@@ -291,6 +291,16 @@ def _model_end_tokens(model: PreTrainedModel, text_config: Any) -> frozenset[int
                      for t in ([ids] if isinstance(ids, int) else ids))
 
 
+def _checked_threads(threads: Any) -> int | None:
+    """`EmbeddedEngine(threads=)`: the intra-op threads of the engine's forwards, set on its own thread (OpenMP's
+    setting is per thread: a trainer in the same process keeps its own); None: torch's. 1 on shared cores: a
+    decode step's small matmuls each fork and join the thread team, and where other processes use the cores every
+    join waits for a descheduled thread (docs/engines.md)."""
+    if threads is not None and (not is_int(threads) or threads < 1):
+        raise ValueError(f"EmbeddedEngine: threads must be a positive integer or None, got {threads!r}")
+    return threads
+
+
 class EmbeddedEngine:
     """Token-level continuous-batching engine over a transformers causal LM (see module docstring)."""
 
@@ -307,8 +317,10 @@ class EmbeddedEngine:
         record_sampling_mask: bool = False,
         record_routing: bool = False,
         share_prefixes: bool = True,
+        threads: int | None = None,
     ):
         self.model = model.eval()
+        self.threads = _checked_threads(threads)
         self.record_sampling_mask = record_sampling_mask
         """Report each token's kept-set size (`GenerateOutput.kept_counts`)."""
         self._routing = RoutingRecorder(model) if record_routing else None
@@ -342,10 +354,8 @@ class EmbeddedEngine:
         self._kv_epoch = 0  # bumped when the weights change or the cache sleeps: older KV is never copied
         self._generator = torch.Generator().manual_seed(seed)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._waiting: list[_Request] = []
-        self._active: list[_Request] = []
-        self._wake = threading.Event()
-        self._stopped = False
+        self._waiting, self._active = list[_Request](), list[_Request]()
+        self._wake, self._stopped = threading.Event(), False
         self._updating = False  # between the first and the final bucket of a streamed weight update
         self._deferred: list[tuple] = []  # commands held until the running requests finish (pause=wait)
         self.stats = {"decode_steps": 0, "prefill_forwards": 0, "prefill_tokens": 0, "cached_prompt_tokens": 0,
@@ -469,6 +479,8 @@ class EmbeddedEngine:
             loop.call_soon_threadsafe(_set)
 
     def _run(self) -> None:
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)  # this thread's (see `threads`)
         with torch.inference_mode():
             while not self._stopped:
                 self._drain_inbox()

@@ -128,7 +128,8 @@ def format_step_line(m: dict[str, Any], total: int) -> str:
         return f"[bold cyan]eval {m['eval/tag']}[/]: " + "  |  ".join(passes)
     reasons = Counter({k.split("/")[-1]: v for k, v in m.items() if k.startswith("rollout/reason/")})
     reason_text = " ".join(f"{k} {v:.0%}" for k, v in reasons.most_common(3))
-    loss = _branches(m) + (f"loss {m['train/loss']:.4f}" if "train/loss" in m else "no trainable samples")
+    loss = _branches(m) + (f"loss {m['train/loss']:.4f}" if "train/loss" in m else "no trainable samples"
+                           + (" (every group's rewards equal)" if m.get("train/constant_group_frac") == 1.0 else ""))
     return (f"step {m['step']:.0f}/{total}  reward {m.get('rollout/reward_mean', float('nan')):.3f}"
             f"±{m.get('rollout/reward_std', float('nan')):.2f}  turns {m['rollout/turns_mean']:.2f}  ({reason_text})  "
             f"gen {m['rollout/tokens_per_s']:.0f} tok/s  train {m.get('train/tokens_per_s', 0):.0f} tok/s"

@@ -66,6 +66,9 @@ from turnrl.train.samples import PromptSampler, TrainSample, group_advantages, t
 
 log = logging.getLogger(__name__)
 
+STALLED_STEPS = 3
+"""Steps in a row without a group whose rewards differ before the loop says that training has stalled."""
+
 
 class Trainer:
     """The RL loop over built components (turnrl.build makes them from a config): `learner` is the policy as
@@ -94,6 +97,8 @@ class Trainer:
         self._reissue: list[Group] = []
         self._unrecorded_said: set[str] = set()
         """The off-policy corrections already warned about missing from trajectories (`_warn_unrecorded`): once."""
+        self._flat_steps = 0
+        """Steps in a row whose groups all had equal rewards (nothing trained): said once at STALLED_STEPS."""
         self._started = self._last_step_end = time.perf_counter()
         self.step = 0
         self.history: list[dict[str, float]] = []
@@ -292,9 +297,20 @@ class Trainer:
 
     def _log(self, metrics: dict[str, Any]) -> None:
         self.history.append(metrics)
+        if "eval/tag" not in metrics:
+            self._say_if_stalled(metrics)
         if self.parallel.is_main:
             self.loggers.log(metrics, self.step)
             self.console.print(format_step_line(metrics, self.cfg.steps))
+
+    def _say_if_stalled(self, metrics: dict[str, Any]) -> None:
+        """Warn once per stall when STALLED_STEPS steps in a row had no group whose samples' rewards differ."""
+        self._flat_steps = self._flat_steps + 1 if metrics.get("train/constant_group_frac") == 1.0 else 0
+        if self._flat_steps == STALLED_STEPS and self.parallel.is_main:
+            log.warning("steps %d-%d: in every group all samples got the same reward, so every advantage was 0 and "
+                        "nothing trained: the policy has stopped exploring these prompts (more samples per group, "
+                        "rollout.n; a higher sampling temperature; or a graded reward give it signal again)",
+                        self.step - STALLED_STEPS + 1, self.step)
 
     def save_checkpoint(self, final: bool = True) -> Path:
         """The learner's sharded state, this loop's (step, data position, history, the buffer: nothing in flight

@@ -48,6 +48,7 @@ class TreeAttention:
     key_lengths: list[int]  # ancestors + own tokens of each such segment (splits key_index)
     masks: list[torch.Tensor | None]  # per segment: None (a root: causal) or [L, A + L] bool (ancestors, then causal)
     subtree_end: torch.Tensor  # [T] one past the last row position in each token's subtree (the ancestor relation)
+    spans: list[tuple[int, int, int]] = field(default_factory=list)  # per segment (start, end, its subtree's end)
     kernel: str = "sdpa"  # "sdpa" or "flex"
     block_mask: Any = None  # FlexAttention's BlockMask, made on the device per forward
     _additive: dict[torch.dtype, list[torch.Tensor | None]] = field(default_factory=dict, repr=False)
@@ -341,8 +342,9 @@ def _attention(parent_T: list[int], n_children: list[int], end: list[int]) -> Tr
         key_lengths.append(len(ancestors) + length)
         causal = torch.ones(length, length, dtype=torch.bool).tril()
         masks.append(torch.cat([torch.ones(length, len(ancestors), dtype=torch.bool), causal], dim=1))
+    spans = [(a, a + length, end[a + length - 1]) for a, length in zip(seg_starts, seg_lengths, strict=True)]
     return TreeAttention(seg_lengths, torch.tensor(key_index, dtype=torch.long), key_lengths, masks,
-                         torch.tensor(end, dtype=torch.long))
+                         torch.tensor(end, dtype=torch.long), spans)
 
 
 def _targets(sequences: Sequence[Triple], members: list[int], paths: list[list[int]],
@@ -418,6 +420,8 @@ def tree_attention(module, query, key, value, attention_mask, dropout=0.0, scali
         out = _flex(flex_attention, query.device)(query, key, value, block_mask=tree.block_mask, scale=scaling,
                                                    enable_gqa=groups > 1)
         return out.transpose(1, 2).contiguous(), None
+    if query.device.type == "cpu" and tree.spans and _CPU_FLASH is not None:
+        return _SpanAttention.apply(query, key, value, tree.spans, scaling), None
     gqa = {"enable_gqa": True} if groups > 1 and _SDPA_GQA else {}
     if groups > 1 and not gqa:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
@@ -437,6 +441,61 @@ def tree_attention(module, query, key, value, attention_mask, dropout=0.0, scali
             g += 1
         outputs.append(o.transpose(1, 2))
     return torch.cat(outputs, dim=1), None
+
+
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+class _SpanAttention(torch.autograd.Function):
+    """Tree attention on the CPU without gathers or masks: every segment attends to itself causally (one flash
+    call on its own slice), and the queries of a segment's whole subtree, which depth-first order makes one
+    contiguous slice right after it, attend to the segment's keys densely (one flash call, no mask). A token thus
+    sees its own segment and each of its ancestor segments once; the pieces merge by their log-sum-exp, and the
+    backward runs the same pieces against the merged output and log-sum-exp (FlashAttention's backward, which is
+    exact per piece given the final softmax normaliser). query [1, H, T, D], key/value [1, H_kv, T, D]."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, spans, scale):
+        assert _CPU_FLASH is not None
+        B, H, T, D = query.shape
+        acc = torch.promote_types(query.dtype, torch.float32)  # merged in fp32 (fp64 for fp64 inputs)
+        out_T = query.new_empty(B, T, H, D, dtype=acc)  # [B, T, H, D]: the kernel's own layout
+        lse_T = query.new_empty(B, T, H, dtype=acc)
+        out, lse = out_T.transpose(1, 2), lse_T.transpose(1, 2)  # [B, H, T, D], [B, H, T] views
+        for a, b, _ in spans:
+            o, m = _CPU_FLASH(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], 0.0, True, scale=scale)
+            out[:, :, a:b] = o
+            lse[:, :, a:b] = m
+        for a, b, e in spans:
+            if e > b:  # the subtree's queries see this segment's keys, all of them
+                o, m = _CPU_FLASH(query[:, :, b:e], key[:, :, a:b], value[:, :, a:b], 0.0, False, scale=scale)
+                old_lse = lse[:, :, b:e]
+                new_lse = torch.logaddexp(old_lse, m)
+                out[:, :, b:e] = (out[:, :, b:e] * (old_lse - new_lse).exp_()[..., None]
+                                  + o.to(acc) * (m - new_lse).exp_()[..., None])
+                lse[:, :, b:e] = new_lse
+        result = out_T.to(query.dtype)
+        ctx.save_for_backward(query, key, value, result, lse_T)
+        ctx.spans, ctx.scale = spans, scale
+        return result
+
+    @staticmethod
+    def backward(ctx, grad_T):
+        assert _CPU_FLASH_BACKWARD is not None
+        query, key, value, result, lse_T = ctx.saved_tensors
+        out, lse, grad = result.transpose(1, 2), lse_T.transpose(1, 2), grad_T.transpose(1, 2)
+        dq, dk, dv = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+        for a, b, e in ctx.spans:
+            pieces = [(a, b, True)] + ([(b, e, False)] if e > b else [])
+            for q0, q1, causal in pieces:
+                gq, gk, gv = _CPU_FLASH_BACKWARD(grad[:, :, q0:q1], query[:, :, q0:q1], key[:, :, a:b],
+                                                 value[:, :, a:b], out[:, :, q0:q1], lse[:, :, q0:q1], 0.0, causal,
+                                                 scale=ctx.scale)
+                dq[:, :, q0:q1] += gq
+                dk[:, :, a:b] += gk
+                dv[:, :, a:b] += gv
+        return dq, dk, dv, None, None
 
 
 _FLEX: dict[str, Any] = {}
