@@ -37,12 +37,12 @@ async def test_auto_grows_with_headroom_and_cuts_on_preemption_and_the_caps():
         await gate.acquire()
     gate.tick()  # reads 10% occupancy
     assert gate.limit == 2
-    gate.release(1, held_s=1.0)  # slow start: each finished trajectory adds a slot (clocked by completions)
-    assert gate.limit == 3 and gate.round_trip(now[0]) == 1.0
+    gate.release(1, held_s=1.0)  # slow start: each finished trajectory adds slots (clocked by completions):
+    assert gate.limit == 3 and gate.round_trip(now[0]) == 1.0  # 2 - 0.1 / (0.8 / 2) = 1.75 of them at 10%
     for _ in range(2):
         await gate.acquire()
     gate.release(1, held_s=1.0)
-    assert gate.limit == 4
+    assert gate.limit == 5  # 0.75 + 1.75 credit
     for _ in range(2):
         await gate.acquire()
     assert gate.in_flight == 4
@@ -80,6 +80,37 @@ async def test_auto_grows_with_headroom_and_cuts_on_preemption_and_the_caps():
     now[0] = 4.0
     gate.tick()
     assert gate.limit == 9
+
+
+async def test_after_a_cut_auto_closes_half_the_gap_to_the_capacity_estimate_per_round_trip():
+    """Past slow start the limit grows toward in_flight * soft cap / occupancy (prime-rl's n = kappa * C / G) by half
+    the gap per round trip (a round trip: as many finished trajectories as the limit), at least a twentieth."""
+    now = [0.0]
+    gate = Admission(AdmissionSettings("auto", kv_soft_cap=0.8, kv_hard_cap=0.9, initial=32), None,
+                     clock=lambda: now[0])
+
+    class Cache:  # each trajectory holds 1/80 of the KV cache: the estimate is 0.8 * 80 = 64 trajectories
+        def kv_stats(self):
+            return KVStats(gate.in_flight / 80, 0)
+
+    gate.engine, gate.cuts = Cache(), 1  # after a cut: no slow start
+
+    async def round_trip() -> None:  # as many trajectories finish as the limit, each replaced at once
+        for _ in range(gate.limit):
+            now[0] += 0.01
+            gate.release(1, held_s=0.001)
+            while gate.in_flight < gate.limit:
+                await gate.acquire()
+
+    while gate.in_flight < gate.limit:
+        await gate.acquire()
+    seen = []
+    for _ in range(8):
+        await round_trip()
+        seen.append(gate.limit)
+    assert 40 <= seen[0] <= 48  # about half the gap of 64 - 32 (a twentieth would be + 1)
+    assert seen[1] - seen[0] >= (64 - seen[0]) // 4 and seen == sorted(seen)
+    assert seen[-1] >= 62 and max(seen) <= 66, seen  # there, and not past the estimate (read a tick ago: +-1 or 2)
 
 
 async def test_a_fixed_limit_is_a_gate_of_that_many_slots_and_costs_count():

@@ -168,13 +168,13 @@ def _server_engine(cfg: EngineConfig, record: Recording = Recording(), model_pat
                 raise ConfigError("rollout.router_replay: record with SGLang needs the policy (model) to size its routing")
             shape = routing_shape(AutoConfig.from_pretrained(resolve_model(model_path)))
         replicas = [SGLangEngine(url, weights_dir=_replica_dir(cfg, i), record=record, routing_shape=shape,
-                                    probe_after_s=after, probe_timeout_s=probe)
+                                    probe_after_s=after, probe_timeout_s=probe, kv_metrics=cfg.kv_metrics)
                     for i, url in enumerate(cfg.urls)]
     elif cfg.kind == "vllm":
         from turnrl.engines.vllm import VLLMServerEngine
 
         replicas = [VLLMServerEngine(url, weights_dir=_replica_dir(cfg, i), record=record, probe_after_s=after,
-                                     probe_timeout_s=probe)
+                                     probe_timeout_s=probe, kv_metrics=cfg.kv_metrics)
                     for i, url in enumerate(cfg.urls)]
     else:
         raise ValueError(f"engine.kind={cfg.kind!r} has no server client here; use http, sglang or vllm")

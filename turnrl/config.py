@@ -55,6 +55,9 @@ class EngineConfig(Strict):
     once, naming its URL (it is dead). None: never probe (a call then waits up to its 600 s limit)."""
     probe_timeout_s: float = Field(10.0, gt=0)
     """How long that health probe may take before the server counts as not responding."""
+    kv_metrics: bool = False
+    """Server engines vllm and sglang: read each server's Prometheus /metrics (KV occupancy, preemptions) for
+    rollout.concurrency auto (SGLang needs --enable-metrics; docs/rollout.md). Off: they report no KV."""
     weights_dir: str | None = None
     """A folder the trainer and the servers share: server engines (sglang, vllm server) load pushed weights
     from there (`update_weights_from_disk`); one sub-folder per replica."""

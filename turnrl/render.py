@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from turnrl import frames
 from turnrl.reasoning import REASONING_MARKERS
 from turnrl.types import Message
 
@@ -71,6 +72,7 @@ TOOL_BLOCK = (
 """The system-prompt tool block of the Hermes / Qwen2.5 templates, one JSON schema per line: what turnrl puts
 into the prompt for templates that drop the tools they are given (the format `--tool-parser hermes` reads)."""
 INJECTED_TOOL_FORMAT = "hermes"
+_UNPROVEN: Any = object()  # a frame key not seen yet
 
 
 class SanityMode(StrEnum):
@@ -163,7 +165,13 @@ class ChatRenderer:
         if getattr(tokenizer, "chat_template", None) is None:
             raise RenderError(f"tokenizer {type(tokenizer).__name__} has no chat template")
         self.tokenizer = tokenizer
+        self._backend = _backend_of(tokenizer)
+        """The tokenizer's Rust `tokenizers.Tokenizer` when calling it directly is what the tokenizer's own call does
+        (a fast tokenizer whose call is transformers' own), else None (`encode` goes through the call)."""
+        self._decodes_directly = self._backend is not None and _decodes_as_backend(tokenizer)
         self._pieces: dict[str, list[int]] = {}
+        self._frames: dict[tuple, frames.Frame | None] = {}
+        self._plain = frames.plain_test(frames.logic_literals(tokenizer.chat_template))
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.template_name = _template_name(tokenizer)
         self.reasoning_markers = _markers_of(tokenizer.chat_template)
@@ -281,7 +289,29 @@ class ChatRenderer:
         return True  # the template refuses tool calls outright: its own error says so, nothing to rewrite
 
     def encode(self, text: str) -> list[int]:
+        backend = self._usable_backend()
+        if backend is not None:
+            return backend.encode(text, add_special_tokens=False).ids
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """(ids, character offsets) of `text`, as the tokenizer's call with return_offsets_mapping gives them."""
+        backend = self._usable_backend()
+        if backend is not None:
+            enc = backend.encode(text, add_special_tokens=False)
+            return enc.ids, enc.offsets
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return enc["input_ids"], enc["offset_mapping"]
+
+    def _usable_backend(self) -> Any:
+        """The Rust tokenizer when a direct call equals the tokenizer's call now: no truncation or padding left
+        set on it by another caller (the tokenizer's call turns them off), special tokens not split."""
+        b = self._backend
+        if b is None or b.truncation is not None or b.padding is not None:
+            return None
+        if b.encode_special_tokens != bool(getattr(self.tokenizer, "split_special_tokens", False)):
+            return None
+        return b
 
     def _piece_ids(self, piece: str) -> list[int]:
         """`encode(piece)` of a template piece (a pre-fill), encoded once: the same text always gives the same
@@ -292,6 +322,8 @@ class ChatRenderer:
         return list(ids)
 
     def decode(self, ids: list[int]) -> str:
+        if self._decodes_directly and type(ids) is list:
+            return self._backend.decode(ids, skip_special_tokens=False)
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def describe(self) -> str:
@@ -373,7 +405,7 @@ class ChatRenderer:
     def _token_boundary_at_most(self, text: str, limit: int) -> int:
         if limit >= len(text):
             return len(text)
-        starts = [a for a, _ in self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]]
+        starts = [a for a, _ in self._encode_offsets(text)[1]]
         return max([a for a in starts if a <= limit] or [0])
 
     def _probe_prefill(self, system: bool, tools: list[dict] | None) -> str:
@@ -422,9 +454,9 @@ class ChatRenderer:
         calls = _calls_for([{"role": "tool", "tool_call_id": "turnrl_call_0", "name": "turnrl_probe"}])
         text = self.render_text(self._dummy(p.system, calls), tools, add_generation_prompt=False)
         text = text[: len(text) - len(p.trailer)] if p.trailer and text.endswith(p.trailer) else text
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = self._encode_offsets(text)
         special = self._special_ids()
-        for tid, (a, _) in reversed(list(zip(enc["input_ids"], enc["offset_mapping"], strict=True))):
+        for tid, (a, _) in reversed(list(zip(ids, offsets, strict=True))):
             if tid in special:
                 return text[a:]
             if text[a:].strip():
@@ -557,6 +589,11 @@ class ChatRenderer:
 
     def render_initial(self, messages: list[Message], tools: list[dict] | None = None) -> str:
         self._profile(tools)  # a template that cannot render this variant says so by name
+        key = frames.shape_key("initial", messages, tools, self._plain)
+        if key is not None:
+            frame = self._frame(key, messages, lambda ms: self.render_text(ms, tools, add_generation_prompt=True))
+            if frame is not None:
+                return frame.fill([m["content"] for m in messages])
         try:
             return self.render_text(messages, tools, add_generation_prompt=True)
         except Exception as e:
@@ -567,18 +604,57 @@ class ChatRenderer:
                         history: list[Message] | None = None) -> list[int]:
         """Tokens for `messages` appended after a closed assistant turn, plus the next generation prompt.
         `history` (the conversation so far) is needed by templates whose strategy is `history`."""
+        framed = self._framed_delta(messages, tools)
+        if framed is not None:
+            return self.encode(framed)
         text, start = self.observation_text(messages, tools, history)
         return self._encode_suffix(text, start)
+
+    def _framed_delta(self, messages: list[Message], tools: list[dict] | None) -> str | None:
+        """The observation delta of `messages` from a proven frame (turnrl.frames), or None (render it). Only for
+        the `dummy` strategy (the delta does not depend on the history), and only where the delta starts with a
+        special token, so its tokens in the dummy render are its tokens alone (checked on the sentinels too)."""
+        key = frames.shape_key("observation", messages, tools, self._plain)
+        p = self.profiles[bool(tools)]
+        if key is None or p.error is not None:
+            return None
+        strategy = p.tool if any(m.get("role") == "tool" for m in messages) else p.user
+        if strategy != Strategy.DUMMY:
+            return None
+        frame = self._frame(key, messages, lambda ms: self._delta_after_mark(p, ms, tools),
+                            lambda ms: self._hard_start(p, ms, tools))
+        return None if frame is None else frame.fill([m["content"] for m in messages])
+
+    def _frame(self, key: tuple, messages: list[Message], render: Any, also: Any = None) -> frames.Frame | None:
+        """The frame of `key` (proven once by `render` of the sentinel contents, and by `also` when given)."""
+        frame = self._frames.get(key, _UNPROVEN)
+        if frame is _UNPROVEN:
+            if len(self._frames) >= frames.MAX_FRAMES:
+                self._frames.clear()
+            frame = frames.prove(render, messages)
+            if frame is not None and also is not None:
+                proven = [{**m, "content": s(k)} for s in frames.SENTINELS for k, m in enumerate(messages)]
+                n = len(messages)
+                frame = frame if also(proven[:n]) and also(proven[n:]) else None
+            self._frames[key] = frame
+        return frame
+
+    def _hard_start(self, p: TemplateProfile, messages: list[Message], tools: list[dict] | None) -> bool:
+        """Does the delta of `messages` start with a special token, and tokenise alone as inside the dummy render?"""
+        text, start = self._text_after_mark(p, messages, tools)
+        ids, offsets = self._encode_offsets(text[start:])
+        return (bool(ids) and ids[0] in self._special_ids() and offsets[0][0] == 0
+                and ids == self._encode_suffix(text, start))
 
     def _encode_suffix(self, text: str, char_start: int) -> list[int]:
         """Tokens of `text[char_start:]` as they are tokenized inside the whole text (same boundaries). Only
         a window before the suffix is tokenised with it: a delta never costs the length of the history."""
         for window in (256, len(text)):
             begin = max(0, char_start - window)
-            enc = self.tokenizer(text[begin:], add_special_tokens=False, return_offsets_mapping=True)
-            starts = [begin + a for a, _ in enc["offset_mapping"]]
+            ids, offsets = self._encode_offsets(text[begin:])
+            starts = [begin + a for a, _ in offsets]
             if char_start in starts[1:] or (begin == 0 and char_start in starts):
-                suffix = enc["input_ids"][starts.index(char_start):]
+                suffix = ids[starts.index(char_start):]
                 if suffix != self.encode(text[char_start:]):
                     raise RenderError("observation tokens depend on the text before them; not append-safe")
                 return suffix
@@ -633,6 +709,9 @@ class ChatRenderer:
                     history: list[Message] | None = None) -> Rendered:
         """The delta of `messages` (see `observation_ids`) and the pre-fill it ends with."""
         _refuse_images(messages)
+        framed = self._framed_delta(messages, tools)
+        if framed is not None:
+            return self._rendered(framed, self.encode(framed))
         text, start = self.observation_text(messages, tools, history)
         return self._rendered(text, self._encode_suffix(text, start))
 
@@ -716,6 +795,32 @@ class ChatRenderer:
 # ---------------------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------------------
+def _backend_of(tokenizer: Any) -> Any:
+    """The Rust tokenizer of a transformers fast tokenizer whose call is transformers' own (then a direct
+    `encode(text, add_special_tokens=False)` gives the call's ids and offsets), else None."""
+    try:
+        from tokenizers import Tokenizer
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    backend, cls = getattr(tokenizer, "_tokenizer", None), type(tokenizer)
+    if (not isinstance(backend, Tokenizer) or cls.__call__ is not PreTrainedTokenizerBase.__call__
+            or cls._encode_plus is not TokenizersBackend._encode_plus):
+        return None
+    return backend
+
+
+def _decodes_as_backend(tokenizer: Any) -> bool:
+    """Is the tokenizer's decode its Rust tokenizer's decode (transformers' own, no clean-up of spaces)?"""
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    cls = type(tokenizer)
+    return (cls.decode is PreTrainedTokenizerBase.decode and cls._decode is TokenizersBackend._decode
+            and not getattr(tokenizer, "clean_up_tokenization_spaces", False))
+
+
 def _template_name(tokenizer: Any) -> str:
     template = tokenizer.chat_template
     source = template if isinstance(template, str) else repr(sorted(template.items()))

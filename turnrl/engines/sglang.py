@@ -61,8 +61,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from turnrl.engines.base import EngineError, NamedTensors, Recording
+from turnrl.engines.base import EngineError, KVStats, NamedTensors, Recording
 from turnrl.engines.http import JsonHttp, WeightsFolder, _excerpt, encode_image
+from turnrl.engines.metrics import SGLANG, KVMetrics
 from turnrl.types import FinishReason, GenerateOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -85,13 +86,15 @@ class SGLangEngine:
         probe_after_s / probe_timeout_s: a call without an answer this long asks GET /get_model_info (answered by
             the HTTP server at once; SGLang's /health may generate a token, up to 20 s) and fails naming the
             server when that gets no answer in time (JsonHttp); None: never probe.
+        kv_metrics: `kv_stats()` reads the server's Prometheus /metrics (`sglang:token_usage`, retractions;
+            turnrl.engines.metrics; the server needs --enable-metrics) for rollout.concurrency auto.
     """
 
     def __init__(self, base_url: str, *, api_key: str | None = None, weights_dir: str | os.PathLike | None = None,
                  sleep_tags: list[str] | None = None, timeout_s: float | None = 600.0, connect_timeout_s: float = 10.0,
                  control_timeout_s: float = 10.0, record: Recording = Recording(),
                  routing_shape: tuple[int, int] | None = None, probe_after_s: float | None = 20.0,
-                 probe_timeout_s: float = 10.0):
+                 probe_timeout_s: float = 10.0, kv_metrics: bool = False):
         if record.routing and routing_shape is None:
             raise ValueError("SGLangEngine(record=Recording(routing=True)) needs routing_shape=(MoE layers, top_k): "
                              "SGLang returns the expert ids as a flat array")
@@ -110,6 +113,11 @@ class SGLangEngine:
         self._aborting_updates = 0
         self.control_timeout_s = control_timeout_s
         self._aborts: set[asyncio.Task] = set()
+        self._kv = KVMetrics(self.http, SGLANG) if kv_metrics else None
+
+    def kv_stats(self) -> KVStats | None:
+        """The KV token pool's usage and retractions so far, from the server's /metrics (`kv_metrics`), else None."""
+        return self._kv.stats() if self._kv is not None else None
 
     # ---- Engine protocol -------------------------------------------------------------------------
     async def generate(

@@ -67,8 +67,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from turnrl.engines.base import EngineError, InvalidRequest, NamedTensors, Recording, check_pause
+from turnrl.engines.base import EngineError, InvalidRequest, KVStats, NamedTensors, Recording, check_pause
 from turnrl.engines.http import JsonHttp, WeightsFolder, _excerpt
+from turnrl.engines.metrics import VLLM, KVMetrics
 from turnrl.types import FinishReason, GenerateOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -413,12 +414,14 @@ class VLLMServerEngine:
             the server when that gets no answer in time (JsonHttp); None: never probe.
         record: routing asks for `routed_experts` (the server needs `--enable-return-routed-experts`); kept sets
             are not available through `/v1/completions` (said once, then the trainer uses the full softmax).
+        kv_metrics: `kv_stats()` reads the server's Prometheus /metrics (`vllm:kv_cache_usage_perc`, preemptions;
+            turnrl.engines.metrics) for rollout.concurrency auto.
     """
 
     def __init__(self, base_url: str, *, model: str | None = None, api_key: str | None = None,
                  weights_dir: str | os.PathLike | None = None, eos_token_ids: Iterable[int] = (),
                  timeout_s: float | None = 600.0, connect_timeout_s: float = 10.0, record: Recording = Recording(),
-                 probe_after_s: float | None = 20.0, probe_timeout_s: float = 10.0):
+                 probe_after_s: float | None = 20.0, probe_timeout_s: float = 10.0, kv_metrics: bool = False):
         if record.sampling_mask:
             log.warning("VLLMServerEngine: vLLM's /v1/completions does not return sampling masks; kept sets are not "
                         "recorded (the trainer scores these tokens under the full softmax)")
@@ -436,6 +439,11 @@ class VLLMServerEngine:
         self._aborting_updates = 0
         self._rid_counter = itertools.count()
         self._warned_sleep = False
+        self._kv = KVMetrics(self.http, VLLM) if kv_metrics else None
+
+    def kv_stats(self) -> KVStats | None:
+        """The KV cache's usage and preemptions so far, from the server's /metrics (`kv_metrics`), else None."""
+        return self._kv.stats() if self._kv is not None else None
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, *, request_id: str, images: list[Any] | None = None

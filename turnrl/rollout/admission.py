@@ -9,7 +9,8 @@ the preemptions so far; a Router reports its fullest replica):
   holds its slot) and the limit in use: grow, clocked by finished trajectories (as TCP's window is by
   acknowledgements: a slow engine or a loaded machine slows the growth too). Until the first cut and while the
   occupancy is under half the soft cap each finished trajectory adds one slot (doubling per round trip: slow
-  start); after, a twentieth of the limit per round trip. Either way never past the capacity estimate
+  start); after, half the gap to the capacity estimate per round trip (at least a twentieth of the limit: it
+  slows as it nears the estimate, which lags the KV young trajectories will still grow). Either way never past the capacity estimate
   in_flight * kv_soft_cap / occupancy (prime-rl's n = kappa * C / G: G the KV a trajectory holds on average,
   C the cache), nor past `max_concurrency`.
 - a new preemption: cut to 0.7 of what is in flight; occupancy past `kv_hard_cap`: by half; past `kv_soft_cap`:
@@ -55,7 +56,7 @@ class AdmissionSettings:
     """auto: past this occupancy nothing new is admitted and the limit is halved."""
     max_concurrency: int = 4096
     """auto: the limit never grows past this."""
-    initial: int = 4
+    initial: int = 16
     """auto: the limit it starts from."""
     interval_s: float = 0.05
     """auto: how often it reads the engines' KV report while trajectories run or wait."""
@@ -133,7 +134,8 @@ class Admission:
     def _on_finished(self, cost: int) -> None:
         """Growth, clocked by finished trajectories (as TCP's window is by acknowledgements, so a slow machine or
         engine slows it too): in slow start (no cut yet, occupancy under half the soft cap) each one adds its
-        cost, doubling the limit per round trip; after, each adds cost / 20, a twentieth per round trip. Only
+        cost, doubling the limit per round trip; after, each adds what grows the limit per round trip by half its
+        gap to the capacity estimate (at least a twentieth: a proportional approach that slows as it nears). Only
         with a KV report under the soft cap, a round trip after the last cut or preemption, and never past the
         capacity estimate in_flight * kv_soft_cap / occupancy or max_concurrency."""
         s, occ = self.settings, self.occupancy
@@ -141,14 +143,17 @@ class Admission:
         rtt = self.round_trip(now)
         if occ is None or occ > s.kv_soft_cap or now - self._last_cut < rtt or now - self._last_preemption < rtt:
             return
+        busy = self.in_flight + cost
+        target = s.max_concurrency if occ <= 0 or busy == 0 else math.floor(busy * s.kv_soft_cap / occ)
         slow = self.cuts == 0 and occ < s.kv_soft_cap / 2
-        self._credit += cost if slow else cost * max(1, self.limit // 20) / self.limit
+        per_round_trip = max(1, self.limit // 20, (target - self.limit) // 2)  # half the gap to the estimate
+        # slow start: each finished trajectory adds its cost, twice that with an empty cache (doubling to tripling
+        # per round trip, the more the farther the occupancy is under half the soft cap)
+        self._credit += cost * (2 - occ / (s.kv_soft_cap / 2)) if slow else cost * per_round_trip / self.limit
         step = math.floor(self._credit)
         if step < 1:
             return
         self._credit -= step
-        busy = self.in_flight + cost
-        target = s.max_concurrency if occ <= 0 or busy == 0 else math.floor(busy * s.kv_soft_cap / occ)
         self.limit = max(self.limit, min(self.limit + step, target, s.max_concurrency))
 
     def _fits(self, cost: int) -> bool:
