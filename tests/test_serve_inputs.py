@@ -208,9 +208,20 @@ def test_a_body_over_the_limit_gets_a_413_before_it_is_read(qwen3_tokenizer):
         server.stop()
 
 
+class SlowEncodingRenderer(ChatRenderer):
+    """Tokenising a long text takes seconds, as it does on a slower machine or for a longer prompt (turnrl's own
+    encode got fast enough that a 2 MB body no longer shows where it runs)."""
+
+    def encode(self, text: str) -> list[int]:
+        if len(text) > 1_000_000:
+            time.sleep(2.0)  # blocking, like the tokenizer: on the event loop it would stall /health
+        return super().encode(text)
+
+
 def test_a_long_conversation_is_tokenised_off_the_event_loop(qwen3_tokenizer):
     engine = RecordingEngine(qwen3_tokenizer, calculator_script)
-    server = ServerThread(create_app(engine, ChatProxy(engine, ChatRenderer(qwen3_tokenizer)), max_body_mb=64))
+    server = ServerThread(create_app(engine, ChatProxy(engine, SlowEncodingRenderer(qwen3_tokenizer)),
+                                     max_body_mb=64))
     url = server.start()
     try:
         body = {"model": "m", "messages": [{"role": "user", "content": "lorem ipsum dolor sit amet " * 80_000}]}
@@ -218,7 +229,7 @@ def test_a_long_conversation_is_tokenised_off_the_event_loop(qwen3_tokenizer):
         worker = threading.Thread(target=lambda: result.setdefault(
             "response", httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)))
         worker.start()
-        time.sleep(0.3)  # the 2 MB body is in, its tokenisation under way (seconds on this machine)
+        time.sleep(0.3)  # the 2 MB body is in, its tokenisation under way (2 s)
         latencies = []
         for _ in range(5):
             t0 = time.perf_counter()
