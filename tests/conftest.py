@@ -50,3 +50,14 @@ def host_refusing_namespaces(monkeypatch, tmp_path):
         f"runpy.run_path({child!r}, run_name='__main__')\n"
     )
     monkeypatch.setattr(sandbox, "_CHILD_PROGRAM", str(wrapper))
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    """The template zoo's directory (tests/template_zoo.py); skips when its sdist cannot be fetched."""
+    from template_zoo import ZooUnavailable, fetch_zoo
+
+    try:
+        return fetch_zoo()
+    except ZooUnavailable as e:
+        pytest.skip(f"the llama-cpp-python sdist (chat templates, vocab GGUFs) could not be fetched: {e}")

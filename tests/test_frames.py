@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 
 import pytest
-from template_zoo import FAMILIES, ZooUnavailable, family_tokenizer, fetch_zoo
+from template_zoo import FAMILIES, family_tokenizer
 
 from turnrl import frames
 from turnrl.render import ChatRenderer, Strategy
@@ -26,14 +26,6 @@ CONTENTS = [
 ]
 TOOLS = [{"type": "function", "function": {"name": "calc", "description": "Evaluate.", "parameters": {
     "type": "object", "properties": {"expr": {"type": "string", "description": "expression"}}, "required": ["expr"]}}}]
-
-
-@pytest.fixture(scope="module")
-def zoo():
-    try:
-        return fetch_zoo()
-    except ZooUnavailable as e:
-        pytest.skip(f"the llama-cpp-python sdist (chat templates, vocab GGUFs) could not be fetched: {e}")
 
 
 def _slow_observation(r: ChatRenderer, messages, tools, history) -> tuple[str, list[int]]:

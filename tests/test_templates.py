@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from template_zoo import FAMILIES, ZooUnavailable, fetch_zoo
+from template_zoo import FAMILIES
 
 from turnrl.render import RenderError
 
@@ -46,14 +46,6 @@ NOT_EXPRESSIBLE = {  # the template itself refuses the scripted turn
 NAMED = {"retokenised", "reasoning", "observation_rewrite"}
 CELLS = [(f.name, s) for f in FAMILIES for s in SCENARIOS] + [("Qwen-VL (images)", "images"),
                                                                  ("Qwen3.5 (images)", "images")]
-
-
-@pytest.fixture(scope="module")
-def zoo():
-    try:
-        return fetch_zoo()
-    except ZooUnavailable as e:
-        pytest.skip(f"the llama-cpp-python sdist (chat templates, vocab GGUFs) could not be fetched: {e}")
 
 
 @pytest.fixture(scope="module")
