@@ -110,18 +110,21 @@ def _take(t: torch.Tensor, rows: Rows) -> torch.Tensor:
     return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
 
 
-def plan_cascade(lens: torch.Tensor, groups: list[tuple[int, list[int]]]) -> CascadePlan | None:
+def plan_cascade(lens: torch.Tensor, groups: list[tuple[int, list[int]]], *, min_rows: int = MIN_ROWS,
+                 min_prefix: int = MIN_PREFIX) -> CascadePlan | None:
     """The plan of a decode step over rows with `lens` (row i writes column lens[i] and sees 0..lens[i]), given
-    groups (P, rows) whose rows hold the same K/V in columns [0, P). Groups under MIN_ROWS rows or MIN_PREFIX
+    groups (P, rows) whose rows hold the same K/V in columns [0, P). Groups under `min_rows` rows or `min_prefix`
     columns decode as plain rows; None when no group is left."""
     n = lens.shape[0]
-    kept = [(p, sorted(rows)) for p, rows in groups if len(rows) >= MIN_ROWS and p >= MIN_PREFIX]
+    kept = [(p, sorted(rows)) for p, rows in groups if len(rows) >= min_rows and p >= max(min_prefix, 1)]
     if not kept:
         return None
     for p, rows in kept:
-        if any(not 0 <= r < n for r in rows) or p > int(lens[rows].min()):
-            raise ValueError(f"cascade group of rows {rows} with a {p}-column prefix: rows out of [0, {n}) or "
-                             f"longer than a row's KV (lens {lens[rows].tolist()})")
+        if any(not 0 <= r < n for r in rows):
+            raise ValueError(f"cascade group of rows {rows}: rows out of [0, {n})")
+        if p > int(lens[rows].min()):
+            raise ValueError(f"cascade group of rows {rows} with a {p}-column prefix: longer than a row's KV "
+                             f"(lens {lens[rows].tolist()})")
     order = [r for _, rows in kept for r in rows]
     if len(set(order)) != len(order):
         raise ValueError(f"cascade groups overlap: rows {order}")
