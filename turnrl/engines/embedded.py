@@ -21,6 +21,9 @@ How it works:
   branch copies what it shares with its parent. Parked KV is bounded by `prefix_cache_tokens` (LRU) and
   dropped on `release(request_id)`, `sleep` or a weight update. With `share_prefixes=False` (and always for
   VLMs and with `record_routing`) only a trajectory's own parked KV is reused, when its prompt extends it.
+- Cascade (turnrl.engines.cascade; `cascade=True`, with share_prefixes): rows whose first columns hold copies of
+  one block's KV (a group's prompt) decode against one copy of it: the decode step reads those columns once for
+  the group, merged by log-sum-exp with each row's own columns. Every row still holds its full copy.
 - Logprobs are those of the distribution actually sampled from (temperature, top-k, top-p applied).
 - With `record_sampling_mask`, each token also reports the size of the kept set it was drawn from (the k most
   likely tokens that top-k and top-p left), so the trainer can renormalise over the same set; with
@@ -359,10 +362,11 @@ class EmbeddedEngine:
         self._wake, self._stopped = threading.Event(), False
         self._updating = False  # between the first and the final bucket of a streamed weight update
         self._deferred: list[tuple] = []  # commands held until the running requests finish (pause=wait)
-        self.stats = {"decode_steps": 0, "cascade_steps": 0, "prefill_forwards": 0, "prefill_tokens": 0, "cached_prompt_tokens": 0,
-                      "shared_prompt_tokens": 0, "generated_tokens": 0, "requests": 0, "busy_s": 0.0, "prefill_s": 0.0}
+        self.stats = {"decode_steps": 0, "cascade_steps": 0, "prefill_forwards": 0, "prefill_tokens": 0,
+                      "cached_prompt_tokens": 0, "shared_prompt_tokens": 0, "generated_tokens": 0, "requests": 0,
+                      "busy_s": 0.0, "prefill_s": 0.0}
         """shared_prompt_tokens: the part of cached_prompt_tokens copied from another request's KV; prefill_s: the
-        part of busy_s spent in prefill forwards."""
+        part of busy_s spent in prefill forwards; cascade_steps: decode steps that ran cascade attention."""
         self._thread = threading.Thread(target=self._run, name="turnrl-engine", daemon=True)
         self._thread.start()
 
