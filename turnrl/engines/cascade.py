@@ -22,7 +22,7 @@ function behaves as plain SDPA for every call that carries no plan (prefill, ste
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import torch
 from transformers import AttentionInterface
@@ -237,7 +237,7 @@ AttentionInterface.register(CASCADE_ATTENTION, cascade_attention)
 def use_cascade_attention(model: torch.nn.Module) -> bool:
     """Switch a text model whose attention is SDPA to `cascade_attention` (which is SDPA for every call without a
     plan); False, and nothing changed, for any other attention implementation."""
-    config = model.config
+    config: Any = model.config  # a transformers PretrainedConfig (nn.Module types it as Tensor | Module)
     if config._attn_implementation == CASCADE_ATTENTION:
         return True
     if config._attn_implementation != "sdpa":
