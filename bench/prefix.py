@@ -8,7 +8,7 @@ engine always did). `share` is the engine as it is (`share_prefixes=True`): the 
 prompt and the others copy its KV, and the rows that hold the copied prompt decode against one copy of it
 (cascade attention, turnrl/engines/cascade.py); `share-copy` is the same without cascade (`cascade=False`: each
 row decodes against its own copy); `per-sample` is `share_prefixes=False`: each sample prefills the whole prompt
-and decodes against its own KV. The modes alternate within one run (A B C, C A B, ...) with a fresh engine each
+and decodes against its own KV. The modes alternate within one run (A B C, B C A, ...) with a fresh engine each
 time, and the table gives the median wall and CPU time of each (CPU time of the process: the work done, which a
 loaded machine disturbs less than wall time), their ratios to `per-sample`, the prefill work (tokens forwarded,
 tokens served from the cache) and the median decode step.
