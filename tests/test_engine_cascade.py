@@ -272,6 +272,23 @@ async def test_a_trajectory_next_turn_stays_in_its_group(model):
         alone.close()
 
 
+def test_a_model_switched_to_cascade_forwards_as_with_sdpa_for_everyone_else():
+    """A trainer sharing the engine's model (its packed rows: sequences told apart by their positions; padded
+    batches: a 2-D mask) gets exactly SDPA's outputs: transformers builds the same masks for both."""
+    m = load_model("tiny-qwen3").eval()
+    ids = torch.tensor([tokens(9, seed=30) + tokens(7, seed=31)])
+    packed = {"input_ids": ids, "position_ids": torch.tensor([list(range(9)) + list(range(7))])}
+    padded = {"input_ids": torch.tensor([tokens(6, seed=32), tokens(6, seed=33)]),
+              "attention_mask": torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])}
+    with torch.no_grad():
+        before = [m(**packed, use_cache=False).logits, m(**padded, use_cache=False).logits]
+        engine = EmbeddedEngine(m)
+        engine.close()
+        assert m.config._attn_implementation == CASCADE_ATTENTION
+        after = [m(**packed, use_cache=False).logits, m(**padded, use_cache=False).logits]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
 async def test_off_switches_leave_the_plain_path(model):
     m = load_model("tiny-qwen3").eval()
     off = EmbeddedEngine(m, share_prefixes=False)

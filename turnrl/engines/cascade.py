@@ -27,6 +27,7 @@ from typing import Any, cast
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 CASCADE_ATTENTION = "turnrl_cascade"
 PLAN_KWARG = "turnrl_cascade"
@@ -232,6 +233,9 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 
 
 AttentionInterface.register(CASCADE_ATTENTION, cascade_attention)
+# The masks transformers builds for it are SDPA's: a model switched to cascade and called by anyone else (a trainer
+# sharing it: a 2-D padding mask, packed sequences told apart by their positions) gets what SDPA would.
+AttentionMaskInterface.register(CASCADE_ATTENTION, sdpa_mask)
 
 
 def use_cascade_attention(model: torch.nn.Module) -> bool:
