@@ -62,6 +62,7 @@ class RolloutManager:
         tools: Any = None,
         concurrency: int | str = 64,
         sanity_mode: SanityMode | str = SanityMode.STRICT,
+        sanity_check_every: int = 1,
         reward_fn: RewardFn | None = None,
         watchdog_s: float | None = None,
         admission: AdmissionSettings | None = None,
@@ -73,6 +74,9 @@ class RolloutManager:
         self.limits = limits or RolloutLimits()
         self.env_factory, self.env_config, self.tools = env_factory, dict(env_config or {}), tools
         self.sanity_mode, self.reward_fn = SanityMode(sanity_mode), reward_fn
+        if sanity_check_every < 1:
+            raise ValueError(f"sanity_check_every must be >= 1 (1 = every trajectory), got {sanity_check_every}")
+        self.sanity_check_every = sanity_check_every
         self.admission = admission or AdmissionSettings(concurrency)  # type: ignore[arg-type]
         """`concurrency` (a number or auto) and the KV caps of auto (turnrl.rollout.admission)."""
         self.concurrency = self.admission.concurrency
@@ -94,7 +98,8 @@ class RolloutManager:
             engine=self.engine, renderer=self.renderer, sampling=sampling or self.sampling, limits=self.limits,
             trajectory_id=trajectory_id, group_id=group_id, sample_index=sample_index, sample=row,
             agent_name=agent_name, env_factory=self.env_factory, env_config=self.env_config, tools=self.tools,
-            sanity_mode=self.sanity_mode, env_threads=self.env_threads, watchdog=self.watchdog,
+            sanity_mode=self.sanity_mode, sanity_check_every=self.sanity_check_every, env_threads=self.env_threads,
+            watchdog=self.watchdog,
         )
 
     async def stream(
