@@ -635,20 +635,32 @@ def _starts(segments: list[Segment]) -> list[int]:
 
 
 def validate_segment(seg: Segment, where: str) -> None:
-    """Raise ValueError (naming `where`) unless tokens, mask and logprobs line up as the invariants demand."""
-    _check_token_ids(seg.token_ids, where)
-    if len(seg.loss_mask) != len(seg.token_ids):
-        raise ValueError(f"{where}: {len(seg.token_ids)} token ids but {len(seg.loss_mask)} mask values")
-    if any(m not in (0, 1) for m in seg.loss_mask):
-        raise ValueError(f"{where}: loss_mask values must be 0 or 1, got {sorted(set(seg.loss_mask))}")
-    if seg.source != SegmentSource.MODEL and any(seg.loss_mask):
+    """Raise ValueError (naming `where`) unless tokens, mask and logprobs line up as the invariants demand.
+
+    Each rule has a fast path over the whole list (C loops: `map(type, ...)`, `set`, `sum`, `max`) that can only
+    say "valid"; when it cannot, the per-token check runs and names the first bad value, as it always did."""
+    ids, mask, n = seg.token_ids, seg.loss_mask, len(seg.token_ids)
+    if not (_all_of_type(ids, int) and (n == 0 or min(ids) >= 0)):  # type(t) is int: no bool, no subclass
+        _check_token_ids(ids, where)
+    if len(mask) != n:
+        raise ValueError(f"{where}: {n} token ids but {len(mask)} mask values")
+    if not _binary(mask) and any(m not in (0, 1) for m in mask):
+        raise ValueError(f"{where}: loss_mask values must be 0 or 1, got {sorted(set(mask))}")
+    if seg.source != SegmentSource.MODEL and any(mask):
         raise ValueError(f"{where}: only model segments may carry mask 1")
     if seg.kept_counts is not None:
         _check_kept_counts(seg, where)
-    if seg.logprobs is None:
+    logprobs = seg.logprobs
+    if logprobs is None:
         return
-    if len(seg.logprobs) != len(seg.token_ids):
-        raise ValueError(f"{where}: {len(seg.token_ids)} token ids but {len(seg.logprobs)} logprobs")
+    if len(logprobs) != n:
+        raise ValueError(f"{where}: {n} token ids but {len(logprobs)} logprobs")
+    if type(mask) is list and type(logprobs) is list:
+        if mask.count(0) == n and _all_of_type(logprobs, type(None)):
+            return  # injected tokens: no logprob anywhere
+        if (mask.count(1) == n and _all_of_type(logprobs, float) and math.isfinite(sum(logprobs))
+                and max(logprobs, default=0.0) <= 1e-4):
+            return  # sampled tokens: finite floats (a sum of floats is finite only when every term is), <= 1e-4
     for j, (m, lp) in enumerate(zip(seg.loss_mask, seg.logprobs, strict=True)):
         if m == 1 and (lp is None or not math.isfinite(lp) or lp > 1e-4):
             raise ValueError(f"{where} token {j}: mask 1 needs a finite logprob <= 0, got {lp}")
@@ -666,6 +678,19 @@ def _check_kept_counts(seg: Segment, where: str) -> None:
             raise ValueError(f"{where} token {j}: mask 1 needs a kept count (an int >= 1), got {k!r}")
         if m == 0 and k is not None:
             raise ValueError(f"{where} token {j}: mask 0 must not carry a kept count, got {k!r}")
+
+
+def _all_of_type(values: list[Any], cls: type) -> bool:
+    """Every value's type is exactly `cls` (no subclass: a bool is not an int here)."""
+    return list(map(type, values)).count(cls) == len(values)
+
+
+def _binary(mask: list[int]) -> bool:
+    """Every value is 0 or 1 (what `m in (0, 1)` accepts); False also when a value cannot be hashed."""
+    try:
+        return set(mask) <= {0, 1}
+    except TypeError:
+        return False
 
 
 def _check_token_ids(ids: list[int], where: str) -> None:

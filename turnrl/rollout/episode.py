@@ -219,6 +219,7 @@ class Episode:
         self._last: Turn | None = None
         self._early: Trajectory | None = None  # a trajectory that ended before its prompt was rendered
         self._stop_ids = tuple(sorted(set(ctx.sampling.stop_token_ids) | ctx.renderer.end_of_turn_ids))
+        self._params: tuple[tuple, SamplingParams] | None = None  # the last turn's call settings, reused while they apply
         self._metrics = {"gen_time_s": 0.0, "env_time_s": 0.0, "env_retries": 0, "cached_prompt_tokens": 0}
         self._t0 = time.perf_counter()
         self._first_messages: list[Message] = []  # the episode's prompt messages (a summary branch starts from them)
@@ -279,8 +280,12 @@ class Episode:
         max_new = self.limits.max_new_tokens if room is None else min(self.limits.max_new_tokens, room)
         self.length_reason = (TerminationReason.LENGTH if max_new == self.limits.max_new_tokens
                               else TerminationReason.TOKEN_BUDGET)
-        params = dataclasses.replace(self.ctx.sampling, max_new_tokens=max_new, stop_token_ids=self._stop_ids,
-                                     seed=derive_seed(self.ctx.sampling.seed, self.trajectory.id, n))
+        seed = derive_seed(self.ctx.sampling.seed, self.trajectory.id, n)
+        key = (self.ctx.sampling, max_new, seed)
+        if self._params is None or self._params[0] != key:  # else the last turn's (frozen: shared safely)
+            self._params = key, dataclasses.replace(self.ctx.sampling, max_new_tokens=max_new,
+                                                    stop_token_ids=self._stop_ids, seed=seed)
+        params = self._params[1]
         traj = self.trajectory
         traj.turns.append(TurnRecord(n))
         traj.sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k}
@@ -331,7 +336,7 @@ class Episode:
             done = sum(len(p.token_ids) for p in parts)
             prompt = ids + [t for p in parts for t in p.token_ids]
             out = await self.ctx.engine.generate(
-                prompt, dataclasses.replace(params, max_new_tokens=params.max_new_tokens - done),
+                prompt, dataclasses.replace(params, max_new_tokens=params.max_new_tokens - done) if done else params,
                 request_id=self.trajectory.id, images=images)
             if out.preempted and done + len(out.token_ids) >= params.max_new_tokens:  # it got to its limit anyway
                 out = dataclasses.replace(out, finish_reason=FinishReason.LENGTH, preempted=False)
