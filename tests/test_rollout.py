@@ -542,3 +542,24 @@ async def test_sanity_check_every_n_checks_the_first_trajectories_then_one_id_ha
     assert summary["rollout/render_harmless"] == len(checked) and summary["rollout/render_mismatch"] == 0
     with pytest.raises(ValueError, match="sanity_check_every must be >= 1"):
         RolloutManager(engine, ChatRenderer(qwen3_tokenizer), agents=AGENTS, sanity_check_every=0)
+
+
+def test_the_first_rollout_of_a_process_freezes_the_start_up_heap_once(monkeypatch):
+    """freeze_heap: gc.freeze once per process (the objects alive before the first rollout leave the collector's
+    scans); TURNRL_GC_FREEZE=0 turns it off."""
+    import gc
+
+    import turnrl.rollout.manager as manager_module
+
+    monkeypatch.setattr(manager_module, "_heap_frozen", False)
+    monkeypatch.setenv("TURNRL_GC_FREEZE", "0")
+    before = gc.get_freeze_count()
+    manager_module.freeze_heap()
+    assert gc.get_freeze_count() == before and not manager_module._heap_frozen
+    monkeypatch.delenv("TURNRL_GC_FREEZE")
+    kept = [object() for _ in range(3)], {"a": [1]}  # containers alive now: frozen with the rest
+    manager_module.freeze_heap()
+    frozen = gc.get_freeze_count()
+    assert frozen > before and manager_module._heap_frozen and kept
+    manager_module.freeze_heap()  # once per process
+    assert gc.get_freeze_count() == frozen
