@@ -397,6 +397,11 @@ class EpisodeEnv:
         formatted = await self._call(fmt, observation) if fmt is not None else observation
         return self._messages(formatted, "format_observation")
 
+    @property
+    def closes(self) -> bool:
+        """`close` does something: the env has a close() (or a subclass has its own `close`)."""
+        return getattr(self.env, "close", None) is not None or type(self).close is not EpisodeEnv.close
+
     async def close(self) -> None:
         close = getattr(self.env, "close", None)
         if close is not None:

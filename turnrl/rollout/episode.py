@@ -514,7 +514,7 @@ class Episode:
 
     async def _cleanup(self) -> list[str]:
         problems, bound = [], self.limits.cleanup_timeout_s
-        if self._env is not None:
+        if self._env is not None and self._env.closes:  # an env without close(): no task to bound
             try:
                 await abandon_after(self._env.close(), bound, "env.close")
             except Exception as e:
