@@ -102,7 +102,17 @@ class AsyncEnv(SyncEnv):
         return SyncEnv.step(self, text)
 
 
+_RENDERER: list[Any] = []
+"""The renderer of this process (one per child; `--profile` warms it, and the imports, before it profiles)."""
+
+
 def _renderer(m: dict[str, Any]):
+    if not _RENDERER:
+        _RENDERER.append(_new_renderer(m))
+    return _RENDERER[0]
+
+
+def _new_renderer(m: dict[str, Any]):
     tokenizer = m["load_tokenizer"]("tiny-qwen3")
     renderer = m["ChatRenderer"](tokenizer, {"enable_thinking": False})
     end = sorted(renderer.end_of_turn_ids)[0]
@@ -193,6 +203,7 @@ def _profile(args: argparse.Namespace) -> None:
     import pstats
 
     args.trajectories = args.profile
+    _renderer(_imports())  # imports and the tokenizer's load are not what is profiled
     profile = cProfile.Profile()
     profile.enable()
     result = run_one(args, args.what[0], args.sanity_check_every[0])
