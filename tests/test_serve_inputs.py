@@ -252,7 +252,7 @@ def test_a_short_conversation_is_prepared_on_the_loop_a_long_one_in_a_thread(qwe
     import copy
 
     from turnrl.serve import sessions
-    from turnrl.serve.sessions import INLINE_PREPARE_CHARS, _copied, _text_size
+    from turnrl.serve.payload import INLINE_PREPARE_CHARS, copied, text_size
 
     threads = []
     real = asyncio.to_thread
@@ -270,15 +270,17 @@ def test_a_short_conversation_is_prepared_on_the_loop_a_long_one_in_a_thread(qwe
     asyncio.run(call("x " * INLINE_PREPARE_CHARS))
     assert len(threads) == 1
     image = {"role": "user", "content": [{"type": "image", "image": object()}, {"type": "text", "text": "hi"}]}
-    assert _text_size([image], 100) == 100 and _text_size([{"role": "user", "content": "abc"}], 100) == 7
+    assert text_size([image], 100) == 100 and text_size([{"role": "user", "content": "abc"}], 100) == 7
     messages = [{"role": "assistant", "content": "a", "tool_calls": [{"function": {"name": "f", "arguments": {
         "x": [1, 2.5, None, True]}}}]}, image]
-    copied = _copied(messages)
-    assert copied == copy.deepcopy(messages)[:1] + [copied[1]] and copied[1]["content"][1] == image["content"][1]
+    copied_messages = copied(messages)
+    assert copied_messages == copy.deepcopy(messages)[:1] + [copied_messages[1]]
+    assert copied_messages[1]["content"][1] == image["content"][1]
     messages[0]["tool_calls"][0]["function"]["arguments"]["x"].append(3)
     messages[1]["content"][1]["text"] = "changed"
-    assert copied[0]["tool_calls"][0]["function"]["arguments"]["x"] == [1, 2.5, None, True]
-    assert copied[1]["content"][1]["text"] == "hi" and copied[1]["content"][0]["image"] is not image["content"][0]["image"]
+    assert copied_messages[0]["tool_calls"][0]["function"]["arguments"]["x"] == [1, 2.5, None, True]
+    assert copied_messages[1]["content"][1]["text"] == "hi"
+    assert copied_messages[1]["content"][0]["image"] is not image["content"][0]["image"]  # deepcopy'd
 
 
 def test_a_streamed_request_the_engine_refuses_is_an_http_error_not_a_broken_stream(live):

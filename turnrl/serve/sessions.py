@@ -30,7 +30,6 @@ the session's event loop (`loop=`, the RolloutManager's), so the engine is used 
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
 import inspect
 import json
@@ -50,6 +49,7 @@ from turnrl.render import ChatRenderer, RenderError
 from turnrl.rollout.builder import TrajectoryBuilder
 from turnrl.rollout.episode import derive_seed
 from turnrl.rollout.tree import branch, common_prefix
+from turnrl.serve.payload import INLINE_PREPARE_CHARS, copied, text_size
 from turnrl.serve.streaming import ReplyStream, StopMatch, StopWatch, TextStream
 from turnrl.tools.parsers import get_parser
 from turnrl.types import (
@@ -326,13 +326,10 @@ class ChatProxy:
         come whole in the recorded reply at the end."""
         _check_callable(session)
         session.last_active = time.time()
-        # tokenising a long conversation takes a while: off the event loop, which serves every other request; a
-        # short one costs less than the hand-over to a thread (and the GIL hand-backs that come with it)
-        if _text_size(chat.messages, INLINE_PREPARE_CHARS) < INLINE_PREPARE_CHARS:
-            (prompt_ids, base_len, delta_sources), (params, notes) = self._prepare(session, chat)
-        else:
-            (prompt_ids, base_len, delta_sources), (params, notes) = await asyncio.to_thread(self._prepare, session,
-                                                                                             chat)
+        # a long conversation is tokenised off the event loop (it serves the others); a short one here: cheaper
+        inline = text_size(chat.messages, INLINE_PREPARE_CHARS) < INLINE_PREPARE_CHARS
+        prepared = self._prepare(session, chat) if inline else await asyncio.to_thread(self._prepare, session, chat)
+        (prompt_ids, base_len, delta_sources), (params, notes) = prepared
         stop_strings = chat.sampling.get("stop") or []
         stops = StopWatch(self.renderer, stop_strings)
         stream = ReplyStream(self.renderer, chat.tools, chat.tool_choice, on_delta, stop_strings) if on_delta else None
@@ -350,7 +347,7 @@ class ChatProxy:
             index=len(session.calls), prompt_ids=list(prompt_ids), completion_ids=list(out.token_ids),
             logprobs=list(out.logprobs), finish_reason=out.finish_reason, policy_version=out.policy_version,
             # copies: an in-process caller goes on appending to its lists, and the record must not change
-            messages=_copied(chat.messages), tools=_copied(chat.tools), reply=reply, base_len=base_len,
+            messages=copied(chat.messages), tools=copied(chat.tools), reply=reply, base_len=base_len,
             delta_sources=delta_sources,
             cached_prompt_tokens=out.cached_prompt_tokens, gen_time_s=time.perf_counter() - t0, start_ns=start_ns,
             notes={**notes, **parse_notes, **({"stop": stopped.stop} if stopped else {}),
@@ -801,41 +798,3 @@ def _natural_end(call: RecordedCall) -> TerminationReason:
     if call.finish_reason == FinishReason.ABORT:
         return TerminationReason.CANCELLED
     return TerminationReason.ENV_DONE if call.reply.get("tool_calls") else TerminationReason.NO_TOOL_CALL
-
-
-INLINE_PREPARE_CHARS = 32_768
-"""A call whose messages hold less text than this (and no images) is rendered and tokenised on the event loop
-(well under a millisecond); a longer one in a worker thread, so the loop goes on serving the other sessions."""
-
-
-def _text_size(value: Any, limit: int) -> int:
-    """The characters of text in messages (contents, parts, tool calls), counted up to `limit`; anything that is not
-    JSON-like text (an image) counts as `limit`: it goes to the worker thread."""
-    if isinstance(value, str):
-        return len(value)
-    if value is None or isinstance(value, bool | int | float):
-        return 0
-    if isinstance(value, dict):
-        items: Any = value.values()
-    elif isinstance(value, list | tuple):
-        items = value
-    else:
-        return limit
-    total = 0
-    for item in items:
-        total += _text_size(item, limit)
-        if total >= limit:
-            return limit
-    return total
-
-
-def _copied(value: Any) -> Any:
-    """A deep copy of messages or tools: JSON-like containers rebuilt, strings and numbers shared (immutable),
-    anything else `copy.deepcopy`'d (what the whole copy was before, at a tenth of the cost for JSON)."""
-    if isinstance(value, str | int | float | bool) or value is None:
-        return value
-    if type(value) is dict:
-        return {k: _copied(v) for k, v in value.items()}
-    if type(value) is list:
-        return [_copied(v) for v in value]
-    return copy.deepcopy(value)
