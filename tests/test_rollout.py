@@ -242,6 +242,25 @@ async def test_one_failing_env_does_not_fail_the_batch(qwen3_tokenizer):
     assert [t.sample_index for t in by_row["a"]] == [0, 1]
 
 
+async def test_stream_batches_hands_over_what_finished_together_once_each(qwen3_tokenizer):
+    """A Ray rollout worker sends the driver one object per batch: every trajectory exactly once, in the order
+    they finished, each batch what finished since the last; `stream` is the same trajectories one at a time."""
+    engine = ScriptedEngine(qwen3_tokenizer, replies("4"))
+
+    def build_env(sample, config):
+        return FeedbackEnv(sleep_s=0.3 if sample["id"] == "slow" else 0.0)
+
+    rows = [{"id": f"r{i}", "prompt": "2+2?"} for i in range(6)] + [{"id": "slow", "prompt": "2+2?"}]
+    manager = _manager(engine, qwen3_tokenizer, build_env)
+    batches = [batch async for batch in manager.stream_batches(rows, n=2)]
+    ids = [t.id for batch in batches for t in batch]
+    assert all(batches) and len(ids) == len(set(ids)) == 14
+    assert len(batches) < 12  # the fast trajectories finish in the same few loop rounds: they travel together
+    assert {t.group_id for t in batches[-1]} == {"slow"}  # the slow row's come last, alone
+    one_by_one = [t.id async for t in _manager(engine, qwen3_tokenizer, build_env).stream(rows, n=2)]
+    assert sorted(one_by_one) == sorted(ids) and set(one_by_one[-2:]) == {"slow-0", "slow-1"}
+
+
 async def test_trajectory_timeout_keeps_content(qwen3_tokenizer):
     engine = ScriptedEngine(qwen3_tokenizer, replies("wrong"))
     manager = _manager(engine, qwen3_tokenizer, lambda s, c: FeedbackEnv(sleep_s=5))

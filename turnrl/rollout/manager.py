@@ -129,6 +129,17 @@ class RolloutManager:
         """Yield trajectories as they finish (rewards already computed). `row_group_ids` replaces the ids
         derived from the rows: a Ray rollout worker gets its shard's ids from the driver, so trajectory ids
         (and the sampling seeds derived from them) are those of a single-process run."""
+        async for batch in self.stream_batches(rows, n, id_prefix=id_prefix, sampling=sampling,
+                                               row_group_ids=row_group_ids):
+            for traj in batch:
+                yield traj
+
+    async def stream_batches(
+        self, rows: Sequence[dict[str, Any]], n: int = 1, *, id_prefix: str = "",
+        sampling: SamplingParams | None = None, row_group_ids: Sequence[str] | None = None,
+    ) -> AsyncIterator[list[Trajectory]]:
+        """`stream`, a batch at a time: each batch is every trajectory finished since the last one was taken
+        (in the order they finished; never empty). A Ray rollout worker sends a batch as one object."""
         freeze_heap()
         gate = self._gate()
         groups = group_ids(rows, id_prefix) if row_group_ids is None else list(row_group_ids)
@@ -137,10 +148,17 @@ class RolloutManager:
             for row, group in zip(rows, groups, strict=True) for k in range(n)
         ]
         tasks = [asyncio.create_task(self._run_one(ctx, gate)) for ctx in contexts]
+        finished: asyncio.Queue[asyncio.Task] = asyncio.Queue()
+        for t in tasks:
+            t.add_done_callback(finished.put_nowait)
         try:
-            for next_done in asyncio.as_completed(tasks):
-                for traj in await self.watchdog.wait(next_done):
-                    yield traj
+            left = len(tasks)
+            while left:
+                done = [await self.watchdog.wait(finished.get())]
+                while not finished.empty():
+                    done.append(finished.get_nowait())
+                left -= len(done)
+                yield [traj for task in done for traj in task.result()]
         finally:
             for t in tasks:
                 t.cancel()
