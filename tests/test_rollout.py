@@ -559,6 +559,8 @@ async def test_sanity_check_every_n_checks_the_first_trajectories_then_one_id_ha
     summary = stats.summary()
     assert summary["rollout/render_checked"] == len(checked) / 40
     assert summary["rollout/render_harmless"] == len(checked) and summary["rollout/render_mismatch"] == 0
+    rows = {row for row in stats.table().columns[0]._cells}
+    assert ("sanity-checked trajectories" in rows) == (every > 1)  # the console table says when it sampled
     with pytest.raises(ValueError, match="sanity_check_every must be >= 1"):
         RolloutManager(engine, ChatRenderer(qwen3_tokenizer), agents=AGENTS, sanity_check_every=0)
 

@@ -141,6 +141,8 @@ class RolloutStats:
         for key in ("env_retries", "render_mismatch", "render_harmless", "reward_errors", "logprob_issues"):
             if s[f"rollout/{key}"]:
                 t.add_row(_ROW_NAMES.get(key, key.replace("_", " ")), f"{s[f'rollout/{key}']:.0f}")
+        if 0 < s["rollout/render_checked"] < 1:  # rollout.sanity_check_every N > 1, or trajectories with no model turn
+            t.add_row("sanity-checked trajectories", f"{self.totals['render_checked']:.0f} ({s['rollout/render_checked']:.0%})")
         if self.tool_calls:
             t.add_row("tool calls", ", ".join(f"{k}: {v}" for k, v in self.tool_calls.most_common()))
         t.add_row("wall time (s)", f"{s['rollout/wall_s']:.1f}")
