@@ -20,6 +20,11 @@ runs against both checkouts; `--repo` points the imports at one:
     PYTHONPATH=. python bench/overhead.py                                  # this checkout
     python bench/overhead.py --repo /work/wt/perf-base --repo .            # A/B alternated, 3 rounds
     python bench/overhead.py --repo . --profile 1000                       # cProfile summary of one run
+    python bench/overhead.py --repo /work/wt/perf-base --repo . --sanity-check-every 1 16
+
+--sanity-check-every N... runs the rollout paths once per N (rollout.sanity_check_every: 1 = every trajectory,
+the default; N > 1 the first 64, then one id hash in N) on the checkouts that have the key; a checkout without it
+runs only its default (every trajectory), labelled so.
 
 With several --repo, each round runs every checkout in a child process (alternating, so machine load hits all
 alike) and the table shows every round and the median.
@@ -97,31 +102,52 @@ class AsyncEnv(SyncEnv):
         return SyncEnv.step(self, text)
 
 
+_RENDERER: list[Any] = []
+"""The renderer of this process (one per child; `--profile` warms it, and the imports, before it profiles)."""
+
+
 def _renderer(m: dict[str, Any]):
+    if not _RENDERER:
+        _RENDERER.append(_new_renderer(m))
+    return _RENDERER[0]
+
+
+def _new_renderer(m: dict[str, Any]):
     tokenizer = m["load_tokenizer"]("tiny-qwen3")
     renderer = m["ChatRenderer"](tokenizer, {"enable_thinking": False})
     end = sorted(renderer.end_of_turn_ids)[0]
     return renderer, tokenizer.encode(REPLY, add_special_tokens=False), end
 
 
-async def _rollout(m: dict[str, Any], env: str, trajectories: int, concurrency: int, turns: int) -> dict[str, float]:
+def has_sampled_check(m: dict[str, Any]) -> bool:
+    """Does this checkout's RolloutManager take `sanity_check_every`?"""
+    import inspect
+
+    return "sanity_check_every" in inspect.signature(m["RolloutManager"]).parameters
+
+
+async def _rollout(m: dict[str, Any], env: str, trajectories: int, concurrency: int, turns: int,
+                   every: int = 1) -> dict[str, float]:
     renderer, reply, end = _renderer(m)
     env_cls = SyncEnv if env == "sync" else AsyncEnv
+    extra = {"sanity_check_every": every} if every > 1 else {}
     manager = m["RolloutManager"](
         ZeroEngine(m, reply, end), renderer, agents=m["AGENTS"], default_agent="env_agent",
         sampling=m["SamplingParams"](temperature=1.0, max_new_tokens=64),
         limits=m["RolloutLimits"](max_turns=turns, max_new_tokens=64),
-        env_factory=lambda sample, config: env_cls(turns), concurrency=concurrency)
+        env_factory=lambda sample, config: env_cls(turns), concurrency=concurrency, **extra)
     rows = [{"id": f"r{i}", "prompt": f"Question {i}: what is 2 + 2? Use the tool."} for i in range(trajectories)]
     t0 = time.perf_counter()
-    done = total_turns = 0
+    done = total_turns = checked = 0
     async for traj in manager.stream(rows, 1):
         done += 1
         total_turns += traj.num_turns
+        checked += traj.metrics.get("render_checked", 1.0) > 0
         if traj.status.value == "failed":
             raise RuntimeError(f"{traj.id} failed: {traj.error}")
     wall = time.perf_counter() - t0
-    return {"turns_per_s": total_turns / wall, "wall_s": wall, "turns": total_turns, "trajectories": done}
+    return {"turns_per_s": total_turns / wall, "wall_s": wall, "turns": total_turns, "trajectories": done,
+            "checked": checked / max(done, 1)}
 
 
 async def _serve(m: dict[str, Any], sessions: int, turns: int) -> dict[str, float]:
@@ -152,16 +178,19 @@ async def _serve(m: dict[str, Any], sessions: int, turns: int) -> dict[str, floa
             "p99_ms": 1e3 * latencies[int(len(latencies) * 0.99)], "calls": len(latencies)}
 
 
-def run_one(args: argparse.Namespace, what: str) -> dict[str, float]:
+def run_one(args: argparse.Namespace, what: str, every: int = 1) -> dict[str, float]:
     m = _imports()
     if what == "serve":
         return asyncio.run(_serve(m, args.sessions, args.turns))
-    return asyncio.run(_rollout(m, what, args.trajectories, args.concurrency, args.turns))
+    if every > 1 and not has_sampled_check(m):
+        raise SystemExit(f"this checkout has no rollout.sanity_check_every (asked for {every})")
+    return asyncio.run(_rollout(m, what, args.trajectories, args.concurrency, args.turns, every))
 
 
-def _child(repo: str, args: argparse.Namespace, what: str) -> dict[str, float]:
+def _child(repo: str, args: argparse.Namespace, what: str, every: int = 1) -> dict[str, float]:
     cmd = [sys.executable, __file__, "--child", what, "--trajectories", str(args.trajectories),
-           "--concurrency", str(args.concurrency), "--turns", str(args.turns), "--sessions", str(args.sessions)]
+           "--concurrency", str(args.concurrency), "--turns", str(args.turns), "--sessions", str(args.sessions),
+           "--sanity-check-every", str(every)]
     env = {**os.environ, "PYTHONPATH": str(Path(repo).resolve())}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
@@ -174,9 +203,10 @@ def _profile(args: argparse.Namespace) -> None:
     import pstats
 
     args.trajectories = args.profile
+    _renderer(_imports())  # imports and the tokenizer's load are not what is profiled
     profile = cProfile.Profile()
     profile.enable()
-    result = run_one(args, args.what[0])
+    result = run_one(args, args.what[0], args.sanity_check_every[0])
     profile.disable()
     print(json.dumps(result))
     pstats.Stats(profile).sort_stats("cumulative").print_stats(45)
@@ -193,42 +223,59 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=200, help="serve: conversations at once")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", type=int, default=0, help="cProfile one run of this many trajectories")
+    parser.add_argument("--sanity-check-every", type=int, nargs="+", default=[1],
+                        help="rollout.sanity_check_every values to run (checkouts that have the key)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(run_one(args, args.child)))
+        print(json.dumps(run_one(args, args.child, args.sanity_check_every[0])))
         return
     if args.profile:
         _profile(args)
         return
     repos = args.repo or ["."]
-    results: dict[tuple[str, str], list[dict[str, float]]] = {}
+    sampled = {repo: _has_key(repo) for repo in repos}
+    results: dict[tuple[str, str, int], list[dict[str, float]]] = {}
     for _ in range(args.rounds):
         for what in args.what:
-            for repo in repos:
-                results.setdefault((repo, what), []).append(_child(repo, args, what))
+            for every in ([1] if what == "serve" else args.sanity_check_every):
+                for repo in repos:
+                    if every == 1 or sampled[repo]:
+                        results.setdefault((repo, what, every), []).append(_child(repo, args, what, every))
     _table(args, repos, results)
 
 
-def _table(args: argparse.Namespace, repos: list[str], results: dict[tuple[str, str], list[dict[str, float]]]) -> None:
+def _has_key(repo: str) -> bool:
+    code = "import overhead, sys; sys.exit(0 if overhead.has_sampled_check(overhead._imports()) else 3)"
+    env = {**os.environ, "PYTHONPATH": str(Path(repo).resolve())}  # run in bench/: the repo's turnrl, not the cwd's
+    return subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(__file__).parent, check=False).returncode == 0
+
+
+def _table(args: argparse.Namespace, repos: list[str], results: dict[tuple[str, str, int], list[dict[str, float]]]
+           ) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"turnrl overhead: zero-cost engine and env, {args.trajectories} trajectories x {args.turns} "
                         f"turns at concurrency {args.concurrency}; serve: {args.sessions} sessions x {args.turns} calls")
-    for col in ("checkout", "path", "rounds", "median", "vs first checkout"):
+    for col in ("checkout", "path", "sanity check", "rounds", "median", "vs first checkout (every trajectory)"):
         table.add_column(col)
     for what in args.what:
         key, unit = ("calls_per_s", "calls/s") if what == "serve" else ("turns_per_s", "turns/s")
-        base = statistics.median(r[key] for r in results[(repos[0], what)])
-        for repo in repos:
-            rs = results[(repo, what)]
-            med = statistics.median(r[key] for r in rs)
-            rounds = " / ".join(f"{r[key]:,.0f}" for r in rs)
-            if what == "serve":
-                rounds += "  (p50/p99 ms: " + ", ".join(f"{r['p50_ms']:.1f}/{r['p99_ms']:.1f}" for r in rs) + ")"
-            table.add_row(repo, what, rounds, f"{med:,.0f} {unit}", f"{med / base:.2f}x")
-    Console().print(table)
+        base = statistics.median(r[key] for r in results[(repos[0], what, 1)])
+        for every in ([1] if what == "serve" else args.sanity_check_every):
+            for repo in repos:
+                rs = results.get((repo, what, every))
+                if rs is None:
+                    continue  # a checkout without rollout.sanity_check_every: its row is the every-trajectory one
+                med = statistics.median(r[key] for r in rs)
+                rounds = " / ".join(f"{r[key]:,.0f}" for r in rs)
+                if what == "serve":
+                    rounds += "  (p50/p99 ms: " + ", ".join(f"{r['p50_ms']:.1f}/{r['p99_ms']:.1f}" for r in rs) + ")"
+                label = "n/a (serve)" if what == "serve" else (
+                    "every trajectory" if every == 1 else f"1 in {every} ({rs[0].get('checked', 1):.1%} checked)")
+                table.add_row(repo, what, label, rounds, f"{med:,.0f} {unit}", f"{med / base:.2f}x")
+    Console(width=200).print(table)
 
 
 if __name__ == "__main__":

@@ -133,6 +133,7 @@ ROLLOUT_CASES = [
     (["--env-retries", "-1"], "--env-retries: Input should be greater than or equal to 0"),
     (["--watchdog", "-5"], "--watchdog: Input should be greater than 0 (got -5.0)"),
     (["--sanity-check", "bogus"], "--sanity-check: Input should be 'strict', 'ignore_strippable' or 'disable'"),
+    (["--sanity-check-every", "0"], "--sanity-check-every: Input should be greater than or equal to 1"),
 ]
 
 

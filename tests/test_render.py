@@ -98,6 +98,35 @@ def test_content_differences_are_not_strippable(qwen):
     assert not check.ok and not check.strippable
 
 
+
+def test_the_check_names_the_same_stretches_as_difflib(qwen3_tokenizer):
+    """The linear scan of `_differences` against difflib over the whole: Qwen3 without thinking (an empty think
+    block per earlier turn), a reasoning block longer than the scan's span (difflib aligns the rest), a
+    difference at the very end of the stream (retokenised), and three equal tokens between two stretches."""
+    from turnrl.render import _RESYNC_SPAN, _differences, _differences_difflib
+
+    r = ChatRenderer(qwen3_tokenizer, {"enable_thinking": False})
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    feedback = [{"role": "user", "content": "Are you sure?"}]
+    long_think = "<think>\n" + " ".join(f"step {k}" for k in range(3 * _RESYNC_SPAN)) + "\n</think>\n\n"
+    cases = [stream_of(r, messages, ["4", "Yes, 4.", "Still 4."], [feedback, feedback]),
+             stream_of(r, messages, [long_think + "4", "Yes, 4."], [feedback])]
+    for ids, conversation in cases:
+        full = full_render_ids(r, conversation)
+        check = r.check(ids, conversation)
+        assert check.reasons and set(check.reasons) == {"reasoning"}, check.diff
+        assert _differences(ids, full) == _differences_difflib(ids, full)
+    ids, conversation = cases[0]
+    full = full_render_ids(r, conversation)
+    hello = r.encode("Hello")
+    tail = [*ids[:-1], *r.encode("Hel"), *r.encode("lo")]
+    assert _differences(tail, full + hello) == _differences_difflib(tail, full + hello)
+    a = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
+    b = [1, 2, 3, 20, 21, 7, 8, 9, 30, 11, 12, 13, 14, 15, 16]
+    assert _differences(a, b) == _differences_difflib(a, b) == [(3, 6, 3, 5), (9, 10, 8, 9)]
+    assert _differences(a, a + [99]) == [] and _differences(a, a[:5]) == [(5, 16, 5, 5)]
+
+
 def test_smollm2_chatml_is_strictly_equal(smol_tokenizer):
     r = ChatRenderer(smol_tokenizer)
     messages = [{"role": "user", "content": "What is 2+2?"}]

@@ -508,7 +508,7 @@ def test_a_content_difference_is_a_warning_and_a_stream_without_model_tokens_is_
 
     monkeypatch.setattr(rollout_module, "_EXPLAINED", set())
     renderer = ChatRenderer(qwen3_tokenizer)
-    ctx = SimpleNamespace(sanity_mode=rollout_module.SanityMode.STRICT, renderer=renderer)
+    ctx = SimpleNamespace(sanity_mode=rollout_module.SanityMode.STRICT, renderer=renderer, sanity_check_every=1)
     said = [{"role": "user", "content": "What is 2+2?"}]
     prompt = renderer.initial(said, None).ids
     reply = qwen3_tokenizer("It is 5.<|im_end|>", add_special_tokens=False)["input_ids"]
@@ -516,7 +516,7 @@ def test_a_content_difference_is_a_warning_and_a_stream_without_model_tokens_is_
                       segments=[Segment(SegmentSource.MODEL, reply, [1] * len(reply), [-0.5] * len(reply), turn=1)])
     with caplog.at_level("INFO", logger="turnrl.rollout"):
         rollout_module._sanity_check(ctx, traj, [*said, {"role": "assistant", "content": "It is 6."}], None)
-    assert traj.metrics == {"render_mismatch": 1.0, "render_harmless": 0.0}
+    assert traj.metrics == {"render_checked": 1.0, "render_mismatch": 1.0, "render_harmless": 0.0}
     [record] = [r for r in caplog.records if "re-render" in r.getMessage()]
     assert record.levelname == "WARNING" and "in content" in record.getMessage()
     assert "first differing tokens, at stream position" in record.getMessage()
@@ -525,3 +525,62 @@ def test_a_content_difference_is_a_warning_and_a_stream_without_model_tokens_is_
     failed = Trajectory(id="f", group_id="g", sample_index=0, prompt_ids=prompt)
     rollout_module._sanity_check(ctx, failed, said, None)
     assert failed.metrics == {} and "render_check" not in failed.info
+
+
+@pytest.mark.parametrize("every", [1, 4])
+async def test_sanity_check_every_n_checks_the_first_trajectories_then_one_id_hash_in_n(qwen3_tokenizer, monkeypatch,
+                                                                                         every):
+    """rollout.sanity_check_every: 1 checks every trajectory (the default); N > 1 the first SANITY_CHECK_FIRST of
+    the process, then those whose id's crc32 is 0 mod N. An unchecked one has no render metrics and no
+    info.render_check; `rollout/render_checked` is the fraction checked."""
+    import zlib
+
+    import turnrl.rollout.episode as rollout_module
+    from turnrl.observe.stats import RolloutStats
+
+    monkeypatch.setattr(rollout_module, "SANITY_CHECK_FIRST", 5)
+    monkeypatch.setattr(rollout_module, "_sampled", 0)
+    think = "<think>\nAdd them.\n</think>\n\n"  # every trajectory differs from its full render, harmlessly
+    engine = ScriptedEngine(qwen3_tokenizer, replies(think + "It is 5.", think + "It is 4."))
+    manager = RolloutManager(engine, ChatRenderer(qwen3_tokenizer), agents=AGENTS, concurrency=1,
+                             env_factory=lambda sample, config: FeedbackEnv(), sanity_check_every=every,
+                             limits=RolloutLimits(max_turns=4, max_new_tokens=64))
+    trajs = [t async for t in manager.stream([{"prompt": "What is 2+2?"}], n=40)]
+    checked = [t for t in trajs if t.metrics["render_checked"] == 1.0]
+    for t in trajs:
+        assert ("render_harmless" in t.metrics) == ("render_check" in t.info) == (t in checked)
+        assert t.metrics.get("render_harmless", 1.0) == 1.0 and t.metrics.get("render_mismatch", 0.0) == 0.0
+    by_hash = [t for t in trajs[5:] if zlib.crc32(t.id.encode()) % every == 0]
+    assert checked == (trajs if every == 1 else trajs[:5] + by_hash)  # concurrency 1: they finish in order
+    assert every == 1 or 5 < len(checked) < 40
+    stats = RolloutStats()
+    for t in trajs:
+        stats.add(t)
+    summary = stats.summary()
+    assert summary["rollout/render_checked"] == len(checked) / 40
+    assert summary["rollout/render_harmless"] == len(checked) and summary["rollout/render_mismatch"] == 0
+    rows = {row for row in stats.table().columns[0]._cells}
+    assert ("sanity-checked trajectories" in rows) == (every > 1)  # the console table says when it sampled
+    with pytest.raises(ValueError, match="sanity_check_every must be >= 1"):
+        RolloutManager(engine, ChatRenderer(qwen3_tokenizer), agents=AGENTS, sanity_check_every=0)
+
+
+def test_the_first_rollout_of_a_process_freezes_the_start_up_heap_once(monkeypatch):
+    """freeze_heap: gc.freeze once per process (the objects alive before the first rollout leave the collector's
+    scans); TURNRL_GC_FREEZE=0 turns it off."""
+    import gc
+
+    import turnrl.rollout.manager as manager_module
+
+    monkeypatch.setattr(manager_module, "_heap_frozen", False)
+    monkeypatch.setenv("TURNRL_GC_FREEZE", "0")
+    before = gc.get_freeze_count()
+    manager_module.freeze_heap()
+    assert gc.get_freeze_count() == before and not manager_module._heap_frozen
+    monkeypatch.delenv("TURNRL_GC_FREEZE")
+    kept = [object() for _ in range(3)], {"a": [1]}  # containers alive now: frozen with the rest
+    manager_module.freeze_heap()
+    frozen = gc.get_freeze_count()
+    assert frozen > before and manager_module._heap_frozen and kept
+    manager_module.freeze_heap()  # once per process
+    assert gc.get_freeze_count() == frozen

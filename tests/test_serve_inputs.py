@@ -244,6 +244,45 @@ def test_a_long_conversation_is_tokenised_off_the_event_loop(qwen3_tokenizer):
         server.stop()
 
 
+
+def test_a_short_conversation_is_prepared_on_the_loop_a_long_one_in_a_thread(qwen3_tokenizer, monkeypatch):
+    """INLINE_PREPARE_CHARS: under it a call's prompt is rendered on the event loop (a thread hand-over costs more
+    than the work), from it on in a worker thread; images always go to the thread. The record's copies of the
+    messages are deep (the caller's later edits do not reach it), equal to a deepcopy."""
+    import copy
+
+    from turnrl.serve import sessions
+    from turnrl.serve.payload import INLINE_PREPARE_CHARS, copied, text_size
+
+    threads = []
+    real = asyncio.to_thread
+    monkeypatch.setattr(sessions.asyncio, "to_thread", lambda fn, *a: threads.append(fn) or real(fn, *a))
+    engine = RecordingEngine(qwen3_tokenizer, calculator_script)
+    proxy = ChatProxy(engine, ChatRenderer(qwen3_tokenizer))
+
+    async def call(text: str) -> None:
+        session = proxy.resolve(None, "", [{"role": "user", "content": text}])
+        chat = sessions.ChatCall(messages=[{"role": "user", "content": text}])
+        await proxy.complete(session, chat)
+
+    asyncio.run(call("What is 2 + 2?"))
+    assert threads == []
+    asyncio.run(call("x " * INLINE_PREPARE_CHARS))
+    assert len(threads) == 1
+    image = {"role": "user", "content": [{"type": "image", "image": object()}, {"type": "text", "text": "hi"}]}
+    assert text_size([image], 100) == 100 and text_size([{"role": "user", "content": "abc"}], 100) == 7
+    messages = [{"role": "assistant", "content": "a", "tool_calls": [{"function": {"name": "f", "arguments": {
+        "x": [1, 2.5, None, True]}}}]}, image]
+    copied_messages = copied(messages)
+    assert copied_messages == copy.deepcopy(messages)[:1] + [copied_messages[1]]
+    assert copied_messages[1]["content"][1] == image["content"][1]
+    messages[0]["tool_calls"][0]["function"]["arguments"]["x"].append(3)
+    messages[1]["content"][1]["text"] = "changed"
+    assert copied_messages[0]["tool_calls"][0]["function"]["arguments"]["x"] == [1, 2.5, None, True]
+    assert copied_messages[1]["content"][1]["text"] == "hi"
+    assert copied_messages[1]["content"][0]["image"] is not image["content"][0]["image"]  # deepcopy'd
+
+
 def test_a_streamed_request_the_engine_refuses_is_an_http_error_not_a_broken_stream(live):
     url, _, _ = live
     body = {"model": "m", "messages": [{"role": "user", "content": "word " * CONTEXT}], "stream": True}

@@ -121,6 +121,27 @@ def test_the_check_flags_a_corrupted_observation_or_closing(matrix, family, scen
         assert not check.ok and "content" in check.reasons, check.diff
 
 
+
+@pytest.mark.parametrize(("family", "scenario"), RENDERED, ids=[f"{f}-{s}" for f, s in RENDERED])
+def test_the_linear_scan_finds_difflibs_stretches(matrix, family, scenario):
+    """`_differences` (a linear scan, difflib inside each differing region) gives the stretches difflib's matcher
+    over the whole gave, on every cell's stream and on the corrupted ones above (one wrong token, a lost closing)."""
+    from turnrl.render import _differences, _differences_difflib
+
+    cell = matrix[(family, scenario)]
+    stream = _stream(cell)
+    for messages in (cell.trajectory.messages, cell.conversation):
+        if cell.renderer._unrenderable(messages, cell.tools):
+            continue
+        full = cell.renderer.encode(cell.renderer.render_text(messages, cell.tools, add_generation_prompt=False))
+        variants = [stream, stream[:-3], stream[: len(stream) // 2]]
+        for at in (len(stream) // 3, 2 * len(stream) // 3, len(stream) - 1):
+            variants.append(stream[:at] + [stream[at] + 1] + stream[at + 1:])
+            variants.append(stream[:at] + stream[at + 1:])
+        for ids in variants:
+            assert _differences(ids, full) == _differences_difflib(ids, full), (family, scenario, ids)
+
+
 def test_matrix_totals(matrix):
     """The figures docs/templates.md quotes."""
     cells = list(matrix.values())

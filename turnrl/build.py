@@ -250,7 +250,8 @@ def build_rollout_manager(
     return RolloutManager(
         cast(Engine, engine), renderer, agents=agents, default_agent=default_agent, sampling=sampling_params(cfg),
         limits=rollout_limits(cfg), env_factory=env_factory, env_config=env_config(cfg), tools=tools,
-        sanity_mode=cfg.sanity_check, reward_fn=reward_fn, watchdog_s=cfg.watchdog_s,
+        sanity_mode=cfg.sanity_check, sanity_check_every=cfg.sanity_check_every, reward_fn=reward_fn,
+        watchdog_s=cfg.watchdog_s,
         admission=AdmissionSettings(cfg.concurrency, kv_soft_cap=cfg.kv_soft_cap, kv_hard_cap=cfg.kv_hard_cap),
     )
 

@@ -139,6 +139,7 @@ def rollout(
     plugin: Annotated[list[str], Opt(help="Python file imported at start-up (repeatable).")] = [],
     chat_template_kwargs: Annotated[str | None, Opt(help='JSON, e.g. \'{"enable_thinking": false}\'.')] = None,
     sanity_check: Annotated[str, Opt(help="strict | ignore_strippable | disable.")] = "strict",
+    sanity_check_every: Annotated[int, Opt(help="Check 1 trajectory in N (the first 64, then by id hash; 1 = all).")] = 1,
     concurrency: Annotated[str, Opt(help="Trajectories in flight: a number, or auto (follows the engines' KV cache).")] = "64",
     env_timeout: Annotated[float | None, Opt(help="Seconds an env step may take (then FAILED; 0 = no limit).")] = 60.0,
     env_retries: Annotated[int, Opt(help="Extra attempts of a failing env step.")] = 0,
@@ -167,7 +168,7 @@ def rollout(
             env_config={**_json_flag("--env-config", env_config), **({"gym_env": gym_env} if gym_env else {})},
             max_new_tokens=max_new_tokens, token_budget=token_budget, concurrency=_concurrency_flag(concurrency),
             env_timeout_s=env_timeout or None, env_retries=env_retries, watchdog_s=watchdog or None,
-            sanity_check=sanity_check, chat_template_kwargs=_json_flag("--chat-template-kwargs", chat_template_kwargs),
+            sanity_check=sanity_check, sanity_check_every=sanity_check_every, chat_template_kwargs=_json_flag("--chat-template-kwargs", chat_template_kwargs),
             trace_uri=trace_uri, max_traces_per_step=max_traces,
             sampling=SamplingConfig(temperature=temperature, top_p=top_p, seed=seed)))
         rows = _rollout_rows(data, limit, cfg)

@@ -199,6 +199,10 @@ class RolloutConfig(Strict):
     the engine replicas Ray actors (engine.distributed ray; engine.ray_workers is the older spelling)."""
     sanity_check: Literal["strict", "ignore_strippable", "disable"] = "strict"
     """Compare each token stream with a full chat-template re-render (render.py)."""
+    sanity_check_every: int = Field(1, ge=1)
+    """1 = check every trajectory. N > 1 (for scale): the first 64 trajectories of the process, then those whose id
+    hashes (zlib.crc32) to 0 mod N; an unchecked trajectory has no render metrics, `rollout/render_checked` is the
+    fraction checked."""
     chat_template_kwargs: dict[str, Any] = {}
     """Passed to the chat template (e.g. enable_thinking: false)."""
     trace_uri: str | None = None

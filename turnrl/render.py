@@ -904,16 +904,104 @@ def _strip_reasoning(text: str, markers: tuple[tuple[str, str], ...]) -> str:
 
 def _differences(stream: list[int], full: list[int], join_gap: int = 2) -> list[tuple[int, int, int, int]]:
     """The stretches where the ids differ, as (stream start, end, render start, end); stretches separated by
-    fewer than `join_gap` equal tokens are one. The render's closing after the end of the stream is none."""
-    ops = [op for op in difflib.SequenceMatcher(None, stream, full, autojunk=False).get_opcodes()
-           if op[0] != "equal" and not (op[0] == "insert" and op[1] == len(stream))]
+    fewer than `join_gap` equal tokens are one. The render's closing after the end of the stream is none.
+
+    A linear scan: equal tokens are skipped in C (list slices compared whole, halving); at each difference the
+    nearest point where both sides agree again for `_RESYNC` tokens ends the differing region (the smallest
+    total skip first, then the fewest stream tokens skipped), and difflib's matcher aligns the inside of that
+    region, as it aligned the whole before (`_differences_difflib`); where no such point is within
+    `_RESYNC_SPAN` tokens, difflib aligns the rest. An insertion or deletion that could sit further left (its
+    tokens repeat those before it) sits where difflib puts it: left when the equal tokens after it, so
+    lengthened, outnumber those before it."""
+    n, m = len(stream), len(full)
+    raw: list[list[int]] = []
+    i = j = 0
+    while True:
+        k = _equal_run(stream, i, full, j)
+        i, j = i + k, j + k
+        if i >= n:
+            break  # the rest of the render closes the turn the stream ends in
+        if j >= m:
+            raw.append([i, n, j, m])
+            break
+        at = _resync(stream, i, full, j)
+        if at is None:
+            raw += [[i + i1, i + i2, j + j1, j + j2] for i1, i2, j1, j2 in _opcodes(stream[i:], full[j:])]
+            break
+        raw += [[i + i1, i + i2, j + j1, j + j2]
+                for i1, i2, j1, j2 in _opcodes(stream[i:at[0]], full[j:at[1]], open_end=False)]
+        i, j = at
+    for k, op in enumerate(raw):
+        i1, i2, j1, j2 = op
+        if (i1 == i2) == (j1 == j2):
+            continue  # a replacement: nothing to slide
+        before = i1 - (raw[k - 1][1] if k else 0)
+        after = (raw[k + 1][0] if k + 1 < len(raw) else n) - i2
+        side, lo, hi = (stream, i1, i2) if j1 == j2 else (full, j1, j2)
+        t = 0
+        while t < before and side[lo - 1 - t] == side[hi - 1 - t]:
+            t += 1
+        if t and after + t > before:
+            op[:] = [i1 - t, i2 - t, j1 - t, j2 - t]
+    return _merged(raw, join_gap)
+
+
+def _merged(raw: list[list[int]], join_gap: int) -> list[tuple[int, int, int, int]]:
     merged: list[list[int]] = []
-    for _, i1, i2, j1, j2 in ops:
+    for i1, i2, j1, j2 in raw:
         if merged and i1 - merged[-1][1] < join_gap and j1 - merged[-1][3] < join_gap:
             merged[-1][1], merged[-1][3] = i2, j2
         else:
             merged.append([i1, i2, j1, j2])
     return [(i1, i2, j1, j2) for i1, i2, j1, j2 in merged]
+
+
+_RESYNC, _RESYNC_SPAN = 8, 32
+"""`_differences`: equal tokens that end a stretch, and the most tokens (both sides together) a stretch may skip
+before difflib aligns the rest."""
+
+
+def _equal_run(a: list[int], i: int, b: list[int], j: int) -> int:
+    """How many tokens a[i:] and b[j:] share from their start."""
+    n = min(len(a) - i, len(b) - j)
+    if a[i:i + n] == b[j:j + n]:
+        return n
+    lo, hi = 0, n  # a[i:i+lo] == b[j:j+lo], a[i:i+hi] != b[j:j+hi]
+    while hi - lo > 8:
+        mid = (lo + hi) // 2
+        if a[i + lo:i + mid] == b[j + lo:j + mid]:
+            lo = mid
+        else:
+            hi = mid
+    while a[i + lo] == b[j + lo]:
+        lo += 1
+    return lo
+
+
+def _resync(a: list[int], i: int, b: list[int], j: int) -> tuple[int, int] | None:
+    """The nearest (i2, j2) past a difference at (i, j) where a and b agree again for `_RESYNC` tokens, by the
+    total skip (i2 - i) + (j2 - j), then the stream's skip; None within `_RESYNC_SPAN` or near the end of a
+    (difflib aligns the rest: `_differences_difflib`)."""
+    n, m = len(a), len(b)
+    for skip in range(1, _RESYNC_SPAN + 1):
+        for di in range(max(0, skip - (m - j - _RESYNC)), min(skip, n - i - _RESYNC) + 1):
+            i2, j2 = i + di, j + skip - di
+            if a[i2] == b[j2] and a[i2:i2 + _RESYNC] == b[j2:j2 + _RESYNC]:
+                return i2, j2
+    return None
+
+
+def _opcodes(stream: list[int], full: list[int], *, open_end: bool = True) -> list[tuple[int, int, int, int]]:
+    """difflib's differing opcodes (the longest common blocks first); `open_end`: the stream ends here (what the
+    render adds after it is none)."""
+    return [(i1, i2, j1, j2) for op, i1, i2, j1, j2
+            in difflib.SequenceMatcher(None, stream, full, autojunk=False).get_opcodes()
+            if op != "equal" and not (open_end and op == "insert" and i1 == len(stream))]
+
+
+def _differences_difflib(stream: list[int], full: list[int], join_gap: int = 2) -> list[tuple[int, int, int, int]]:
+    """`_differences` by difflib's matcher over the whole of both (what the check ran before the linear scan)."""
+    return _merged([list(op) for op in _opcodes(stream, full)], join_gap)
 
 
 def _refuse_images(messages: list[Message]) -> None:

@@ -11,11 +11,12 @@ re-rendering text.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, cast
 
 Message = dict[str, Any]
 """An OpenAI-style chat message: `role`, `content` (a string, or a list of parts such as
@@ -517,7 +518,8 @@ class Trajectory:
             "response_ids": self.response_ids,
             "loss_mask": self.loss_mask,
             "rollout_logprobs": self.rollout_logprobs,
-            "segments": [_segment_json(s, start) for s, start in zip(self.segments, _starts(self.segments), strict=True)],
+            "segments": [_segment_json(s, start) for s, start in zip(  # starts: one more (the end), unused
+                self.segments, itertools.accumulate((len(s.token_ids) for s in self.segments), initial=0), strict=False)],
             "messages": self.messages,
             "images": self.images,
             "turns": [t.to_json() for t in self.turns],
@@ -585,7 +587,7 @@ class Trajectory:
             metrics=row.get("metrics", {}),
             sample=row.get("sample", {}),
             agent=row.get("agent", ""),
-            routed_experts=None if row.get("routed_experts") is None else _routing_from_json(row["routed_experts"]),
+            routed_experts=None if row.get("routed_experts") is None else _routing_json(row["routed_experts"], decode=True),
         )
 
 
@@ -613,43 +615,40 @@ def _segment_json(s: Segment, start: int) -> dict[str, Any]:
     return out
 
 
-def _routing_json(experts: Any) -> dict[str, Any]:
-    """[tokens, layers, k] expert ids as `{dtype, shape, data}`: data is the base64 of the little-endian array."""
-    from turnrl.moe import encode_routing
+def _routing_json(experts: Any, decode: bool = False) -> Any:
+    """[tokens, layers, k] expert ids as `{dtype, shape, data}` (the base64 of the little-endian array), or back."""
+    from turnrl.moe import decode_routing, encode_routing
 
-    return encode_routing(experts)
-
-
-def _routing_from_json(row: dict[str, Any]) -> Any:
-    from turnrl.moe import decode_routing
-
-    return decode_routing(row)
-
-
-def _starts(segments: list[Segment]) -> list[int]:
-    starts, pos = [], 0
-    for s in segments:
-        starts.append(pos)
-        pos += len(s.token_ids)
-    return starts
+    return decode_routing(experts) if decode else encode_routing(experts)
 
 
 def validate_segment(seg: Segment, where: str) -> None:
-    """Raise ValueError (naming `where`) unless tokens, mask and logprobs line up as the invariants demand."""
-    _check_token_ids(seg.token_ids, where)
-    if len(seg.loss_mask) != len(seg.token_ids):
-        raise ValueError(f"{where}: {len(seg.token_ids)} token ids but {len(seg.loss_mask)} mask values")
-    if any(m not in (0, 1) for m in seg.loss_mask):
-        raise ValueError(f"{where}: loss_mask values must be 0 or 1, got {sorted(set(seg.loss_mask))}")
-    if seg.source != SegmentSource.MODEL and any(seg.loss_mask):
+    """Raise ValueError (naming `where`) unless tokens, mask and logprobs line up as the invariants demand. Whole-list
+    C loops (`map(type, ...)`, `count`, `sum`, `max`) can only say "valid"; else the per-token checks name the value."""
+    ids, mask, n = seg.token_ids, seg.loss_mask, len(seg.token_ids)
+    if not (list(map(type, ids)).count(int) == n and (n == 0 or min(ids) >= 0)):  # type int: no bool, no subclass
+        _check_token_ids(ids, where)
+    if len(mask) != n:
+        raise ValueError(f"{where}: {n} token ids but {len(mask)} mask values")
+    zeros, ones = (mask.count(0), mask.count(1)) if type(mask) is list else (-1, -1)  # count: ==, as `in` compares
+    if zeros + ones != n and any(m not in (0, 1) for m in mask):
+        raise ValueError(f"{where}: loss_mask values must be 0 or 1, got {sorted(set(mask))}")
+    if seg.source != SegmentSource.MODEL and any(mask):
         raise ValueError(f"{where}: only model segments may carry mask 1")
     if seg.kept_counts is not None:
         _check_kept_counts(seg, where)
-    if seg.logprobs is None:
+    logprobs = seg.logprobs
+    if logprobs is None:
         return
-    if len(seg.logprobs) != len(seg.token_ids):
-        raise ValueError(f"{where}: {len(seg.token_ids)} token ids but {len(seg.logprobs)} logprobs")
-    for j, (m, lp) in enumerate(zip(seg.loss_mask, seg.logprobs, strict=True)):
+    if len(logprobs) != n:
+        raise ValueError(f"{where}: {n} token ids but {len(logprobs)} logprobs")
+    kinds = list(map(type, logprobs)) if type(logprobs) is list else []
+    if zeros == n and kinds.count(type(None)) == n:
+        return  # injected tokens: no logprob anywhere
+    floats = cast(list[float], logprobs)  # when every type is float (checked first)
+    if ones == n and kinds.count(float) == n and math.isfinite(sum(floats)) and max(floats, default=0.0) <= 1e-4:
+        return  # sampled tokens: finite floats (a sum of floats is finite only when every term is), <= 1e-4
+    for j, (m, lp) in enumerate(zip(mask, logprobs, strict=True)):
         if m == 1 and (lp is None or not math.isfinite(lp) or lp > 1e-4):
             raise ValueError(f"{where} token {j}: mask 1 needs a finite logprob <= 0, got {lp}")
         if m == 0 and lp is not None:

@@ -166,8 +166,9 @@ class EnvThreads:
         async with slots:
             job = _Job(loop, loop.create_future(), fn, args)
             self._submit(job)
-            try:
-                return await asyncio.wait_for(job.done, timeout_s)  # a timeout frees the slot
+            try:  # a timeout cancels the wait (not the thread's call) and frees the slot
+                async with asyncio.timeout(timeout_s):  # one timer, no task (asyncio.wait_for made both)
+                    return await job.done
             except BaseException:
                 self._abandon(job)
                 raise
@@ -241,10 +242,12 @@ async def call(fn: Callable, *args: Any, timeout_s: float | None = None, threads
     """Call a sync-or-async function: coroutines are awaited, sync functions run in `threads`; either way
     bounded by `timeout_s` from when it starts running (TimeoutError)."""
     if inspect.iscoroutinefunction(fn):
-        return await asyncio.wait_for(fn(*args), timeout_s)
+        async with asyncio.timeout(timeout_s):  # in this task: one timer, no task (asyncio.wait_for made both)
+            return await fn(*args)
     result = await (threads or DEFAULT_THREADS).run(fn, *args, timeout_s=timeout_s)
     if inspect.isawaitable(result):
-        result = await asyncio.wait_for(result, timeout_s)
+        async with asyncio.timeout(timeout_s):
+            result = await result
     return result
 
 
@@ -393,6 +396,11 @@ class EpisodeEnv:
         fmt = getattr(self.env, "format_observation", None)
         formatted = await self._call(fmt, observation) if fmt is not None else observation
         return self._messages(formatted, "format_observation")
+
+    @property
+    def closes(self) -> bool:
+        """`close` does something: the env has a close() (or a subclass has its own `close`)."""
+        return getattr(self.env, "close", None) is not None or type(self).close is not EpisodeEnv.close
 
     async def close(self) -> None:
         close = getattr(self.env, "close", None)

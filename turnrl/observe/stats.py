@@ -7,7 +7,9 @@ Metric names are flat strings, `group/name`, so they can go to MLflow or a log l
 - `rollout/gen_time_s`, `rollout/env_time_s`: summed over trajectories (waiting included)
 - `rollout/env_retries`, `rollout/render_mismatch` (streams that differ from a full chat-template re-render in
   content), `rollout/render_harmless` (only in ways known to be harmless for the template; strict sanity check),
-  `rollout/reward_errors`, `rollout/logprob_issues`: counts
+  `rollout/reward_errors`, `rollout/logprob_issues`: counts (render ones over the checked trajectories)
+- `rollout/render_checked`: the fraction of trajectories the sanity check ran on (below 1 with
+  rollout.sanity_check_every N > 1, and for trajectories with no model turn)
 - `rollout/reward_mean`, `rollout/reward_std`: over trajectories with a reward
 - `rollout/episodes`, `rollout/branches_per_episode` (trajectories per episode: 1 for a flat one, more with forks,
   compactions, sub-agents, splits; docs/trees.md), `rollout/compactions_per_episode` (`compaction` branches)
@@ -72,7 +74,7 @@ class RolloutStats:
         self.totals["model_tokens"] += traj.num_model_tokens
         self.totals["injected_tokens"] += traj.num_response_tokens - traj.num_model_tokens
         for key in ("gen_time_s", "env_time_s", "env_retries", "render_mismatch", "render_harmless",
-                    "cached_prompt_tokens", "logprob_issues"):
+                    "cached_prompt_tokens", "logprob_issues", "render_checked"):
             self.totals[key] += float(traj.metrics.get(key, 0.0))
         self.totals["reward_errors"] += traj.reward_error is not None
         tool_stats = traj.info.get("tool_stats")
@@ -99,6 +101,7 @@ class RolloutStats:
         out["rollout/compactions_per_episode"] = self.totals["compactions"] / episodes
         out["rollout/model_tokens_mean"] = self.totals["model_tokens"] / n
         out["rollout/injected_tokens_mean"] = self.totals["injected_tokens"] / n
+        out["rollout/render_checked"] = self.totals["render_checked"] / n
         out["rollout/tokens_per_s"] = self.totals["model_tokens"] / wall if wall > 0 else 0.0
         for key in ("gen_time_s", "env_time_s", "env_retries", "render_mismatch", "render_harmless", "reward_errors",
                     "cached_prompt_tokens", "logprob_issues"):
@@ -138,6 +141,8 @@ class RolloutStats:
         for key in ("env_retries", "render_mismatch", "render_harmless", "reward_errors", "logprob_issues"):
             if s[f"rollout/{key}"]:
                 t.add_row(_ROW_NAMES.get(key, key.replace("_", " ")), f"{s[f'rollout/{key}']:.0f}")
+        if 0 < s["rollout/render_checked"] < 1:  # rollout.sanity_check_every N > 1, or trajectories with no model turn
+            t.add_row("sanity-checked trajectories", f"{self.totals['render_checked']:.0f} ({s['rollout/render_checked']:.0%})")
         if self.tool_calls:
             t.add_row("tool calls", ", ".join(f"{k}: {v}" for k, v in self.tool_calls.most_common()))
         t.add_row("wall time (s)", f"{s['rollout/wall_s']:.1f}")

@@ -121,6 +121,9 @@ class RolloutContext:
     tools: Any = None
     """The agent's ToolSet (turnrl.tools), if any."""
     sanity_mode: SanityMode = SanityMode.STRICT
+    sanity_check_every: int = 1
+    """Check every trajectory (1), or N > 1: the first `SANITY_CHECK_FIRST` of the process, then those whose id
+    hashes to 0 mod N (`should_check`; rollout.sanity_check_every)."""
     env_threads: EnvThreads | None = None
     """Where sync env methods run (the RolloutManager's, sized to its concurrency)."""
     partial: Trajectory | None = None
@@ -216,6 +219,7 @@ class Episode:
         self._last: Turn | None = None
         self._early: Trajectory | None = None  # a trajectory that ended before its prompt was rendered
         self._stop_ids = tuple(sorted(set(ctx.sampling.stop_token_ids) | ctx.renderer.end_of_turn_ids))
+        self._params: tuple[tuple, SamplingParams] | None = None  # the last turn's call settings, reused while they apply
         self._metrics = {"gen_time_s": 0.0, "env_time_s": 0.0, "env_retries": 0, "cached_prompt_tokens": 0}
         self._t0 = time.perf_counter()
         self._first_messages: list[Message] = []  # the episode's prompt messages (a summary branch starts from them)
@@ -276,8 +280,12 @@ class Episode:
         max_new = self.limits.max_new_tokens if room is None else min(self.limits.max_new_tokens, room)
         self.length_reason = (TerminationReason.LENGTH if max_new == self.limits.max_new_tokens
                               else TerminationReason.TOKEN_BUDGET)
-        params = dataclasses.replace(self.ctx.sampling, max_new_tokens=max_new, stop_token_ids=self._stop_ids,
-                                     seed=derive_seed(self.ctx.sampling.seed, self.trajectory.id, n))
+        seed = derive_seed(self.ctx.sampling.seed, self.trajectory.id, n)
+        key = (self.ctx.sampling, max_new, seed)
+        if self._params is None or self._params[0] != key:  # else the last turn's (frozen: shared safely)
+            self._params = key, dataclasses.replace(self.ctx.sampling, max_new_tokens=max_new,
+                                                    stop_token_ids=self._stop_ids, seed=seed)
+        params = self._params[1]
         traj = self.trajectory
         traj.turns.append(TurnRecord(n))
         traj.sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k}
@@ -328,7 +336,7 @@ class Episode:
             done = sum(len(p.token_ids) for p in parts)
             prompt = ids + [t for p in parts for t in p.token_ids]
             out = await self.ctx.engine.generate(
-                prompt, dataclasses.replace(params, max_new_tokens=params.max_new_tokens - done),
+                prompt, dataclasses.replace(params, max_new_tokens=params.max_new_tokens - done) if done else params,
                 request_id=self.trajectory.id, images=images)
             if out.preempted and done + len(out.token_ids) >= params.max_new_tokens:  # it got to its limit anyway
                 out = dataclasses.replace(out, finish_reason=FinishReason.LENGTH, preempted=False)
@@ -506,7 +514,7 @@ class Episode:
 
     async def _cleanup(self) -> list[str]:
         problems, bound = [], self.limits.cleanup_timeout_s
-        if self._env is not None:
+        if self._env is not None and self._env.closes:  # an env without close(): no task to bound
             try:
                 await abandon_after(self._env.close(), bound, "env.close")
             except Exception as e:
@@ -568,12 +576,36 @@ def derive_seed(base: int | None, trajectory_id: str, turn: int) -> int | None:
     return None if base is None else zlib.crc32(f"{base}/{trajectory_id}/{turn}".encode())
 
 
+SANITY_CHECK_FIRST = 64
+"""rollout.sanity_check_every N > 1: the first trajectories of the process checked whatever their id."""
+_sampled = 0
+"""Trajectories `should_check` has been asked about with N > 1 in this process (up to SANITY_CHECK_FIRST)."""
+
+
+def should_check(trajectory_id: str, every: int) -> bool:
+    """Whether the sanity check runs on this trajectory: always with `every` <= 1; else for the first
+    `SANITY_CHECK_FIRST` trajectories this process asks about, then when zlib.crc32 of the id is 0 mod `every`
+    (deterministic: the same id is checked or not in every run)."""
+    global _sampled
+    if every <= 1:
+        return True
+    if _sampled < SANITY_CHECK_FIRST:
+        _sampled += 1
+        return True
+    return zlib.crc32(trajectory_id.encode()) % every == 0
+
+
 def _sanity_check(ctx: RolloutContext, traj: Trajectory, messages: list[Message], tools: Any) -> None:
     """Compare the stream with a full re-render (ChatRenderer.check). A difference of a kind known to be harmless
     for this template counts in `render_harmless` (strict mode) and is explained at info level; any other counts
-    in `render_mismatch` and is explained as a warning; each kind once per process (the metrics count the rest)."""
+    in `render_mismatch` and is explained as a warning; each kind once per process (the metrics count the rest).
+    `render_checked` says whether it ran (1) or the sample left this trajectory out (0: no render metrics)."""
     if ctx.sanity_mode == SanityMode.DISABLE or not traj.prompt_ids or not traj.response_ids:
         return  # no model turn: the stream ends in the generation prompt, which a re-render of the messages lacks
+    checked = should_check(traj.id, ctx.sanity_check_every)
+    traj.metrics["render_checked"] = 1.0 if checked else 0.0
+    if not checked:
+        return
     check = ctx.renderer.check(traj.prompt_ids + traj.response_ids, messages, tools, ctx.sanity_mode)
     traj.metrics["render_mismatch"] = 0.0 if check.ok or check.strippable else 1.0
     traj.metrics["render_harmless"] = 1.0 if not check.ok and check.strippable else 0.0

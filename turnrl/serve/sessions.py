@@ -30,7 +30,6 @@ the session's event loop (`loop=`, the RolloutManager's), so the engine is used 
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
 import inspect
 import json
@@ -50,6 +49,7 @@ from turnrl.render import ChatRenderer, RenderError
 from turnrl.rollout.builder import TrajectoryBuilder
 from turnrl.rollout.episode import derive_seed
 from turnrl.rollout.tree import branch, common_prefix
+from turnrl.serve.payload import INLINE_PREPARE_CHARS, copied, text_size
 from turnrl.serve.streaming import ReplyStream, StopMatch, StopWatch, TextStream
 from turnrl.tools.parsers import get_parser
 from turnrl.types import (
@@ -326,8 +326,10 @@ class ChatProxy:
         come whole in the recorded reply at the end."""
         _check_callable(session)
         session.last_active = time.time()
-        # tokenising a long conversation takes a while: off the event loop, which serves every other request
-        (prompt_ids, base_len, delta_sources), (params, notes) = await asyncio.to_thread(self._prepare, session, chat)
+        # a long conversation is tokenised off the event loop (it serves the others); a short one here: cheaper
+        inline = text_size(chat.messages, INLINE_PREPARE_CHARS) < INLINE_PREPARE_CHARS
+        prepared = self._prepare(session, chat) if inline else await asyncio.to_thread(self._prepare, session, chat)
+        (prompt_ids, base_len, delta_sources), (params, notes) = prepared
         stop_strings = chat.sampling.get("stop") or []
         stops = StopWatch(self.renderer, stop_strings)
         stream = ReplyStream(self.renderer, chat.tools, chat.tool_choice, on_delta, stop_strings) if on_delta else None
@@ -345,7 +347,7 @@ class ChatProxy:
             index=len(session.calls), prompt_ids=list(prompt_ids), completion_ids=list(out.token_ids),
             logprobs=list(out.logprobs), finish_reason=out.finish_reason, policy_version=out.policy_version,
             # copies: an in-process caller goes on appending to its lists, and the record must not change
-            messages=copy.deepcopy(chat.messages), tools=copy.deepcopy(chat.tools), reply=reply, base_len=base_len,
+            messages=copied(chat.messages), tools=copied(chat.tools), reply=reply, base_len=base_len,
             delta_sources=delta_sources,
             cached_prompt_tokens=out.cached_prompt_tokens, gen_time_s=time.perf_counter() - t0, start_ns=start_ns,
             notes={**notes, **parse_notes, **({"stop": stopped.stop} if stopped else {}),
