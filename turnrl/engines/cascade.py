@@ -5,13 +5,14 @@ their slots holds the same K/V, bit for bit, in columns [0, P). A decode step ov
 columns of K and V per row; here it reads them once for the whole group (as FlashInfer's cascade attention,
 vLLM's cascade attention and Hydragen do):
 
-- **prefix**: the group's queries (every row, every query head) attend to one slot's first P columns in one
-  matmul per KV head: q [Hkv, rows * g, d] @ K[:P]^T [Hkv, d, P], g = query heads per KV head (GQA folded into
-  the matmul), softmax statistics (the log-sum-exp) kept in float32;
+- **prefix**: the group's queries (every row, every query head) attend to one slot's first P columns at once:
+  q [Hkv, rows * g, d] against K[:P] [Hkv, P, d], g = query heads per KV head (GQA folded into the rows), in
+  one call of torch's CPU flash kernel (the kernel SDPA runs on the CPU; it also returns each query's
+  log-sum-exp), or float32 matmuls off the CPU;
 - **suffix**: each row attends to its own columns P..len (its sampled tokens and anything after the shared
   part), masked per row, over the window [min P, width) only;
-- **merge**: the two partial softmaxes combine exactly: out = (out_p e^(lse_p) + out_s e^(lse_s)) / e^(lse),
-  lse = logaddexp(lse_p, lse_s).
+- **merge**: the two partial softmaxes combine exactly, out = out_p + (out_s - out_p) * sigmoid(lse_s - lse_p)
+  in float32 (= (out_p e^lse_p + out_s e^lse_s) / (e^lse_p + e^lse_s)).
 
 Rows in no group go through transformers' SDPA attention exactly as without cascade. Every row keeps its own
 full KV copy (parking, export, `move_row`, retirement are untouched): cascade changes only what decode reads.
