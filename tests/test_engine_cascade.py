@@ -116,13 +116,15 @@ def test_the_plan_groups_rows_and_refuses_impossible_groups():
     assert plan_cascade(lens, [(8, [0, 1])]) is None  # a prefix too short to gain anything
     plan = plan_cascade(lens, [(40, [3, 1])])
     assert plan is not None and plan.start == 40 and plan.groups[0][:2] == (1, 40)
-    assert torch.equal(plan.grouped, torch.tensor([1, 3])) and torch.equal(plan.plain, torch.tensor([0, 2]))
+    assert torch.equal(plan.grouped, torch.tensor([1, 3])) and [rows for rows, _ in plan.plain] == [slice(0, 1),
+                                                                                                      slice(2, 3)]
+    assert [mask[:, 0, 0].sum(-1).tolist() for _, mask in plan.plain] == [[51], [71]]  # columns 0..lens[i]
     # the suffix window: row 1 sees columns 40..60, row 3 40..80
     assert plan.suffix_mask.shape == (2, 1, 1, 81 - 40)
     assert plan.suffix_mask[0, 0, 0].nonzero()[[0, -1], 0].tolist() == [0, 20]
     assert plan.suffix_mask[1, 0, 0].nonzero()[[0, -1], 0].tolist() == [0, 40]
     whole = plan_cascade(lens, [(50, [0, 1, 2, 3])])
-    assert whole is not None and whole.grouped == slice(0, 4) and whole.plain is None  # a view, no gather
+    assert whole is not None and whole.grouped == slice(0, 4) and whole.plain == []  # a view, no gather
     with pytest.raises(ValueError, match="longer than a row's KV"):
         plan_cascade(lens, [(55, [0, 1])])
     with pytest.raises(ValueError, match="out of"):
@@ -244,7 +246,7 @@ async def test_rows_joining_mid_decode_and_different_prefixes(model, monkeypatch
         assert cas.stats["cascade_steps"] == sum(p is not None for p in plans) > 0
         prefixes = {tuple(sorted(p for _, p, _ in plan.groups)) for plan in plans if plan is not None}
         assert (34, 40) in prefixes and (34, 69) in prefixes  # two groups; the a-group before and after b0 joined
-        assert any(plan is not None and plan.plain is not None for plan in plans)  # "lone" beside them
+        assert any(plan is not None and plan.plain for plan in plans)  # "lone" beside them
     finally:
         cas.close()
         alone.close()

@@ -79,16 +79,15 @@ class CascadePlan:
     """One decode step's split of its n rows (row i sees columns 0..lens[i]).
 
     `groups`: (row whose slot holds the shared K/V, P, positions of the group's rows within `grouped`);
-    `grouped`/`plain`: the rows decoded by cascade and the rest (None: none); `start`: the first column of the
-    suffix window (the smallest P); `suffix_mask` [grouped, 1, 1, width - start]: row i's columns P_i..lens[i];
-    `plain_mask` [plain, 1, 1, width]: columns 0..lens[i]."""
+    `grouped`: the rows decoded by cascade; `plain`: the rest, as runs of consecutive rows (slab views, no copy)
+    with each run's mask [rows, 1, 1, width] (columns 0..lens[i]); `start`: the first column of the suffix
+    window (the smallest P); `suffix_mask` [grouped, 1, 1, width - start]: row i's columns P_i..lens[i]."""
 
     groups: list[tuple[int, int, Rows]]
     grouped: Rows
-    plain: Rows | None
+    plain: list[tuple[slice, torch.Tensor]]
     start: int
     suffix_mask: torch.Tensor
-    plain_mask: torch.Tensor | None
 
     def suffix_bias(self, dtype: torch.dtype) -> torch.Tensor:
         """`suffix_mask` as an additive mask (0 / -inf) of `dtype`, made once per step."""
@@ -106,6 +105,17 @@ def _as_rows(indices: list[int]) -> Rows:
     if indices == list(range(indices[0], indices[0] + len(indices))):
         return slice(indices[0], indices[0] + len(indices))
     return torch.tensor(indices)
+
+
+def _runs(indices: list[int]) -> list[tuple[int, int]]:
+    """Sorted indices as runs of consecutive ones: (first, last) each."""
+    runs: list[tuple[int, int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1] = (runs[-1][0], i)
+        else:
+            runs.append((i, i))
+    return runs
 
 
 def _take(t: torch.Tensor, rows: Rows) -> torch.Tensor:
@@ -143,11 +153,11 @@ def plan_cascade(lens: torch.Tensor, groups: list[tuple[int, list[int]]], *, min
     cols_W = torch.arange(start, width)
     suffix_mask = (cols_W >= prefix_N[grouped, None]) & (cols_W <= lens[grouped, None])
     rest = sorted(set(range(n)) - set(order))
-    plain_mask = None
-    if rest:
-        plain_mask = (torch.arange(width)[None, :] <= lens[rest, None])[:, None, None, :]
-    return CascadePlan(plan_groups, _as_rows(order), _as_rows(rest) if rest else None, start,
-                       suffix_mask[:, None, None, :], plain_mask)
+    plain = []
+    for first, last in _runs(rest):
+        mask = (torch.arange(width)[None, :] <= lens[first : last + 1, None])[:, None, None, :]
+        plain.append((slice(first, last + 1), mask))
+    return CascadePlan(plan_groups, _as_rows(order), plain, start, suffix_mask[:, None, None, :])
 
 
 def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -221,10 +231,9 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     kv_heads = key.shape[1]
     scale = scaling if scaling is not None else dim ** -0.5
     out = torch.empty(n, 1, heads, dim, dtype=query.dtype, device=query.device)
-    if plan.plain is not None:  # rows in no group: exactly the plain path
-        o, _ = sdpa_attention_forward(module, _take(query, plan.plain), _take(key, plan.plain),
-                                      _take(value, plan.plain), plan.plain_mask, dropout=dropout, scaling=scaling)
-        out[plan.plain] = o
+    for rows, mask in plan.plain:  # rows in no group: the plain path, on views of their slots
+        out[rows], _ = sdpa_attention_forward(module, query[rows], key[rows], value[rows], mask, dropout=dropout,
+                                              scaling=scaling)
     q_G = _take(query, plan.grouped).reshape(-1, kv_heads, heads // kv_heads, dim)  # [G, Hkv, g, d]: GQA folded
     o_G = torch.empty(q_G.shape, dtype=torch.float32, device=query.device)
     fast = _CPU_FLASH is not None and query.device.type == "cpu"
