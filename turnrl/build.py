@@ -114,7 +114,7 @@ def build_engine(model: torch.nn.Module | None, cfg: EngineConfig, eos_token_ids
         return EmbeddedEngine(weights, eos_token_ids=eos_token_ids, max_batch_size=cfg.max_batch_size,
                               prefix_cache_tokens=cfg.prefix_cache_tokens, image_processor=image_processor,
                               record_sampling_mask=record.sampling_mask, record_routing=record.routing,
-                              share_prefixes=cfg.share_prefixes)
+                              share_prefixes=cfg.share_prefixes, cascade=cfg.cascade)
 
     if cfg.replicas == 1:
         return one(model)

@@ -45,6 +45,10 @@ class EngineConfig(Strict):
     share_prefixes: bool = True
     """Embedded engine: a request copies the KV of the longest prefix it shares with any parked, running or
     same-step request (a group's prompt is prefilled once); false: only its own trajectory's (docs/engines.md)."""
+    cascade: bool = True
+    """Embedded engine, with share_prefixes: rows whose first tokens' KV was copied from one another decode against
+    one copy of it (cascade attention: the shared prompt's keys read once per step for the whole group, merged by
+    log-sum-exp with each row's own tokens); false: each row reads its own copy (docs/engines.md)."""
     replicas: int = Field(1, ge=1)
     """Engine replicas behind the router (each a separate engine)."""
     urls: list[str] = []

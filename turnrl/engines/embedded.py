@@ -21,6 +21,9 @@ How it works:
   branch copies what it shares with its parent. Parked KV is bounded by `prefix_cache_tokens` (LRU) and
   dropped on `release(request_id)`, `sleep` or a weight update. With `share_prefixes=False` (and always for
   VLMs and with `record_routing`) only a trajectory's own parked KV is reused, when its prompt extends it.
+- Cascade (turnrl.engines.cascade; `cascade=True`, with share_prefixes): rows whose first columns hold copies of
+  one block's KV (a group's prompt) decode against one copy of it: the decode step reads those columns once for
+  the group, merged by log-sum-exp with each row's own columns. Every row still holds its full copy.
 - Logprobs are those of the distribution actually sampled from (temperature, top-k, top-p applied).
 - With `record_sampling_mask`, each token also reports the size of the kept set it was drawn from (the k most
   likely tokens that top-k and top-p left), so the trainer can renormalise over the same set; with
@@ -44,6 +47,14 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from turnrl.engines.base import EngineError, InvalidRequest, KVStats, NamedTensors, check_pause
+from turnrl.engines.cascade import (
+    PLAN_KWARG,
+    Shared,
+    decode_groups,
+    plan_cascade,
+    share,
+    use_cascade_attention,
+)
 from turnrl.engines.prefix import Parked, ParkedKV, Source, choose_sources
 from turnrl.moe import RoutingRecorder, router_top_k
 from turnrl.types import (
@@ -184,6 +195,7 @@ class _Request:
     kv_epoch: int = -1  # the engine's weights epoch at prefill: KV from an earlier epoch is never copied
     kept: list[int] = field(default_factory=list)  # the kept-set size of each out token (record_sampling_mask)
     routing: list[torch.Tensor] = field(default_factory=list)  # [tokens, layers, k] per forward (record_routing)
+    shared: Shared | None = None  # its first columns hold a shared block's KV (copied): cascade groups by it
 
 
 def sample_tokens(
@@ -307,6 +319,7 @@ class EmbeddedEngine:
         record_sampling_mask: bool = False,
         record_routing: bool = False,
         share_prefixes: bool = True,
+        cascade: bool = True,
     ):
         self.model = model.eval()
         self.record_sampling_mask = record_sampling_mask
@@ -338,6 +351,9 @@ class EmbeddedEngine:
         """Reuse any request's KV for a shared prefix; off: only a trajectory's own. Never for VLMs (the image
         tokens of different images have the same ids) or with record_routing (the routing of a copied prefix
         belongs to the request it was copied from)."""
+        self.cascade = self.share_prefixes and cascade and use_cascade_attention(model)
+        """Decode rows that copied one prefix's KV against one copy of it (turnrl.engines.cascade): with
+        share_prefixes, on an SDPA model."""
         self._parked = ParkedKV(prefix_cache_tokens)
         self._kv_epoch = 0  # bumped when the weights change or the cache sleeps: older KV is never copied
         self._generator = torch.Generator().manual_seed(seed)
@@ -346,10 +362,11 @@ class EmbeddedEngine:
         self._wake, self._stopped = threading.Event(), False
         self._updating = False  # between the first and the final bucket of a streamed weight update
         self._deferred: list[tuple] = []  # commands held until the running requests finish (pause=wait)
-        self.stats = {"decode_steps": 0, "prefill_forwards": 0, "prefill_tokens": 0, "cached_prompt_tokens": 0,
-                      "shared_prompt_tokens": 0, "generated_tokens": 0, "requests": 0, "busy_s": 0.0, "prefill_s": 0.0}
+        self.stats = {"decode_steps": 0, "cascade_steps": 0, "prefill_forwards": 0, "prefill_tokens": 0,
+                      "cached_prompt_tokens": 0, "shared_prompt_tokens": 0, "generated_tokens": 0, "requests": 0,
+                      "busy_s": 0.0, "prefill_s": 0.0}
         """shared_prompt_tokens: the part of cached_prompt_tokens copied from another request's KV; prefill_s: the
-        part of busy_s spent in prefill forwards."""
+        part of busy_s spent in prefill forwards; cascade_steps: decode steps that ran cascade attention."""
         self._thread = threading.Thread(target=self._run, name="turnrl-engine", daemon=True)
         self._thread.start()
 
@@ -587,7 +604,7 @@ class EmbeddedEngine:
             return  # KV partly computed by weights since replaced, or too long to keep
         # the next turn's delta starts with the last sampled token, at rotary position next_pos
         self._parked.park(req.request_id, Parked(req.request_id, tokens, self.cache.export_row(slot, len(tokens)),
-                                                 req.next_pos))
+                                                 req.next_pos, req.shared))
 
     def _drop_parked(self) -> None:
         self._parked.clear()
@@ -616,11 +633,13 @@ class EmbeddedEngine:
             self.cache.import_row(slot, entry.kv, source.tokens)
             if self.mrope:  # (the whole entry: VLMs reuse only their own trajectory's)
                 req.next_pos = entry.next_pos
+            entry.shared, req.shared = share(entry.shared, source.tokens)
         else:
             src = cast(_Request, source.key)
             if src.error is not None or src.length < source.tokens:  # a round source whose prefill failed
                 return 0
             self.cache.move_row(self._active.index(src), slot, source.tokens)
+            src.shared, req.shared = share(src.shared, source.tokens)
         if source.kind != "parked" or cast(Parked, source.key).request_id != req.request_id:
             self.stats["shared_prompt_tokens"] += source.tokens
         return source.tokens
@@ -730,7 +749,9 @@ class EmbeddedEngine:
             positions = torch.tensor([r.next_pos for r in rows]).view(1, -1, 1).expand(3, -1, 1)
         else:
             positions = lens[:, None]
-        logits = self._forward(ids, positions, mask)
+        plan = plan_cascade(lens, decode_groups([r.shared for r in rows], lens)) if self.cascade else None
+        self.stats["cascade_steps"] += plan is not None
+        logits = self._forward(ids, positions, mask, **({PLAN_KWARG: plan} if plan is not None else {}))
         for r in rows:
             r.next_pos += 1
         tokens, logps, kept = sample_tokens(
@@ -746,7 +767,7 @@ class EmbeddedEngine:
         self._retire([r for r in rows if self._finished(r) or r.aborted])
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
-                 **pixels: torch.Tensor) -> torch.Tensor:
+                 **pixels: Any) -> torch.Tensor:
         with self._routing.capture() if self._routing is not None else contextlib.nullcontext():
             out = self.model(
                 input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,

@@ -26,9 +26,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from turnrl.engines.cascade import Shared
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -51,12 +54,14 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 @dataclass
 class Parked:
     """A finished request's KV: `tokens` (prompt and output but the last sampled token), one [kv_heads,
-    len(tokens), head_dim] tensor per layer's K then V, and the rotary position of the next token fed."""
+    len(tokens), head_dim] tensor per layer's K then V, the rotary position of the next token fed, and the shared
+    block its first columns hold (turnrl.engines.cascade.Shared; None: none known)."""
 
     request_id: str
     tokens: list[int]
     kv: list[torch.Tensor]
     next_pos: int
+    shared: Shared | None = None
 
 
 class ParkedKV:
