@@ -547,7 +547,8 @@ def test_a_verl_interaction_runs_with_its_config_yaml_on_verls_rows(tmp_path, mo
     assert result.exit_code == 0, result.output
     right, wrong = sorted(map(json.loads, out.read_text().splitlines()), key=lambda t: t["id"])
     # row 0 (72): wrong, told so, then right: the interaction ends it; row 1 (10) never gets it right
-    assert (right["termination_reason"], right["turn_rewards"], right["reward"]) == ("env_done", [0.0, 1.0], 1.0)
+    assert (right["termination_reason"], right["turn_rewards"], right["reward"]) == ("env_done", [0.0, 1.0], 1.0), \
+        right["error"]
     assert [m["content"] for m in right["messages"] if m["role"] == "user"][1:] == [
         "Your response is incorrect! You need to reflect on your answer and try again."]
     assert (wrong["termination_reason"], wrong["turn_rewards"], wrong["reward"]) == ("max_turns", [0.0] * 3, 0.0)

@@ -235,3 +235,26 @@ def test_two_ranks_on_a_cold_cache_both_get_the_complete_builtin_model(tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     results = sorted(json.loads(line)["complete"] for line in out.stdout.splitlines() if line.startswith("{"))
     assert results == [True, True]
+
+
+def test_a_package_of_the_current_directory_loads_when_another_thread_put_it_on_sys_path_first(tmp_path, monkeypatch):
+    """Env factories load on threads: one thread's import fails, another appends the current directory to
+    sys.path and imports, then the first must retry instead of raising (failed once in CI: env_error at start)."""
+    import importlib
+
+    write(tmp_path / "racepkg_s35" / "mod.py", "VALUE = 35\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path.resolve()))])
+    real = importlib.import_module
+    calls = []
+
+    def racing(name, package=None):
+        calls.append(name)
+        if len(calls) == 1:  # this thread's first try failed; meanwhile the other thread added the directory
+            sys.path.append(str(tmp_path.resolve()))
+            raise ModuleNotFoundError(f"No module named {name.partition('.')[0]!r}", name=name.partition(".")[0])
+        return real(name, package)
+
+    monkeypatch.setattr(importlib, "import_module", racing)
+    assert load_module("racepkg_s35.mod", what="interaction").VALUE == 35
+    assert calls == ["racepkg_s35.mod", "racepkg_s35.mod"]

@@ -96,8 +96,10 @@ def _import_dotted(spec: str) -> ModuleType:
         missing_itself = bool(e.name) and (spec == e.name or spec.startswith(f"{e.name}."))
         cwd = str(Path.cwd().resolve())
         top = spec.partition(".")[0]
-        # only a package path (`examples.x.env`): a bare name that is a file here is better answered with a hint
-        if not missing_itself or cwd in sys.path or "." not in spec or not Path(cwd, top).is_dir():
+        # only a package path (`examples.x.env`): a bare name that is a file here is better answered with a hint.
+        # The directory may be on sys.path already: another thread appended it after this import failed (env
+        # factories load on threads), so the import is retried under the lock either way.
+        if not missing_itself or "." not in spec or not Path(cwd, top).is_dir():
             raise
     with _LOCK:
         added = cwd not in sys.path
