@@ -554,3 +554,34 @@ def test_a_verl_interaction_runs_with_its_config_yaml_on_verls_rows(tmp_path, mo
     assert (wrong["termination_reason"], wrong["turn_rewards"], wrong["reward"]) == ("max_turns", [0.0] * 3, 0.0)
     # start_interaction got the row's interaction_kwargs; finalize_interaction released every instance
     assert sys.modules["verlrepo_i13.gsm8k_interaction"].LIVE == {}
+
+
+def test_an_interaction_config_is_built_once_when_first_trajectories_race(tmp_path, monkeypatch):
+    """verl builds each interaction once per process; env factories run on threads, so the first trajectories of a
+    batch ask for the map at once (two copies would split a stateful interaction's `_instance_dict`)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from turnrl.compat.verl.interaction import interaction_map
+
+    (tmp_path / "slow_interaction_s35.py").write_text(textwrap.dedent('''
+        import time
+        from turnrl.compat.verl import BaseInteraction
+        BUILT = []
+        class SlowInteraction(BaseInteraction):
+            def __init__(self, config):
+                super().__init__(config)
+                time.sleep(0.05)
+                BUILT.append(self)
+    '''))
+    entries = [{"name": "slow", "class_name": f"{tmp_path}/slow_interaction_s35.py:SlowInteraction", "config": {}}]
+    start = threading.Barrier(4)
+
+    def first(_):
+        start.wait()
+        return interaction_map(entries)["slow"]
+
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(first, range(4)))
+    assert len({id(g) for g in got}) == 1
+    assert len(sys.modules[type(got[0]).__module__].BUILT) == 1

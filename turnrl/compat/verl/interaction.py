@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import threading
 from typing import Any
 from uuid import uuid4
 
@@ -61,6 +62,7 @@ class BaseInteraction:
 
 _INTERACTIONS: dict[str, dict[str, BaseInteraction]] = {}
 """The interactions of each interaction config (by its JSON), built once per process as verl builds them."""
+_BUILDING = threading.Lock()  # env factories run on threads: two first trajectories must not build two sets
 
 
 def interaction_map(entries: Any) -> dict[str, BaseInteraction]:
@@ -70,15 +72,16 @@ def interaction_map(entries: Any) -> dict[str, BaseInteraction]:
         raise ValueError("interaction config: `interaction:` must be a list of {name, class_name, config} "
                          f"mappings (verl's interaction_config YAML), got {entries!r:.120}")
     key = json.dumps(entries, sort_keys=True, default=str)
-    if key not in _INTERACTIONS:
-        built: dict[str, BaseInteraction] = {}
-        for entry in entries:
-            cls = _load_class(entry["class_name"])
-            name = entry.get("name") or _default_name(entry["class_name"])
-            if name in built:
-                raise ValueError(f"interaction config: duplicate interaction name {name!r}")
-            built[name] = cls(config={**(entry.get("config") or {}), "name": name})
-        _INTERACTIONS[key] = built
+    with _BUILDING:
+        if key not in _INTERACTIONS:
+            built: dict[str, BaseInteraction] = {}
+            for entry in entries:
+                cls = _load_class(entry["class_name"])
+                name = entry.get("name") or _default_name(entry["class_name"])
+                if name in built:
+                    raise ValueError(f"interaction config: duplicate interaction name {name!r}")
+                built[name] = cls(config={**(entry.get("config") or {}), "name": name})
+            _INTERACTIONS[key] = built
     return _INTERACTIONS[key]
 
 
