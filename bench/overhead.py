@@ -26,6 +26,10 @@ runs against both checkouts; `--repo` points the imports at one:
 the default; N > 1 the first 64, then one id hash in N) on the checkouts that have the key; a checkout without it
 runs only its default (every trajectory), labelled so.
 
+Each measured run is the steady state: --warmup trajectories (default 200; serve: the same share of sessions) run
+first, untimed, in the same process (what a long run pays once: the template's compile, the start-up heap's freeze,
+the first 64 sanity checks of a sampled check); --warmup 0 measures from cold.
+
 With several --repo, each round runs every checkout in a child process (alternating, so machine load hits all
 alike) and the table shows every round and the median.
 """
@@ -179,18 +183,24 @@ async def _serve(m: dict[str, Any], sessions: int, turns: int) -> dict[str, floa
 
 
 def run_one(args: argparse.Namespace, what: str, every: int = 1) -> dict[str, float]:
+    """One measured run; `--warmup` first runs a small one in the same process, untimed (what a long run pays once:
+    the template's compile, first allocations, the start-up heap's freeze), so the figure is the steady state."""
     m = _imports()
     if what == "serve":
+        if args.warmup:
+            asyncio.run(_serve(m, max(args.sessions * args.warmup // max(args.trajectories, 1), 1), args.turns))
         return asyncio.run(_serve(m, args.sessions, args.turns))
     if every > 1 and not has_sampled_check(m):
         raise SystemExit(f"this checkout has no rollout.sanity_check_every (asked for {every})")
+    if args.warmup:
+        asyncio.run(_rollout(m, what, args.warmup, args.concurrency, args.turns, every))
     return asyncio.run(_rollout(m, what, args.trajectories, args.concurrency, args.turns, every))
 
 
 def _child(repo: str, args: argparse.Namespace, what: str, every: int = 1) -> dict[str, float]:
     cmd = [sys.executable, __file__, "--child", what, "--trajectories", str(args.trajectories),
            "--concurrency", str(args.concurrency), "--turns", str(args.turns), "--sessions", str(args.sessions),
-           "--sanity-check-every", str(every)]
+           "--sanity-check-every", str(every), "--warmup", str(args.warmup)]
     env = {**os.environ, "PYTHONPATH": str(Path(repo).resolve())}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
@@ -202,15 +212,18 @@ def _profile(args: argparse.Namespace) -> None:
     import cProfile
     import pstats
 
-    args.trajectories = args.profile
-    _renderer(_imports())  # imports and the tokenizer's load are not what is profiled
+    _renderer(_imports())  # imports, the tokenizer's load and the warm-up are not what is profiled
+    if args.warmup:
+        run_one(argparse.Namespace(**{**vars(args), "trajectories": args.warmup, "warmup": 0}), args.what[0],
+                args.sanity_check_every[0])
+    args.trajectories, args.warmup = args.profile, 0
     profile = cProfile.Profile()
     profile.enable()
     result = run_one(args, args.what[0], args.sanity_check_every[0])
     profile.disable()
     print(json.dumps(result))
     pstats.Stats(profile).sort_stats("cumulative").print_stats(45)
-    pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+    pstats.Stats(profile).sort_stats("tottime").print_stats(40)
 
 
 def main() -> None:
@@ -223,6 +236,8 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=200, help="serve: conversations at once")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", type=int, default=0, help="cProfile one run of this many trajectories")
+    parser.add_argument("--warmup", type=int, default=200,
+                        help="trajectories run untimed first in the same process (0: measure from cold)")
     parser.add_argument("--sanity-check-every", type=int, nargs="+", default=[1],
                         help="rollout.sanity_check_every values to run (checkouts that have the key)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -238,10 +253,11 @@ def main() -> None:
     results: dict[tuple[str, str, int], list[dict[str, float]]] = {}
     for _ in range(args.rounds):
         for what in args.what:
-            for every in ([1] if what == "serve" else args.sanity_check_every):
-                for repo in repos:
-                    if every == 1 or sampled[repo]:
-                        results.setdefault((repo, what, every), []).append(_child(repo, args, what, every))
+            everys = [1] if what == "serve" else args.sanity_check_every
+            # a checkout without the key runs its only mode (every trajectory) once, whatever was asked
+            runs = dict.fromkeys((repo, every if sampled[repo] else 1) for every in everys for repo in repos)
+            for repo, every in runs:
+                results.setdefault((repo, what, every), []).append(_child(repo, args, what, every))
     _table(args, repos, results)
 
 
@@ -258,12 +274,13 @@ def _table(args: argparse.Namespace, repos: list[str], results: dict[tuple[str, 
 
     table = Table(title=f"turnrl overhead: zero-cost engine and env, {args.trajectories} trajectories x {args.turns} "
                         f"turns at concurrency {args.concurrency}; serve: {args.sessions} sessions x {args.turns} calls")
-    for col in ("checkout", "path", "sanity check", "rounds", "median", "vs first checkout (every trajectory)"):
+    for col in ("checkout", "path", "sanity check", "rounds", "median", "vs first checkout (its fewest skipped checks)"):
         table.add_column(col)
     for what in args.what:
         key, unit = ("calls_per_s", "calls/s") if what == "serve" else ("turns_per_s", "turns/s")
-        base = statistics.median(r[key] for r in results[(repos[0], what, 1)])
-        for every in ([1] if what == "serve" else args.sanity_check_every):
+        first = [k for k in results if k[:2] == (repos[0], what)]
+        base = statistics.median(r[key] for r in results[min(first, key=lambda k: k[2])])
+        for every in sorted({k[2] for k in results if k[1] == what}):
             for repo in repos:
                 rs = results.get((repo, what, every))
                 if rs is None:

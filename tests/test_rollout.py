@@ -577,9 +577,11 @@ def test_the_first_rollout_of_a_process_freezes_the_start_up_heap_once(monkeypat
     real_freeze = gc.freeze
     monkeypatch.setattr(gc, "freeze", lambda: (calls.append(1), real_freeze()))
     monkeypatch.setattr(manager_module, "_heap_frozen", False)
+    monkeypatch.setattr(gc, "set_threshold", lambda *a: None)  # relax_gc_thresholds: its own test below
     monkeypatch.setenv("TURNRL_GC_FREEZE", "0")
     manager_module.freeze_heap()
-    assert not calls and not manager_module._heap_frozen
+    assert not calls and manager_module._heap_frozen
+    monkeypatch.setattr(manager_module, "_heap_frozen", False)
     monkeypatch.delenv("TURNRL_GC_FREEZE")
     before = gc.get_freeze_count()
     manager_module.freeze_heap()
@@ -587,3 +589,35 @@ def test_the_first_rollout_of_a_process_freezes_the_start_up_heap_once(monkeypat
     assert gc.get_freeze_count() > before  # the heap alive now (thousands of objects) joined the frozen ones
     manager_module.freeze_heap()  # once per process
     assert calls == [1]
+
+
+def test_a_rollout_process_relaxes_cpythons_default_gc_thresholds_and_keeps_its_own(monkeypatch):
+    """relax_gc_thresholds (with freeze_heap): CPython's (700, 10, 10) become GC_THRESHOLDS; thresholds a process set
+    itself stay; TURNRL_GC_THRESHOLD sets others or (0) keeps the defaults; a malformed value is named."""
+    import gc
+
+    import turnrl.rollout.manager as manager_module
+
+    saved = gc.get_threshold()
+    try:
+        monkeypatch.delenv("TURNRL_GC_THRESHOLD", raising=False)
+        gc.set_threshold(700, 10, 10)
+        manager_module.relax_gc_thresholds()
+        assert gc.get_threshold() == manager_module.GC_THRESHOLDS == (50_000, 20, 20)
+        gc.set_threshold(1000, 5, 5)  # the process's own choice
+        manager_module.relax_gc_thresholds()
+        assert gc.get_threshold() == (1000, 5, 5)
+        monkeypatch.setenv("TURNRL_GC_THRESHOLD", "20000,15,12")
+        manager_module.relax_gc_thresholds()
+        assert gc.get_threshold() == (20000, 15, 12)
+        gc.set_threshold(700, 10, 10)
+        monkeypatch.setenv("TURNRL_GC_THRESHOLD", "0")
+        manager_module.relax_gc_thresholds()
+        assert gc.get_threshold() == (700, 10, 10)
+        for bad in ("50000,20", "a,b,c", "0,1,1"):
+            monkeypatch.setenv("TURNRL_GC_THRESHOLD", bad)
+            with pytest.raises(ValueError, match=f"TURNRL_GC_THRESHOLD must be three positive integers.*{bad!r}"):
+                manager_module.relax_gc_thresholds()
+        assert gc.get_threshold() == (700, 10, 10)
+    finally:
+        gc.set_threshold(*saved)

@@ -342,7 +342,7 @@ class EpisodeEnv:
         self.env = env
         self.name = f"{type(env).__module__}.{type(env).__qualname__}"
         self.tools: list[dict] | None = getattr(env, "tools", None)
-        self.token_aware = isinstance(env, TurnEnv)
+        self.token_aware = hasattr(env, "step_turn")  # isinstance(env, TurnEnv), without the Protocol's slow check
         """Token-aware envs get the `Turn` and see length-truncated turns (plain envs never do)."""
         self.opens_episode = bool(getattr(env, "opens_episode", False))
         """Its `reset()` gives the episode's first message (rows need no prompt)."""
