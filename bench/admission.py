@@ -103,6 +103,7 @@ def workers(args: argparse.Namespace, console: Console) -> None:
     rows = [{"id": f"r{i}", "prompt": f"Question {i}: what is 2 + 2? Use the tool."}
             for i in range(args.worker_trajectories)]
     results: dict[int, list[float]] = {w: [] for w in args.workers}
+    driver: dict[int, list[float]] = {w: [] for w in args.workers}  # the driver's CPU seconds per second of wall
     pools = {}
     for w in args.workers:
         handles = [RolloutWorker.remote(functools.partial(_zero_manager, 4), []) for _ in range(w)]  # type: ignore[attr-defined]
@@ -117,20 +118,24 @@ def workers(args: argparse.Namespace, console: Console) -> None:
         asyncio.run(warm(rollout))
     for _ in range(args.rounds):
         for w in args.workers:
-            async def run(rollout: RayRollout) -> float:
-                t0 = time.perf_counter()
+            async def run(rollout: RayRollout) -> tuple[float, float]:
+                t0, cpu0 = time.perf_counter(), time.process_time()
                 turns = sum([t.num_turns async for t in rollout.stream(rows, 1)])
-                return turns / (time.perf_counter() - t0)
+                wall = time.perf_counter() - t0
+                return turns / wall, (time.process_time() - cpu0) / wall
 
-            results[w].append(asyncio.run(run(pools[w])))
+            speed, driver_cpu = asyncio.run(run(pools[w]))
+            results[w].append(speed)
+            driver[w].append(driver_cpu)
     table = Table(title=f"rollout workers: zero-cost engine and env in each worker, {args.worker_trajectories} "
                         "trajectories x 4 turns")
-    for col in ("workers", "turns/s (rounds)", "median", "vs 1 worker"):
+    for col in ("workers", "turns/s (rounds)", "median", "vs 1 worker", "driver CPU (of one core)"):
         table.add_column(col)
     base = statistics.median(results[args.workers[0]])
     for w in args.workers:
         med = statistics.median(results[w])
-        table.add_row(str(w), " / ".join(f"{x:.0f}" for x in results[w]), f"{med:.0f}", f"{med / base:.2f}x")
+        table.add_row(str(w), " / ".join(f"{x:.0f}" for x in results[w]), f"{med:.0f}", f"{med / base:.2f}x",
+                      f"{statistics.median(driver[w]):.0%}")
     console.print(table)
     for rollout in pools.values():
         for h in rollout.workers:

@@ -104,10 +104,15 @@ def test_two_workers_two_engines_give_the_single_process_trajectories(env_rollou
     assert min(served) > 0, served  # both replicas took trajectories
 
 
-def test_a_failing_env_in_one_worker_fails_only_its_trajectory(env_rollout):
+def test_a_failing_env_in_one_worker_fails_only_its_trajectory(env_rollout, monkeypatch):
+    import turnrl.rollout.ray as ray_module
+
     rows = latency_rows(4, LatencyDraw(mean_s=0.0, min_turns=3, max_turns=3, seed=1))
     rows[1]["fail_on_turn"] = 2  # row 1 goes to worker 1 (round-robin), rows 0, 2 to worker 0
+    prepared = []  # the driver prepares its collector too (it unpickles every trajectory): turnrl.rollout.manager
+    monkeypatch.setattr(ray_module, "freeze_heap", lambda: prepared.append(1))
     trajs = flat(asyncio.run(run_groups(env_rollout, rows, n=1)))
+    assert prepared == [1]
     assert [t.status for t in trajs] == ["completed", "failed", "completed", "completed"]
     assert trajs[1].termination_reason == TerminationReason.ENV_ERROR and "fail_on_turn" in trajs[1].error
     assert trajs[1].num_turns == 2 and all(t.num_turns == 3 for t in trajs if t.status == "completed")

@@ -43,7 +43,7 @@ import ray
 
 from turnrl.engines.base import Engine, NamedTensors
 from turnrl.engines.router import Router
-from turnrl.rollout.manager import RolloutManager, group_ids
+from turnrl.rollout.manager import RolloutManager, freeze_heap, group_ids
 from turnrl.types import GenerateOutput, SamplingParams, Trajectory
 
 log = logging.getLogger(__name__)
@@ -245,6 +245,7 @@ class RayRollout:
         (its process killed, its node lost) is dropped and its groups not yet fully delivered are re-issued to
         the workers left, under the same ids (same seeds); a trajectory delivered before is not delivered twice.
         With no worker left, the stream raises."""
+        freeze_heap()  # the driver unpickles every trajectory: with the defaults its collections cost it 2.5x
         ids = group_ids(rows, id_prefix)
         delivered: dict[str, set[str]] = {g: set() for g in ids}  # group id -> trajectory ids delivered
         queue: asyncio.Queue = asyncio.Queue()
