@@ -44,7 +44,7 @@ import httpx
 
 from turnrl.engines.base import EngineError
 from turnrl.engines.http import TOKEN_ENV, HttpEngine, _excerpt, sampling_from_json, sampling_to_json
-from turnrl.rollout.manager import RewardFn, drain, group_ids, score_episodes
+from turnrl.rollout.manager import RewardFn, drain, freeze_heap, group_ids, score_episodes
 from turnrl.types import SamplingParams, TerminationReason, Trajectory
 
 log = logging.getLogger(__name__)
@@ -109,6 +109,7 @@ class RemoteRollout:
     async def stream(self, rows: Sequence[dict[str, Any]], n: int = 1, *, id_prefix: str = "",
                      sampling: SamplingParams | None = None) -> AsyncIterator[Trajectory]:
         """Yield trajectories as they arrive from the server, each scored by `reward_fn` first."""
+        freeze_heap()  # this process parses every trajectory, as a Ray driver unpickles them (turnrl.rollout.ray)
         rows = list(rows)
         body = {"rows": rows, "n": n, "id_prefix": id_prefix, "sampling": sampling_to_json(sampling or self.sampling)}
         try:
