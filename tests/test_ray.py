@@ -219,6 +219,33 @@ def test_build_trainer_builds_the_ray_rollout_when_configured(cluster, tmp_path)
     assert [m["eval/tag"] for m in history if "eval/sampled_reward_mean" in m] == ["before", "after"]
 
 
+@pytest.mark.filterwarnings("ignore")  # ~17 s: two rollout workers and an engine actor start, then 3 async steps
+def test_async_training_with_two_rollout_workers_keeps_the_ledger_and_the_staleness_bound(cluster, tmp_path):
+    """`rollout.workers: 2` under `trainer.mode: async`: every admitted group trained exactly once (groups.jsonl),
+    each within `max_staleness` of the step that trained it, the trajectories' versions in order."""
+    from turnrl.build import build_trainer
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in latency_rows(8, LatencyDraw(mean_s=0.01, seed=4))))
+    cfg = TrainConfig(model=MODEL, train_data=str(data), output_dir=str(tmp_path / "run"), prompts_per_step=2,
+                      steps=3, seed=3, rollout=ENV_CFG.model_copy(update={"n": 2, "workers": 2}),
+                      engine=EngineConfig(max_batch_size=4), trainer={"mode": "async", "max_staleness": 1})
+    trainer, stack = build_trainer(cfg)
+    try:
+        assert isinstance(trainer.rollout, RayRollout) and len(trainer.rollout.workers) == 2
+        history = asyncio.run(trainer.train())
+    finally:
+        stack.close()
+    steps = [m for m in history if "async/staleness_max" in m]
+    assert len(steps) == 3 and all(m["async/staleness_max"] <= 1 for m in steps)
+    assert all(m["async/lost"] == 0.0 for m in steps)
+    assert {k for m in steps for k in m if k.startswith("rollout/worker1/")}  # per-worker metrics
+    ledger = [json.loads(line) for line in (tmp_path / "run" / "groups.jsonl").read_text().splitlines()]
+    assert sorted(g["index"] for g in ledger) == list(range(6))  # 3 steps x 2 groups, each trained once
+    for g in ledger:
+        assert g["admitted_version"] <= g["oldest_version"] and g["step"] - 1 - g["oldest_version"] <= 1
+
+
 @pytest.mark.slow  # ~65 s here: two trainer actors, an engine actor and a rollout worker start (torch each)
 @pytest.mark.filterwarnings("ignore")
 def test_trainer_launcher_ray_trains_on_two_actor_ranks(cluster, tmp_path):
