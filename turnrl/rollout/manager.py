@@ -64,8 +64,8 @@ _DEFAULT_GC_THRESHOLDS = (700, 10, 10)
 
 def relax_gc_thresholds() -> None:
     """Once per process, with `freeze_heap`: collect less often. A turn allocates ~50 small containers (records,
-    segments, messages, coroutines), so with CPython's defaults a rollout process ran a young collection every ~15
-    turns, and every tenth of those a middle one over all trajectories in flight: ~15-20% of the rollout's time at
+    segments, messages, coroutines), so with CPython's defaults a rollout process ran a young collection every ~16
+    turns, a middle one every ~180 and full ones over every trajectory in flight: ~15-20% of the rollout's time at
     2,000 in flight (docs/rollout.md). Unreachable cycles then wait for 50,000 allocations (milliseconds at this
     rate) instead of 700; memory freed by reference counting, most of it, is freed at once as always. Only
     CPython's defaults are replaced (a process that set its own keeps them); TURNRL_GC_THRESHOLD="a,b,c" sets
