@@ -244,6 +244,11 @@ def test_async_training_with_two_rollout_workers_keeps_the_ledger_and_the_stalen
     assert sorted(g["index"] for g in ledger) == list(range(6))  # 3 steps x 2 groups, each trained once
     for g in ledger:
         assert g["admitted_version"] <= g["oldest_version"] and g["step"] - 1 - g["oldest_version"] <= 1
+    last = (tmp_path / "run" / "trajectories" / "last_step.jsonl").read_text().splitlines()
+    assert len(last) == 4  # the last step's 2 groups x 2 samples, sampled by the workers
+    for line in last:
+        versions = [s.policy_version for s in Trajectory.from_json(json.loads(line)).segments if s.source == "model"]
+        assert versions == sorted(versions) and max(versions) <= 2
 
 
 @pytest.mark.slow  # ~65 s here: two trainer actors, an engine actor and a rollout worker start (torch each)

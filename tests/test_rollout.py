@@ -619,5 +619,10 @@ def test_a_rollout_process_relaxes_cpythons_default_gc_thresholds_and_keeps_its_
             with pytest.raises(ValueError, match=f"TURNRL_GC_THRESHOLD must be three positive integers.*{bad!r}"):
                 manager_module.relax_gc_thresholds()
         assert gc.get_threshold() == (700, 10, 10)
+        monkeypatch.setattr(manager_module, "_heap_frozen", False)
+        for _ in range(2):  # through freeze_heap: every rollout that starts fails with the name, not only the first
+            with pytest.raises(ValueError, match="TURNRL_GC_THRESHOLD"):
+                manager_module.freeze_heap()
+        assert not manager_module._heap_frozen
     finally:
         gc.set_threshold(*saved)

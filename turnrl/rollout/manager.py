@@ -45,15 +45,15 @@ def freeze_heap() -> None:
     start-up), so the full collections that thousands of trajectories in flight trigger scan only what rollouts
     allocate, not the whole start-up heap (a third of the rollout's time at 10,000 in flight: docs/rollout.md).
     Those objects are then never collected as cyclic garbage (freed by reference counting as always).
-    TURNRL_GC_FREEZE=0 turns the freeze off. Then `relax_gc_thresholds`."""
+    TURNRL_GC_FREEZE=0 turns the freeze off; `relax_gc_thresholds` runs with it."""
     global _heap_frozen
     if _heap_frozen:
         return
-    _heap_frozen = True
+    relax_gc_thresholds()  # first: a malformed TURNRL_GC_THRESHOLD fails every rollout that starts, not only one
     if os.environ.get("TURNRL_GC_FREEZE", "1") != "0":
         gc.collect()
         gc.freeze()
-    relax_gc_thresholds()
+    _heap_frozen = True
 
 
 GC_THRESHOLDS = (50_000, 20, 20)
